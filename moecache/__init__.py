@@ -1,0 +1,1 @@
+"""moecache: a per-layer GPU cache of MoE experts for llama.cpp."""
