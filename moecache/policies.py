@@ -1,0 +1,305 @@
+"""Eviction/admission policies for the per-layer expert cache (see docs/policies.md).
+
+The engine (moecache.engine.CacheEngine) owns slots and the one-step publication delay; a
+policy only ranks experts. Interface, all arrays indexed by the engine's layer index:
+
+    bind(n_layers, n_expert, n_slots)          allocate state; called once by the engine
+    observe(step, ids, hit_mask, used)         the step's selections: ids (L, n) int, -1 =
+                                               none; hit_mask like ids; used (L, E) bool
+    priority(step, layers, experts) -> float   same shape as experts (layers broadcast along
+                                               axis 0); the LOWEST evictable resident goes
+    inserted(step, layers, experts, prefetch)  uploads just issued (1-d arrays)
+    evicted(step, layers, experts)             victims just unpublished (1-d arrays)
+
+Optional, looked up once by the engine:
+
+    admit(step, layers, experts) -> float      worth of a missed (or predicted) expert in
+                                               priority units: it is uploaded only into a free
+                                               slot or over a victim of strictly lower
+                                               priority; -inf refuses. Also orders the misses
+                                               when more than INSERTS compete (else rank order)
+    choose_victims(step, layer, candidates, n) queue-based policies: up to n experts to evict
+                                               from `candidates` (evictable residents)
+    predict(step) -> (L, p) int, -1 padded     experts to prefetch, best first, uploaded with
+                                               the INSERTS budget the misses left over
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable
+
+import numpy as np
+
+
+class Policy:
+    name = "policy"
+    offline_only = False
+
+    def bind(self, n_layers: int, n_expert: int, n_slots: int) -> None:
+        self.n_layers, self.n_expert, self.n_slots = n_layers, n_expert, n_slots
+
+    def observe(self, step, ids, hit_mask, used) -> None:
+        pass
+
+    def priority(self, step, layers, experts) -> np.ndarray:
+        raise NotImplementedError
+
+    def inserted(self, step, layers, experts, prefetch) -> None:
+        pass
+
+    def evicted(self, step, layers, experts) -> None:
+        pass
+
+
+class Lru(Policy):
+    """Evict the expert whose last use is oldest."""
+    name = "lru"
+
+    def bind(self, n_layers, n_expert, n_slots):
+        super().bind(n_layers, n_expert, n_slots)
+        self.last_use = np.zeros((n_layers, n_expert))
+
+    def observe(self, step, ids, hit_mask, used):
+        self.last_use[used] = step
+
+    def priority(self, step, layers, experts):
+        return self.last_use[layers[:, None], experts]
+
+
+class DecayedLfu(Policy):
+    """Evict the lowest exponentially decayed use count (half-life in steps). History
+    survives eviction. Counts are kept scaled by growth**step so that decaying is free: all
+    scores share the factor, so their order is the order of the decayed counts."""
+    name = "lfu"
+
+    def __init__(self, half_life: float = 32.0):
+        if half_life <= 0:
+            raise ValueError(f"half_life must be > 0, got {half_life}")
+        self.growth = 2.0 ** (1.0 / half_life)
+
+    def bind(self, n_layers, n_expert, n_slots):
+        super().bind(n_layers, n_expert, n_slots)
+        self.scaled = np.zeros((n_layers, n_expert))
+        self.origin = 0  # step whose weight is 1
+
+    def _weight(self, step):
+        if self.growth ** (step - self.origin) > 1e200:  # rebase before float overflow
+            self.scaled *= self.growth ** (self.origin - step)
+            self.origin = step
+        return self.growth ** (step - self.origin)
+
+    def observe(self, step, ids, hit_mask, used):
+        self.scaled[used] += self._weight(step)
+
+    def priority(self, step, layers, experts):
+        return self.scaled[layers[:, None], experts]
+
+
+class Gdsf(Policy):
+    """GreedyDual-Size-Frequency per layer: priority = floor at admission + uses since. The
+    floor rises to each victim's priority, so experts that stop being used age out. Size and
+    refetch cost are equal within a layer and eviction is per layer, so they drop out."""
+    name = "gdsf"
+
+    def bind(self, n_layers, n_expert, n_slots):
+        super().bind(n_layers, n_expert, n_slots)
+        self.floor = np.zeros(n_layers)
+        self.value = np.zeros((n_layers, n_expert))
+
+    def observe(self, step, ids, hit_mask, used):
+        self.value[used] += 1.0
+
+    def priority(self, step, layers, experts):
+        return self.value[layers[:, None], experts]
+
+    def inserted(self, step, layers, experts, prefetch):
+        self.value[layers, experts] = self.floor[layers] + (0.0 if prefetch else 1.0)
+
+    def evicted(self, step, layers, experts):
+        np.maximum.at(self.floor, layers, self.value[layers, experts])
+
+
+class RandomEviction(Policy):
+    """Evict a uniformly random evictable resident (seeded, reproducible)."""
+    name = "random"
+
+    def __init__(self, seed: int = 0):
+        self.rng = np.random.default_rng(seed)
+
+    def priority(self, step, layers, experts):
+        return self.rng.random(np.shape(experts))
+
+
+class Belady(Policy):
+    """Offline optimum (MIN) adapted to the engine's timing: evict the resident whose next use
+    is furthest away, admit a miss only if it is needed again before that victim. `future`
+    is the (T, L, n) sequence of observations the engine will see, in order."""
+    name = "belady"
+    offline_only = True
+
+    def __init__(self, future: np.ndarray):
+        self.future = np.asarray(future)
+        if self.future.ndim != 3:
+            raise ValueError(f"belady: future must be (steps, layers, n), got shape {self.future.shape}")
+
+    def bind(self, n_layers, n_expert, n_slots):
+        super().bind(n_layers, n_expert, n_slots)
+        T, L, n = self.future.shape
+        if L != n_layers:
+            raise ValueError(f"belady: future has {L} layers, the engine {n_layers}")
+        # Occurrence times of every key (layer * E + expert), ascending, each key's run
+        # followed by two +inf sentinels so "the use after next" is always readable.
+        t_idx, l_idx, _ = np.nonzero(self.future >= 0)
+        keys = l_idx * n_expert + self.future[self.future >= 0]
+        pairs = np.unique(keys.astype(np.int64) * (T + 1) + t_idx)
+        keys, times = pairs // (T + 1), pairs % (T + 1)
+        counts = np.bincount(keys, minlength=n_layers * n_expert) + 2
+        start = np.concatenate(([0], np.cumsum(counts)[:-1]))
+        self.times = np.full(counts.sum(), np.inf)
+        first_of_key = start[keys]
+        rank = np.arange(keys.size) - np.searchsorted(keys, keys)
+        self.times[first_of_key + rank] = times
+        self.cursor = start.copy()   # index of each key's next use
+        self.seen = 0                # observations consumed
+
+    def observe(self, step, ids, hit_mask, used):
+        if self.seen >= len(self.future) or not np.array_equal(ids, self.future[self.seen]):
+            raise ValueError(f"belady: observation {self.seen} differs from the future it was given")
+        self.cursor[np.flatnonzero(used.ravel())] += 1
+        self.seen += 1
+
+    def _next_use(self, layers, experts, after):
+        keys = layers * self.n_expert + experts
+        t = self.times[self.cursor[keys]]
+        # next use must be >= `after`; the cursor already points at >= self.seen
+        later = self.times[self.cursor[keys] + 1]
+        return np.where(t < after, later, t)
+
+    def priority(self, step, layers, experts):
+        # eviction unpublishes now, so losing the victim hurts from the next graph on
+        return -self._next_use(layers[:, None], experts, self.seen)
+
+    def admit(self, step, layers, experts):
+        # an upload issued now is usable one graph later
+        return -self._next_use(layers[:, None], experts, self.seen + 1)
+
+
+class Arc(Policy):
+    """Adaptive Replacement Cache (Megiddo & Modha, FAST'03) per layer: T1 holds experts seen
+    once recently, T2 those seen at least twice; ghost lists B1/B2 remember recent victims
+    and steer the target size p of T1. Queue-based, so victims are chosen per layer."""
+    name = "arc"
+
+    def bind(self, n_layers, n_expert, n_slots):
+        super().bind(n_layers, n_expert, n_slots)
+        self.t1 = [OrderedDict() for _ in range(n_layers)]  # LRU first
+        self.t2 = [OrderedDict() for _ in range(n_layers)]
+        self.b1 = [OrderedDict() for _ in range(n_layers)]
+        self.b2 = [OrderedDict() for _ in range(n_layers)]
+        self.p = [0.0] * n_layers
+
+    def observe(self, step, ids, hit_mask, used):
+        for layer, experts in enumerate(ids.tolist()):
+            t1, t2 = self.t1[layer], self.t2[layer]
+            for e in experts:
+                if e in t1:
+                    del t1[e]
+                    t2[e] = None
+                elif e in t2:
+                    t2.move_to_end(e)
+
+    def inserted(self, step, layers, experts, prefetch):
+        c = self.n_slots
+        for layer, e in zip(layers.tolist(), experts.tolist()):
+            b1, b2 = self.b1[layer], self.b2[layer]
+            if e in b1:
+                self.p[layer] = min(c, self.p[layer] + max(len(b2) / len(b1), 1.0))
+                del b1[e]
+                self.t2[layer][e] = None
+            elif e in b2:
+                self.p[layer] = max(0.0, self.p[layer] - max(len(b1) / len(b2), 1.0))
+                del b2[e]
+                self.t2[layer][e] = None
+            else:
+                self.t1[layer][e] = None
+
+    def evicted(self, step, layers, experts):
+        c = self.n_slots
+        for layer, e in zip(layers.tolist(), experts.tolist()):
+            if e in self.t1[layer]:
+                del self.t1[layer][e]
+                self.b1[layer][e] = None
+            else:
+                del self.t2[layer][e]
+                self.b2[layer][e] = None
+            b1, b2 = self.b1[layer], self.b2[layer]
+            while len(b1) > c:
+                b1.popitem(last=False)
+            while len(b1) + len(b2) > 2 * c and b2:
+                b2.popitem(last=False)
+
+    def choose_victims(self, step, layer, candidates, n):
+        allowed = set(candidates.tolist())
+        t1 = [e for e in self.t1[layer] if e in allowed]
+        t2 = [e for e in self.t2[layer] if e in allowed]
+        victims = []
+        size_t1 = len(self.t1[layer])
+        while len(victims) < n and (t1 or t2):
+            take_t1 = t1 and (size_t1 > self.p[layer] or not t2)
+            victims.append(t1.pop(0) if take_t1 else t2.pop(0))
+            size_t1 -= bool(take_t1)
+        return victims
+
+    def priority(self, step, layers, experts):
+        raise AssertionError("arc chooses victims per layer")
+
+
+class Sieve(Policy):
+    """SIEVE (Zhang et al., NSDI'24) per layer: a FIFO with a visited bit; the hand walks from
+    the oldest entry, clearing bits, and evicts the first unvisited expert. Hits only set a
+    bit (no queue move), which is what makes it cheap and scan-resistant."""
+    name = "sieve"
+
+    def bind(self, n_layers, n_expert, n_slots):
+        super().bind(n_layers, n_expert, n_slots)
+        self.visited = np.zeros((n_layers, n_expert), dtype=bool)
+        self.queue = [[] for _ in range(n_layers)]  # oldest first
+        self.hand = [0] * n_layers
+
+    def observe(self, step, ids, hit_mask, used):
+        self.visited |= used
+
+    def inserted(self, step, layers, experts, prefetch):
+        self.visited[layers, experts] = False
+        for layer, e in zip(layers.tolist(), experts.tolist()):
+            self.queue[layer].append(e)
+
+    def evicted(self, step, layers, experts):
+        for layer, e in zip(layers.tolist(), experts.tolist()):
+            queue = self.queue[layer]
+            i = queue.index(e)
+            del queue[i]
+            if i < self.hand[layer]:
+                self.hand[layer] -= 1
+
+    def choose_victims(self, step, layer, candidates, n):
+        allowed = set(candidates.tolist())
+        queue, visited = self.queue[layer], self.visited[layer]
+        victims, hand, looked = [], self.hand[layer], 0
+        # two passes suffice: the first clears every bit it passes
+        while len(victims) < n and looked < 2 * len(queue):
+            hand %= len(queue)
+            e = queue[hand]
+            if e in allowed and e not in victims:
+                if visited[e]:
+                    visited[e] = False
+                else:
+                    victims.append(e)
+            hand += 1
+            looked += 1
+        self.hand[layer] = hand
+        return victims
+
+    def priority(self, step, layers, experts):
+        raise AssertionError("sieve chooses victims per layer")
