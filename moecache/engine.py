@@ -33,6 +33,11 @@ COUNTERS = ("hits", "misses", "uploads", "evictions", "prefetch_uploads", "prefe
 _NO_JOBS = np.empty((0, 3), dtype=np.int32)
 
 
+def _jobs(layers, experts, slots):
+    """(n, 3) int32 rows of (layer, expert, slot), C-contiguous."""
+    return np.array((layers, experts, slots), dtype=np.int32).T.copy()
+
+
 @dataclass
 class StepPlan:
     """What the glue must do at one boundary. Job tables are (n, 3) int32 arrays of
@@ -74,10 +79,14 @@ class CacheEngine:
         self._in_flight = np.zeros((n_layers, n_slots), dtype=bool)
         self._prefetched = np.zeros((n_layers, n_expert), dtype=bool)         # prefetched, unused yet
         self._pinned = np.zeros((n_layers, n_expert), dtype=bool)
+        self._any_pinned = False
         self._pending = deque([_NO_JOBS] * publish_delay)
+        # with a one-step delay every upload is published before the next decisions
+        self._in_flight_possible = publish_delay > 1
         self._warm: list[np.ndarray] = []  # per-layer experts to upload at the next boundary
         self._rows = np.arange(n_layers)
         self._rows_col = self._rows[:, None]
+        self._key_base = self._rows_col * n_expert  # key = layer * n_expert + expert
         self.usage = np.zeros((n_layers, n_expert), dtype=np.int64)  # steps each expert was used in
         self.counters = {name: np.zeros(n_layers, dtype=np.int64) for name in COUNTERS}
         self.step_index = 0
@@ -92,6 +101,7 @@ class CacheEngine:
                                      f"n_slots - 1 = {n_slots - 1} leaves room for misses")
                 self._pinned[layer, experts] = True
             self._warm = [np.flatnonzero(row) for row in self._pinned]
+        self._any_pinned = bool(self._pinned.any())
 
     def _expert_list(self, experts, what):
         experts = np.unique(np.asarray(list(experts), dtype=np.int64))
@@ -122,22 +132,25 @@ class CacheEngine:
         t = self.step_index
         self.step_index += 1
         L = self.n_layers
-        hit_mask, used = None, None
+        hit_mask, used, valid = None, None, None
         hits = misses = np.zeros(L, dtype=np.int64)
         if ids is not None:
             ids = np.asarray(ids)
             if ids.ndim != 2 or ids.shape[0] != L or ids.dtype.kind not in "iu":
                 raise ValueError(f"ids must be an integer array ({L}, n_used), got {ids.dtype} {ids.shape}")
-            lowest, highest = (int(ids.min()), int(ids.max())) if ids.size else (0, 0)
-            if lowest < -1 or highest >= self.n_expert:
-                raise ValueError(f"expert ids must be in [-1, {self.n_expert}), got {lowest}..{highest}")
-            valid = ids >= 0 if lowest < 0 else None
-            hit_mask = self.expert_slot[self._rows_col, ids] >= 0
+            lowest = int(ids.min()) if ids.size else 0
+            if lowest < -1:
+                raise ValueError(f"expert ids must be in [-1, {self.n_expert}), got {lowest}")
+            try:  # numpy bounds-checks the gather: ids >= n_expert raise here
+                hit_mask = self.expert_slot[self._rows_col, ids] >= 0
+            except IndexError:
+                raise ValueError(f"expert ids must be in [-1, {self.n_expert}), got {int(ids.max())}") from None
             used = np.zeros((L, self.n_expert), dtype=bool)
-            if valid is None:
+            if lowest >= 0:
                 used[self._rows_col, ids] = True
                 looked_up = ids.shape[1]
             else:
+                valid = ids >= 0
                 hit_mask &= valid
                 used[np.nonzero(valid)[0], ids[valid]] = True
                 looked_up = valid.sum(axis=1)
@@ -156,27 +169,30 @@ class CacheEngine:
         if publish.size:
             l, e, s = publish.T
             self.expert_slot[l, e] = s
-            self._in_flight[l, s] = False
+            if self._in_flight_possible:
+                self._in_flight[l, s] = False
 
         evict_parts, upload_parts = [], []
         if self._warm:
             self._upload_warm(t, evict_parts, upload_parts)
-        budget = np.full(L, self.inserts if self.inserts is not None else self.n_slots)
+        budget = self.inserts if self.inserts is not None else self.n_slots
+        blocked = self._pinned if used is None else (used | self._pinned if self._any_pinned else used)
+        uploaded = np.empty(0, dtype=np.int64)
         if ids is not None:
             wanted = self._assigned[self._rows_col, ids] < 0
             if valid is not None:
                 wanted &= valid
-            if wanted.any():
-                if int(used.sum()) != int(wanted.size if valid is None else valid.sum()):
-                    wanted &= ~self._repeats(ids)
-                self._fill(t, ids, wanted, budget, used, False, evict_parts, upload_parts)
-        if self._predict is not None and budget.any():
+            if np.count_nonzero(used) != (wanted.size if valid is None else np.count_nonzero(valid)):
+                wanted &= ~self._repeats(ids)
+            uploaded = self._fill(t, ids, wanted, budget, blocked, False, evict_parts, upload_parts)
+        if self._predict is not None:
+            left = budget - np.bincount(uploaded, minlength=L)[:, None]
             predicted = np.asarray(self._predict(t))
-            if predicted.size:
+            if predicted.size and left.any():
                 wanted = predicted >= 0
                 wanted &= self._assigned[self._rows_col, np.maximum(predicted, 0)] < 0
                 wanted &= ~self._repeats(predicted)
-                self._fill(t, predicted, wanted, budget, used, True, evict_parts, upload_parts)
+                self._fill(t, predicted, wanted, left, blocked, True, evict_parts, upload_parts)
 
         evict = np.concatenate(evict_parts) if evict_parts else _NO_JOBS
         upload = np.concatenate(upload_parts) if upload_parts else _NO_JOBS
@@ -202,67 +218,79 @@ class CacheEngine:
         self._commit(t, np.concatenate(layers), np.concatenate(experts), np.concatenate(slots),
                      False, evict_parts, upload_parts)
 
-    def _fill(self, t, ids, wanted, budget, used, prefetch, evict_parts, upload_parts):
-        """Upload up to budget[layer] of the `wanted` ids of each row into free slots, then
-        over victims. Updates budget in place."""
+    def _fill(self, t, ids, wanted, budget, blocked, prefetch, evict_parts, upload_parts):
+        """Upload up to `budget` (a number, or (L, 1) per layer) of the `wanted` ids of each row
+        into free slots, then over victims; blocked (L, E) marks experts that must stay.
+        Returns the layer of every upload issued."""
+        # Candidates, best first per row: by admission worth if the policy has one, else
+        # router rank. Flattened to (layer, expert, position-in-row) lists.
         if self._admit is not None:
-            rows = np.flatnonzero(wanted.any(axis=1))
-            worth = np.full(ids.shape, -np.inf)
-            worth[rows] = np.where(wanted[rows], self._admit(t, rows, np.maximum(ids[rows], 0)), -np.inf)
-            wanted &= worth > -np.inf
+            worth = np.where(wanted, self._admit(t, ids + self._key_base), -np.inf)
             order = np.argsort(-worth, axis=1, kind="stable")
-        else:
-            order = np.argsort(~wanted, axis=1, kind="stable")  # rank order
-        n_want = np.minimum(wanted.sum(axis=1), budget)
-        rows = np.flatnonzero(n_want)
-        if rows.size == 0:
-            return
-        width = int(n_want[rows].max())
-        order = order[rows, :width]
-        candidates = ids[rows[:, None], order]                       # (R, width) best first
-        take = np.arange(width) < n_want[rows][:, None]
+            wanted = np.take_along_axis(wanted & (worth > -np.inf), order, axis=1)
+        position = np.cumsum(wanted, axis=1)
+        wanted &= position <= budget
+        cand_layer, cand_col = np.nonzero(wanted)
+        if cand_layer.size == 0:
+            return cand_layer
+        if self._admit is not None:
+            cand_col = order[cand_layer, cand_col]
+            cand_worth = worth[cand_layer, cand_col]
+        cand_expert = ids[cand_layer, cand_col]
+        cand_pos = position[wanted] - 1
 
-        # Slot ranking per row: free slots (-inf, lowest index first), evictable residents
-        # by policy priority, blocked slots (+inf) never.
+        n_want = np.bincount(cand_layer, minlength=self.n_layers)
+        rows = np.flatnonzero(n_want)
+        n_want = n_want[rows]
+        # Slot ranking per row: free slots -inf (lowest index first), evictable residents by
+        # policy priority, anything else +inf (never). Only rows short of free slots evict.
         held = self.slot_expert[rows]
-        occupied = held >= 0
-        held0 = np.maximum(held, 0)
-        n_free = (~occupied).sum(axis=1)
-        blocked = occupied & (self._in_flight[rows] | self._pinned[rows[:, None], held0])
-        if used is not None:
-            blocked |= occupied & used[rows[:, None], held0]
-        rank = np.where(occupied, np.inf, -np.inf)
-        short = n_want[rows] > n_free
-        if short.any() and not (prefetch and self._admit is None):  # prefetch without admit: free slots only
+        free = held < 0
+        short = n_want > free.sum(axis=1)
+        if short.any() and (self._admit is not None or not prefetch):  # prefetch w/o admit: free slots only
+            keys = held + (rows * self.n_expert)[:, None]  # junk where a slot is empty: masked
+            evictable = ~free & ~blocked.take(keys)
+            if self._in_flight_possible:
+                evictable &= ~self._in_flight[rows]
             if self._choose_victims is None:
-                evictable = occupied & ~blocked
-                rank = np.where(evictable, self.policy.priority(t, rows, held0), rank)
+                evictable_rank = np.where(evictable, self.policy.priority(t, keys), np.inf)
             else:
+                evictable_rank = np.full(held.shape, np.inf)
                 for r in np.flatnonzero(short):
                     layer = int(rows[r])
-                    movable = held[r][~blocked[r] & occupied[r]]
-                    need = int(n_want[rows[r]] - n_free[r])
-                    for order_pos, e in enumerate(self._choose_victims(t, layer, movable, need)):
-                        rank[r, self._assigned[layer, e]] = order_pos  # finite, in victim order
+                    want = int(n_want[r] - free[r].sum())
+                    for place, e in enumerate(self._choose_victims(t, layer, held[r][evictable[r]], want)):
+                        evictable_rank[r, self._assigned[layer, e]] = place  # finite, victim order
+            rank = np.where(free, -np.inf, evictable_rank)
+        else:
+            rank = np.where(free, -np.inf, np.inf)
+        width = int(n_want.max())
         if width <= 4:  # a few argmin passes beat a sort; ties go to the lowest slot
             chosen = np.empty((rows.size, width), dtype=np.int64)
-            work = rank.copy()
+            chosen_rank = np.empty((rows.size, width))
+            work = rank.copy() if width > 1 else rank
+            all_rows = np.arange(rows.size)
             for j in range(width):
-                chosen[:, j] = work.argmin(axis=1)
-                work[np.arange(rows.size), chosen[:, j]] = np.inf
+                pick = work.argmin(axis=1)
+                chosen[:, j] = pick
+                chosen_rank[:, j] = work[all_rows, pick]  # +inf once a row runs out of slots
+                if j + 1 < width:
+                    work[all_rows, pick] = np.inf
         else:
             chosen = np.argsort(rank, axis=1, kind="stable")[:, :width]
-        chosen_rank = np.take_along_axis(rank, chosen, axis=1)
-        ok = take & (chosen_rank < np.inf)
-        if self._admit is not None:
-            cand_worth = np.take_along_axis(worth[rows], order, axis=1)
-            ok &= (chosen_rank == -np.inf) | (cand_worth > chosen_rank)
-        ok = np.logical_and.accumulate(ok, axis=1)
-        r_idx, j_idx = np.nonzero(ok)
-        layers = rows[r_idx]
-        self._commit(t, layers, candidates[r_idx, j_idx], chosen[r_idx, j_idx], prefetch,
-                     evict_parts, upload_parts)
-        budget -= np.bincount(layers, minlength=self.n_layers)
+            chosen_rank = np.take_along_axis(rank, chosen, axis=1)
+
+        # Row r's j-th candidate takes its j-th slot. Slot ranks ascend along j and worth
+        # descends, so the accepted candidates of a row are always a prefix.
+        cand_row = np.searchsorted(rows, cand_layer)
+        cand_slot = chosen[cand_row, cand_pos]
+        slot_rank = chosen_rank[cand_row, cand_pos]
+        ok = slot_rank < np.inf
+        if self._admit is not None:  # over a victim only if strictly worth more
+            ok &= (slot_rank == -np.inf) | (cand_worth > slot_rank)
+        uploaded = cand_layer[ok]
+        self._commit(t, uploaded, cand_expert[ok], cand_slot[ok], prefetch, evict_parts, upload_parts)
+        return uploaded
 
     def _commit(self, t, layers, experts, slots, prefetch, evict_parts, upload_parts):
         if layers.size == 0:
@@ -275,21 +303,22 @@ class CacheEngine:
             self.expert_slot[vl, ve] = -1
             self._assigned[vl, ve] = -1
             self.counters["evictions"] += np.bincount(vl, minlength=L)
-            wasted = self._prefetched[vl, ve]
-            if wasted.any():
+            if self._predict is not None:
+                wasted = self._prefetched[vl, ve]
                 self.counters["prefetch_waste"] += np.bincount(vl[wasted], minlength=L)
                 self._prefetched[vl, ve] = False
             self.policy.evicted(t, vl, ve)
-            evict_parts.append(np.stack((vl, ve, vs), axis=1).astype(np.int32))
+            evict_parts.append(_jobs(vl, ve, vs))
         self.slot_expert[layers, slots] = experts
         self._assigned[layers, experts] = slots
-        self._in_flight[layers, slots] = True
+        if self._in_flight_possible:
+            self._in_flight[layers, slots] = True
         self.counters["uploads"] += np.bincount(layers, minlength=L)
         if prefetch:
             self._prefetched[layers, experts] = True
             self.counters["prefetch_uploads"] += np.bincount(layers, minlength=L)
         self.policy.inserted(t, layers, experts, prefetch)
-        upload_parts.append(np.stack((layers, experts, slots), axis=1).astype(np.int32))
+        upload_parts.append(_jobs(layers, experts, slots))
 
     # --- reporting ----------------------------------------------------------------------
 

@@ -6,14 +6,15 @@ policy only ranks experts. Interface, all arrays indexed by the engine's layer i
     bind(n_layers, n_expert, n_slots)          allocate state; called once by the engine
     observe(step, ids, hit_mask, used)         the step's selections: ids (L, n) int, -1 =
                                                none; hit_mask like ids; used (L, E) bool
-    priority(step, layers, experts) -> float   same shape as experts (layers broadcast along
-                                               axis 0); the LOWEST evictable resident goes
+    priority(step, keys) -> float              keys = layer * n_expert + expert, any shape
+                                               (junk where a slot is empty: ignored); the
+                                               LOWEST evictable resident is evicted
     inserted(step, layers, experts, prefetch)  uploads just issued (1-d arrays)
     evicted(step, layers, experts)             victims just unpublished (1-d arrays)
 
 Optional, looked up once by the engine:
 
-    admit(step, layers, experts) -> float      worth of a missed (or predicted) expert in
+    admit(step, keys) -> float                 worth of a missed (or predicted) expert in
                                                priority units: it is uploaded only into a free
                                                slot or over a victim of strictly lower
                                                priority; -inf refuses. Also orders the misses
@@ -42,7 +43,7 @@ class Policy:
     def observe(self, step, ids, hit_mask, used) -> None:
         pass
 
-    def priority(self, step, layers, experts) -> np.ndarray:
+    def priority(self, step, keys) -> np.ndarray:
         raise NotImplementedError
 
     def inserted(self, step, layers, experts, prefetch) -> None:
@@ -63,8 +64,8 @@ class Lru(Policy):
     def observe(self, step, ids, hit_mask, used):
         self.last_use[used] = step
 
-    def priority(self, step, layers, experts):
-        return self.last_use[layers[:, None], experts]
+    def priority(self, step, keys):
+        return self.last_use.take(keys)
 
 
 class DecayedLfu(Policy):
@@ -92,8 +93,8 @@ class DecayedLfu(Policy):
     def observe(self, step, ids, hit_mask, used):
         self.scaled[used] += self._weight(step)
 
-    def priority(self, step, layers, experts):
-        return self.scaled[layers[:, None], experts]
+    def priority(self, step, keys):
+        return self.scaled.take(keys)
 
 
 class Gdsf(Policy):
@@ -110,8 +111,8 @@ class Gdsf(Policy):
     def observe(self, step, ids, hit_mask, used):
         self.value[used] += 1.0
 
-    def priority(self, step, layers, experts):
-        return self.value[layers[:, None], experts]
+    def priority(self, step, keys):
+        return self.value.take(keys)
 
     def inserted(self, step, layers, experts, prefetch):
         self.value[layers, experts] = self.floor[layers] + (0.0 if prefetch else 1.0)
@@ -127,8 +128,8 @@ class RandomEviction(Policy):
     def __init__(self, seed: int = 0):
         self.rng = np.random.default_rng(seed)
 
-    def priority(self, step, layers, experts):
-        return self.rng.random(np.shape(experts))
+    def priority(self, step, keys):
+        return self.rng.random(np.shape(keys))
 
 
 class Belady(Policy):
@@ -169,20 +170,19 @@ class Belady(Policy):
         self.cursor[np.flatnonzero(used.ravel())] += 1
         self.seen += 1
 
-    def _next_use(self, layers, experts, after):
-        keys = layers * self.n_expert + experts
+    def _next_use(self, keys, after):
         t = self.times[self.cursor[keys]]
         # next use must be >= `after`; the cursor already points at >= self.seen
         later = self.times[self.cursor[keys] + 1]
         return np.where(t < after, later, t)
 
-    def priority(self, step, layers, experts):
+    def priority(self, step, keys):
         # eviction unpublishes now, so losing the victim hurts from the next graph on
-        return -self._next_use(layers[:, None], experts, self.seen)
+        return -self._next_use(keys, self.seen)
 
-    def admit(self, step, layers, experts):
+    def admit(self, step, keys):
         # an upload issued now is usable one graph later
-        return -self._next_use(layers[:, None], experts, self.seen + 1)
+        return -self._next_use(keys, self.seen + 1)
 
 
 class Arc(Policy):
@@ -251,7 +251,7 @@ class Arc(Policy):
             size_t1 -= bool(take_t1)
         return victims
 
-    def priority(self, step, layers, experts):
+    def priority(self, step, keys):
         raise AssertionError("arc chooses victims per layer")
 
 
@@ -301,5 +301,28 @@ class Sieve(Policy):
         self.hand[layer] = hand
         return victims
 
-    def priority(self, step, layers, experts):
+    def priority(self, step, keys):
         raise AssertionError("sieve chooses victims per layer")
+
+
+POLICIES: dict[str, Callable[..., Policy]] = {
+    "lru": Lru,
+    "lfu": DecayedLfu,
+    "gdsf": Gdsf,
+    "random": RandomEviction,
+    "belady": Belady,
+    "arc": Arc,
+    "sieve": Sieve,
+}
+DEFAULT_POLICY = "lru"
+
+
+def make_policy(name: str, **kwargs) -> Policy:
+    """Build a policy by registry name ("default" is DEFAULT_POLICY). Belady needs future=."""
+    if name == "default":
+        name = DEFAULT_POLICY
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; valid: {', '.join(['default', *POLICIES])}")
+    if POLICIES[name] is Belady and "future" not in kwargs:
+        raise ValueError("policy 'belady' needs the future routing: offline replay only")
+    return POLICIES[name](**kwargs)

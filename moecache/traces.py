@@ -361,3 +361,27 @@ class TraceWriter:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def synthetic_routing(n_steps: int, n_layers: int, n_expert: int, k: int, *, skew: float = 1.0,
+                      stickiness: float = 1.5, drift: float = 0.05, seed: int = 0) -> np.ndarray:
+    """Random routing with the locality real decode shows, as (n_steps, n_layers, k) int32.
+
+    Each layer draws its top-k by Gumbel-top-k over log-popularities: a Zipf(skew) profile in
+    a random order, random-walking by `drift` per step, plus `stickiness` for the experts the
+    previous step chose (consecutive tokens share experts). skew=0, stickiness=0 is uniform.
+    """
+    rng = np.random.default_rng(seed)
+    zipf = -skew * np.log(np.arange(1, n_expert + 1))
+    log_pop = np.stack([rng.permutation(zipf) for _ in range(n_layers)])
+    out = np.empty((n_steps, n_layers, k), dtype=np.int32)
+    previous = np.zeros((n_layers, n_expert))
+    rows = np.arange(n_layers)[:, None]
+    for t in range(n_steps):
+        log_pop += drift * rng.standard_normal(log_pop.shape)
+        score = log_pop + previous + rng.gumbel(size=log_pop.shape)
+        top = np.argpartition(-score, k - 1, axis=1)[:, :k]
+        out[t] = np.take_along_axis(top, np.argsort(-score[rows, top], axis=1), axis=1)
+        previous = np.zeros_like(previous)
+        previous[rows, top] = stickiness
+    return out

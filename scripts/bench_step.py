@@ -1,0 +1,46 @@
+"""Time CacheEngine.step() on synthetic decode routing with locality.
+
+    python scripts/bench_step.py [--layers 48 --experts 128 --top-k 8 --slots 64 --inserts 2
+                                  --policy lru --steps 2000]
+"""
+
+import argparse
+import time
+
+import numpy as np
+
+from moecache.engine import CacheEngine
+from moecache.policies import make_policy
+from moecache.traces import synthetic_routing
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--slots", type=int, default=64)
+    ap.add_argument("--inserts", type=int, default=2)
+    ap.add_argument("--policy", default="lru", help="comma separated policy names")
+    ap.add_argument("--steps", type=int, default=2000)
+    args = ap.parse_args()
+
+    routing = synthetic_routing(args.steps, args.layers, args.experts, args.top_k, seed=1)
+    print(f"{args.layers} layers x top-{args.top_k}, {args.experts} experts, K={args.slots}, "
+          f"inserts={args.inserts}, {args.steps} steps")
+    for name in args.policy.split(","):
+        engine = CacheEngine(args.layers, args.experts, args.slots, make_policy(name),
+                             inserts=args.inserts)
+        engine.step(None)
+        times = np.empty(args.steps)
+        for t, ids in enumerate(routing):
+            start = time.perf_counter()
+            engine.step(ids)
+            times[t] = time.perf_counter() - start
+        times = times[args.steps // 10:] * 1e6  # skip the cold-start fill
+        print(f"{name:>8}: step() median {np.median(times):6.1f} us  min {times.min():6.1f}  "
+              f"max {times.max():7.1f}  hit {engine.stats()['hit_pct']:.1f}%")
+
+
+if __name__ == "__main__":
+    main()
