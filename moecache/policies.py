@@ -97,6 +97,22 @@ class DecayedLfu(Policy):
         return self.scaled.take(keys)
 
 
+class Heat(DecayedLfu):
+    """The shipped default: decayed frequency ("heat", half-life 16 steps) for eviction, plus
+    admission by comparison. A miss is uploaded only into a free slot or over a victim whose
+    heat is strictly lower, and competing misses go hottest first. Routing in decode is
+    popularity-dominated (an expert's past use count predicts its next use better than its
+    recency), so a one-off expert must not push out a popular one; the short half-life lets
+    the estimate follow topic drift. One parameter, not tuned per model."""
+    name = "heat"
+
+    def __init__(self, half_life: float = 16.0):
+        super().__init__(half_life)
+
+    def admit(self, step, keys):
+        return self.scaled.take(keys)
+
+
 class Gdsf(Policy):
     """GreedyDual-Size-Frequency per layer: priority = floor at admission + uses since. The
     floor rises to each victim's priority, so experts that stop being used age out. Size and
@@ -313,8 +329,9 @@ POLICIES: dict[str, Callable[..., Policy]] = {
     "belady": Belady,
     "arc": Arc,
     "sieve": Sieve,
+    "heat": Heat,
 }
-DEFAULT_POLICY = "lru"
+DEFAULT_POLICY = "heat"
 
 
 def make_policy(name: str, **kwargs) -> Policy:

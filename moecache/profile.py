@@ -1,0 +1,110 @@
+"""Per-layer expert usage profiles: saved at exit, loaded at start to warm the cache.
+
+A profile counts, per cached layer, the decode steps each expert was used in. At start the
+glue loads it and calls engine.preload(profile.top(n_slots)), so the most used experts are
+uploaded at the first boundary instead of being missed one INSERTS batch at a time.
+
+File: JSON {"format": "moecache-profile", "version": 1, "model": str, "n_expert": E,
+"layers": [model layer numbers], "counts": [[E ints] per layer]}, written atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+FORMAT, VERSION = "moecache-profile", 1
+
+
+class ProfileError(ValueError):
+    """A profile that cannot be used; the message is one line naming the file."""
+
+
+class UsageProfile:
+    def __init__(self, model: str, layers, counts):
+        """counts: (len(layers), n_expert), e.g. CacheEngine.usage."""
+        self.model = model
+        self.layers = [int(l) for l in layers]
+        self.counts = np.array(counts, dtype=np.int64)
+        if self.counts.ndim != 2 or self.counts.shape[0] != len(self.layers):
+            raise ValueError(f"counts must be (len(layers)={len(self.layers)}, n_expert), "
+                             f"got shape {self.counts.shape}")
+        if (self.counts < 0).any():
+            raise ValueError("counts must be >= 0")
+
+    @property
+    def n_expert(self) -> int:
+        return self.counts.shape[1]
+
+    @classmethod
+    def from_ids(cls, model, layers, n_expert, ids) -> "UsageProfile":
+        """From routing (steps, n_layers, n) with -1 for no selection; counts steps used in."""
+        ids = np.asarray(ids)
+        counts = np.zeros((ids.shape[1], n_expert), dtype=np.int64)
+        for step_ids in ids:
+            used = np.zeros_like(counts, dtype=bool)
+            rows, cols = np.nonzero(step_ids >= 0)
+            used[rows, step_ids[rows, cols]] = True
+            counts += used
+        return cls(model, layers, counts)
+
+    def merged(self, other: "UsageProfile") -> "UsageProfile":
+        """Counts of both runs, for profiles accumulated over sessions."""
+        self.check_shape(other.layers, other.n_expert, what="the other profile")
+        return UsageProfile(self.model, self.layers, self.counts + other.counts)
+
+    def top(self, n: int) -> list[np.ndarray]:
+        """Per layer, up to n used experts, most used first (ties: lower id first)."""
+        order = np.argsort(-self.counts, axis=1, kind="stable")[:, :n]
+        return [row[self.counts[li, row] > 0] for li, row in enumerate(order)]
+
+    def check_shape(self, layers, n_expert, *, what="this model", path="profile"):
+        layers = [int(l) for l in layers]
+        if layers != self.layers or n_expert != self.n_expert:
+            raise ProfileError(f"{path}: profile covers {len(self.layers)} layers x {self.n_expert} "
+                               f"experts (layers {_span(self.layers)}), {what} has {len(layers)} x "
+                               f"{n_expert} (layers {_span(layers)})")
+
+    def save(self, path: str) -> None:
+        data = {"format": FORMAT, "version": VERSION, "model": self.model,
+                "n_expert": self.n_expert, "layers": self.layers, "counts": self.counts.tolist()}
+        tmp = f"{path}.tmp.{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(data, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str, *, layers=None, n_expert=None) -> "UsageProfile":
+        """Load and, when layers/n_expert are given, check it fits the running model."""
+        try:
+            with open(path, "r", encoding="utf-8") as f:
+                data = json.load(f)
+        except OSError as e:
+            raise ProfileError(f"{path}: {e.strerror}") from None
+        except json.JSONDecodeError as e:
+            raise ProfileError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise ProfileError(f"{path}: not a {FORMAT} file")
+        if data.get("version") != VERSION:
+            raise ProfileError(f"{path}: profile version {data.get('version')!r}, expected {VERSION}")
+        try:
+            profile = cls(str(data["model"]), data["layers"], data["counts"])
+        except KeyError as e:
+            raise ProfileError(f"{path}: missing field {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:
+            raise ProfileError(f"{path}: malformed counts ({e})") from None
+        if profile.n_expert != data.get("n_expert"):
+            raise ProfileError(f"{path}: n_expert={data.get('n_expert')!r} but counts rows have "
+                               f"{profile.n_expert} entries")
+        if layers is not None or n_expert is not None:
+            profile.check_shape(profile.layers if layers is None else layers,
+                                profile.n_expert if n_expert is None else n_expert, path=path)
+        return profile
+
+
+def _span(layers):
+    return f"{layers[0]}..{layers[-1]}" if layers else "none"
