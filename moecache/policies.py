@@ -155,28 +155,29 @@ class Belady(Policy):
     name = "belady"
     offline_only = True
 
-    def __init__(self, future: np.ndarray):
-        self.future = np.asarray(future)
-        if self.future.ndim != 3:
-            raise ValueError(f"belady: future must be (steps, layers, n), got shape {self.future.shape}")
+    def __init__(self, future):
+        self.future = [np.asarray(ids) for ids in future]  # one (L, n) array per observation
+        if any(ids.ndim != 2 for ids in self.future):
+            raise ValueError("belady: future must be a sequence of (layers, n) arrays")
 
     def bind(self, n_layers, n_expert, n_slots):
         super().bind(n_layers, n_expert, n_slots)
-        T, L, n = self.future.shape
-        if L != n_layers:
-            raise ValueError(f"belady: future has {L} layers, the engine {n_layers}")
+        if any(ids.shape[0] != n_layers for ids in self.future):
+            raise ValueError(f"belady: future layer count differs from the engine's {n_layers}")
         # Occurrence times of every key (layer * E + expert), ascending, each key's run
         # followed by two +inf sentinels so "the use after next" is always readable.
-        t_idx, l_idx, _ = np.nonzero(self.future >= 0)
-        keys = l_idx * n_expert + self.future[self.future >= 0]
-        pairs = np.unique(keys.astype(np.int64) * (T + 1) + t_idx)
+        T = len(self.future)
+        per_step = []
+        for t, ids in enumerate(self.future):
+            rows, cols = np.nonzero(ids >= 0)
+            per_step.append(np.unique(rows * n_expert + ids[rows, cols]) * (T + 1) + t)
+        pairs = np.sort(np.concatenate(per_step)) if per_step else np.empty(0, dtype=np.int64)
         keys, times = pairs // (T + 1), pairs % (T + 1)
         counts = np.bincount(keys, minlength=n_layers * n_expert) + 2
         start = np.concatenate(([0], np.cumsum(counts)[:-1]))
         self.times = np.full(counts.sum(), np.inf)
-        first_of_key = start[keys]
         rank = np.arange(keys.size) - np.searchsorted(keys, keys)
-        self.times[first_of_key + rank] = times
+        self.times[start[keys] + rank] = times
         self.cursor = start.copy()   # index of each key's next use
         self.seen = 0                # observations consumed
 

@@ -1,0 +1,272 @@
+import numpy as np
+import pytest
+
+from moecache.engine import CacheEngine
+from moecache.policies import Lru, Policy, make_policy
+from moecache.traces import synthetic_routing
+
+
+class ReferenceLru:
+    """The per-layer LRU cache model written out plainly, one layer and one expert at a time:
+    hits against what was published during the observed graph, publication one boundary
+    after the upload, at most `inserts` uploads per layer in router-rank order, free slots
+    first (lowest index), victims by (last use, slot), never an expert of the observed step."""
+
+    def __init__(self, n_layers, n_slots, inserts):
+        self.n_slots, self.inserts = n_slots, inserts
+        self.slots = [[None] * n_slots for _ in range(n_layers)]
+        self.published = [set() for _ in range(n_layers)]
+        self.pending = []
+        self.last_use = [{} for _ in range(n_layers)]
+
+    def step(self, t, ids):
+        hits = []
+        for layer, row in enumerate(ids):
+            hits.append([e in self.published[layer] for e in row])
+            for e in row:
+                self.last_use[layer][e] = t
+        for layer, e in self.pending:
+            self.published[layer].add(e)
+        self.pending = []
+        for layer, row in enumerate(ids):
+            slots = self.slots[layer]
+            misses = []
+            for e in row:
+                if e not in slots and e not in misses:
+                    misses.append(e)
+            if self.inserts is not None:
+                misses = misses[:self.inserts]
+            for e in misses:
+                if None in slots:
+                    slot = slots.index(None)
+                else:
+                    candidates = [(self.last_use[layer].get(old, 0), s) for s, old in enumerate(slots)
+                                  if old not in row]
+                    if not candidates:
+                        break
+                    _, slot = min(candidates)
+                    self.published[layer].discard(slots[slot])
+                slots[slot] = e
+                self.pending.append((layer, e))
+        return hits
+
+
+def check_invariants(engine, plan, ids, inserts, pinned=None):
+    L, E = engine.expert_slot.shape
+    # every published expert has its slot, and that slot holds it
+    for layer in range(L):
+        for e in np.flatnonzero(engine.expert_slot[layer] >= 0):
+            assert engine.slot_expert[layer, engine.expert_slot[layer, e]] == e
+        held = engine.slot_expert[layer][engine.slot_expert[layer] >= 0]
+        assert len(set(held.tolist())) == held.size  # no expert in two slots
+    # a slot is only reused after its old expert's table entry is cleared in the same plan
+    evicted = {(l, s): e for l, e, s in plan.evict.tolist()}
+    for l, e, s in plan.upload.tolist():
+        assert engine.expert_slot[l, e] == -1             # not visible until published
+        assert not (engine.expert_slot[l] == s).any()     # no table entry points at the slot
+    uploads = np.bincount(plan.upload[:, 0], minlength=L) if plan.upload.size else np.zeros(L)
+    if inserts is not None and ids is not None:
+        assert uploads.max() <= max(inserts, 0)
+    if ids is not None:
+        for l, e, s in plan.evict.tolist():
+            assert e not in ids[l].tolist()                # the observed step's experts stay
+            assert (l, s) in {(ul, us) for ul, _, us in plan.upload.tolist()}
+            if pinned is not None:
+                assert e not in pinned[l]
+    return evicted
+
+
+@pytest.mark.parametrize("inserts", [1, 2, None])
+@pytest.mark.parametrize("n_slots", [3, 6, 12])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_lru_engine_equals_brute_force_reference(inserts, n_slots, seed):
+    L, E, k = 4, 24, 3
+    routing = synthetic_routing(120, L, E, k, seed=seed, stickiness=1.0)
+    engine = CacheEngine(L, E, n_slots, Lru(), inserts=inserts)
+    reference = ReferenceLru(L, n_slots, inserts)
+    engine.step(None)
+    for t, ids in enumerate(routing, start=1):
+        plan = engine.step(ids)
+        expected = reference.step(t, ids.tolist())
+        assert plan.hit_mask.tolist() == expected, f"step {t}"
+        check_invariants(engine, plan, ids, inserts)
+        for layer in range(L):
+            assert engine.slot_expert[layer].tolist() == [-1 if e is None else e
+                                                           for e in reference.slots[layer]]
+
+
+def test_miss_is_usable_two_graphs_later():
+    engine = CacheEngine(1, 8, 4, Lru(), inserts=2)
+    engine.step(None)                               # boundary 0, graph 0 runs
+    plan = engine.step(np.array([[5, 6]]))          # boundary 1 observes graph 0: misses
+    assert plan.hit_mask.tolist() == [[False, False]]
+    assert plan.upload.tolist() == [[0, 5, 0], [0, 6, 1]] and plan.publish.size == 0
+    assert engine.expert_slot[0, 5] == -1           # in flight during graph 1
+    plan = engine.step(np.array([[5, 6]]))          # graph 1 still missed them
+    assert plan.hit_mask.tolist() == [[False, False]]
+    assert plan.upload.size == 0                    # already on the way: no second upload
+    assert plan.publish.tolist() == [[0, 5, 0], [0, 6, 1]]
+    assert engine.expert_slot[0, 5] == 0
+    plan = engine.step(np.array([[5, 6]]))          # graph 2 hits
+    assert plan.hit_mask.tolist() == [[True, True]]
+    assert plan.hits.tolist() == [2] and plan.misses.tolist() == [0]
+
+
+def test_eviction_unpublishes_before_reuse_and_spares_the_observed_step():
+    engine = CacheEngine(1, 8, 2, Lru(), inserts=2)
+    engine.step(None)
+    engine.step(np.array([[0, 1]]))                 # uploads 0, 1
+    plan = engine.step(np.array([[2, 3]]))          # 0, 1 published, unused in graph 1: victims
+    assert plan.publish[:, 1].tolist() == [0, 1]
+    assert plan.evict.tolist() == [[0, 0, 0], [0, 1, 1]]
+    assert engine.expert_slot[0, 0] == -1 and engine.expert_slot[0, 1] == -1
+    assert plan.upload.tolist() == [[0, 2, 0], [0, 3, 1]]
+    plan = engine.step(np.array([[2, 4]]))          # 2 was used: only 3 may go
+    assert plan.evict.tolist() == [[0, 3, 1]]
+    assert plan.upload.tolist() == [[0, 4, 1]]
+
+
+def test_nothing_evictable_means_no_upload():
+    engine = CacheEngine(1, 8, 2, Lru(), inserts=2)
+    engine.step(None)
+    engine.step(np.array([[0, 1]]))
+    engine.step(np.array([[0, 1]]))     # both published
+    plan = engine.step(np.array([[0, 1, 2]]))  # 0 and 1 protected: 2 cannot get a slot
+    assert plan.upload.size == 0 and plan.evict.size == 0
+
+
+def test_publish_delay_two_keeps_in_flight_slots_from_victims():
+    engine = CacheEngine(1, 16, 2, Lru(), inserts=2, publish_delay=2)
+    engine.step(None)
+    plan = engine.step(np.array([[0, 1]]))
+    assert plan.upload[:, 1].tolist() == [0, 1]
+    plan = engine.step(np.array([[2, 3]]))  # both slots in flight: nothing to evict
+    assert plan.upload.size == 0 and plan.publish.size == 0
+    plan = engine.step(np.array([[2, 3]]))
+    assert plan.publish[:, 1].tolist() == [0, 1]
+    assert plan.upload[:, 1].tolist() == [2, 3]
+
+
+def test_preload_ignores_inserts_and_publishes_next_boundary():
+    engine = CacheEngine(2, 16, 4, Lru(), inserts=1)
+    engine.preload([[3, 4, 5, 6, 7], [9]])
+    plan = engine.step(None)
+    assert sorted(plan.upload[:, 1].tolist()) == [3, 4, 5, 6, 9]  # K=4 caps layer 0
+    assert (engine.expert_slot == -1).all()
+    plan = engine.step(np.array([[3, 7], [9, 1]]))
+    assert plan.hit_mask.tolist() == [[False, False], [False, False]]
+    plan = engine.step(np.array([[3, 7], [9, 1]]))
+    assert plan.hit_mask.tolist() == [[True, False], [True, False]]
+
+
+def test_pinned_experts_are_uploaded_first_and_never_evicted():
+    routing = synthetic_routing(200, 3, 32, 4, seed=2)
+    pinned = [{0, 1}, set(), {31}]
+    engine = CacheEngine(3, 32, 6, Lru(), inserts=2, pinned=pinned)
+    engine.preload([[5, 6, 7, 8, 9, 10]] * 3)
+    plan = engine.step(None)
+    assert {(l, e) for l, e, _ in plan.upload.tolist()} >= {(0, 0), (0, 1), (2, 31)}
+    for ids in routing:
+        plan = engine.step(ids)
+        check_invariants(engine, plan, ids, 2, pinned)
+    assert engine.expert_slot[0, 0] >= 0 and engine.expert_slot[0, 1] >= 0 and engine.expert_slot[2, 31] >= 0
+    with pytest.raises(ValueError, match="at most"):
+        CacheEngine(1, 8, 2, Lru(), pinned=[{0, 1}])
+
+
+class PredictNext(Policy):
+    """Test policy: LRU that predicts expert (e + 1) for every expert e just used."""
+    name = "predict-next"
+
+    def bind(self, n_layers, n_expert, n_slots):
+        super().bind(n_layers, n_expert, n_slots)
+        self.lru = Lru()
+        self.lru.bind(n_layers, n_expert, n_slots)
+        self.guess = np.full((n_layers, 1), -1)
+
+    def observe(self, step, ids, hit_mask, used):
+        self.lru.observe(step, ids, hit_mask, used)
+        self.guess = (ids[:, :1] + 1) % self.n_expert
+
+    def priority(self, step, keys):
+        return self.lru.priority(step, keys)
+
+    def predict(self, step):
+        return self.guess
+
+
+def test_prefetch_uses_leftover_budget_and_counts_hits_and_waste():
+    engine = CacheEngine(1, 16, 8, PredictNext(), inserts=2)
+    engine.step(None)
+    plan = engine.step(np.array([[3]]))            # one miss, one upload left for the guess 4
+    assert plan.upload[:, 1].tolist() == [3, 4]
+    assert engine.counters["prefetch_uploads"].tolist() == [1]
+    engine.step(np.array([[3, 9]]))                # 4 published at this boundary
+    engine.step(np.array([[4, 3]]))                # prefetched 4 used while published
+    assert engine.counters["prefetch_hits"].tolist() == [1]
+    assert engine.counters["prefetch_uploads"].tolist() == [2]  # and 5, guessed from 4, went up
+    engine.step(np.array([[1, 2]]))                # two misses use the whole budget
+    assert engine.counters["prefetch_uploads"].tolist() == [2]
+    stats = engine.stats()
+    assert stats["total"]["prefetch_hits"] == 1 and set(stats["layers"]) >= {"hits", "prefetch_waste"}
+
+
+def test_prefetch_waste_counted_when_evicted_unused():
+    engine = CacheEngine(1, 16, 2, PredictNext(), inserts=2)
+    engine.step(None)
+    engine.step(np.array([[0]]))        # uploads 0 and prefetches 1
+    plan = engine.step(np.array([[7]])) # 7 needs a victim: 1 was never used, so it goes
+    assert plan.evict.tolist() == [[0, 1, 1]]
+    assert engine.counters["prefetch_waste"].tolist() == [1]
+    assert engine.counters["prefetch_uploads"].tolist() == [1]  # no free slot left for guess 8
+    assert engine.counters["prefetch_hits"].tolist() == [0]
+
+
+def test_duplicate_and_absent_ids():
+    engine = CacheEngine(2, 8, 4, Lru(), inserts=4)
+    engine.step(None)
+    plan = engine.step(np.array([[1, 1, 2, -1], [-1, -1, -1, -1]]))
+    assert plan.upload.tolist() == [[0, 1, 0], [0, 2, 1]]
+    assert plan.misses.tolist() == [3, 0] and plan.hits.tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("ids, message", [
+    (np.array([[1, 8]]), "in \\[-1, 8\\)"),
+    (np.array([[1, -2]]), "in \\[-1, 8\\)"),
+    (np.array([1, 2]), "ids must be"),
+    (np.array([[1.0, 2.0]]), "ids must be"),
+])
+def test_bad_observations_are_rejected(ids, message):
+    engine = CacheEngine(1, 8, 4, Lru())
+    with pytest.raises(ValueError, match=message):
+        engine.step(ids)
+
+
+def test_offline_only_policy_refused_live():
+    future = [np.zeros((1, 2), dtype=int)]
+    with pytest.raises(ValueError, match="offline replay only"):
+        CacheEngine(1, 8, 4, make_policy("belady", future=future))
+    CacheEngine(1, 8, 4, make_policy("belady", future=future), offline=True)
+
+
+def test_constructor_validation():
+    with pytest.raises(ValueError):
+        CacheEngine(1, 8, 9, Lru())
+    with pytest.raises(ValueError):
+        CacheEngine(1, 8, 4, Lru(), inserts=0)
+    with pytest.raises(ValueError, match="preload has"):
+        CacheEngine(2, 8, 4, Lru()).preload([[1]])
+
+
+@pytest.mark.parametrize("name", ["lru", "lfu", "gdsf", "random", "arc", "sieve", "heat"])
+def test_every_policy_keeps_engine_invariants(name):
+    routing = synthetic_routing(150, 3, 24, 3, seed=5)
+    engine = CacheEngine(3, 24, 5, make_policy(name), inserts=2)
+    engine.step(None)
+    for ids in routing:
+        plan = engine.step(ids)
+        check_invariants(engine, plan, ids, 2)
+    stats = engine.stats()
+    assert stats["total"]["hits"] + stats["total"]["misses"] == routing.size
+    assert stats["total"]["uploads"] <= 2 * 3 * len(routing)
+    assert engine.usage.sum() == routing.size
