@@ -329,9 +329,9 @@ def _int_list(text, name, minimum):
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise SystemExit(f"replay: --{name} must be comma-separated integers, got {text!r}") from None
+        raise ValueError(f"--{name} must be comma-separated integers, got {text!r}") from None
     if not values or min(values) < minimum:
-        raise SystemExit(f"replay: --{name} values must be >= {minimum}, got {text!r}")
+        raise ValueError(f"--{name} values must be >= {minimum}, got {text!r}")
     return values
 
 
@@ -339,9 +339,9 @@ def _float_list(text, name):
     try:
         values = [float(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise SystemExit(f"replay: --{name} must be comma-separated numbers, got {text!r}") from None
+        raise ValueError(f"--{name} must be comma-separated numbers, got {text!r}") from None
     if not values or min(values) <= 0:
-        raise SystemExit(f"replay: --{name} values must be > 0, got {text!r}")
+        raise ValueError(f"--{name} values must be > 0, got {text!r}")
     return values
 
 
@@ -373,19 +373,21 @@ def main(argv=None) -> int:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies:
         return _fail("--policies is empty")
-    slots = _int_list(args.slots, "slots", 1) if args.slots else ([] if args.budget_mib else [8, 16, 32, 64])
-    budgets = _float_list(args.budget_mib, "budget-mib") if args.budget_mib else []
-    per_layer_names = {"default", *POLICIES}
-    for models, valid, names in ((slots, per_layer_names, ["default", *POLICIES]),
-                                 (budgets, set(GLOBAL_POLICIES), list(GLOBAL_POLICIES))):
-        unknown = [p for p in policies if p not in valid]
-        if models and unknown:
-            which = "--slots" if models is slots else "--budget-mib"
-            return _fail(f"unknown policy {', '.join(unknown)} for {which}; valid: {', '.join(names)}")
-    if args.inserts == "unlimited":
-        inserts = None
-    else:
-        inserts = _int_list(args.inserts, "inserts", 1)[0]
+    try:
+        slots = _int_list(args.slots, "slots", 1) if args.slots else ([] if args.budget_mib else [8, 16, 32, 64])
+        budgets = _float_list(args.budget_mib, "budget-mib") if args.budget_mib else []
+        inserts = None if args.inserts == "unlimited" else _int_list(args.inserts, "inserts", 1)[0]
+    except ValueError as e:
+        return _fail(str(e))
+    # A name runs in every requested model that has it; one that no requested model has is
+    # rejected, never tabulated under a policy that did not run.
+    per_layer_names = ["default", *POLICIES]
+    models = ([("--slots", per_layer_names)] if slots else []) + \
+             ([("--budget-mib", list(GLOBAL_POLICIES))] if budgets else [])
+    unknown = [p for p in policies if not any(p in names for _, names in models)]
+    if unknown:
+        valid = "; ".join(f"{flag}: {', '.join(names)}" for flag, names in models)
+        return _fail(f"unknown policy {', '.join(unknown)} for {' and '.join(f for f, _ in models)}; valid {valid}")
     if args.plot:
         try:
             import matplotlib
@@ -415,8 +417,8 @@ def main(argv=None) -> int:
           f"top-{trace.n_expert_used}; {n_prefill} prefill + {n_decode} decode tokens; one token's "
           f"working set {trace.working_set_bytes() / MIB:.0f} MiB")
 
-    runs = [("per-layer", p, k) for p in policies for k in slots] + \
-           [("global", p, b) for p in policies for b in budgets]
+    runs = [("per-layer", p, k) for p in policies if p in per_layer_names for k in slots] + \
+           [("global", p, b) for p in policies if p in GLOBAL_POLICIES for b in budgets]
     progress = _Progress(len(runs))
     results = []
     obs = observations(trace, args.include_prefill) if slots else None
