@@ -34,8 +34,15 @@ _NO_JOBS = np.empty((0, 3), dtype=np.int32)
 
 
 def _jobs(layers, experts, slots):
-    """(n, 3) int32 rows of (layer, expert, slot), C-contiguous."""
-    return np.array((layers, experts, slots), dtype=np.int32).T.copy()
+    """(n, 3) int32 rows of (layer, expert, slot)."""
+    return np.array((layers, experts, slots), dtype=np.int32).T
+
+
+def _join(parts):
+    """One C-contiguous (n, 3) job table."""
+    if not parts:
+        return _NO_JOBS
+    return np.ascontiguousarray(parts[0]) if len(parts) == 1 else np.concatenate(parts)
 
 
 @dataclass
@@ -194,8 +201,8 @@ class CacheEngine:
                 wanted &= ~self._repeats(predicted)
                 self._fill(t, predicted, wanted, left, blocked, True, evict_parts, upload_parts)
 
-        evict = np.concatenate(evict_parts) if evict_parts else _NO_JOBS
-        upload = np.concatenate(upload_parts) if upload_parts else _NO_JOBS
+        evict = _join(evict_parts)
+        upload = _join(upload_parts)
         self._pending.append(upload)
         return StepPlan(t, hit_mask, hits, misses, publish, evict, upload)
 
@@ -222,24 +229,28 @@ class CacheEngine:
         """Upload up to `budget` (a number, or (L, 1) per layer) of the `wanted` ids of each row
         into free slots, then over victims; blocked (L, E) marks experts that must stay.
         Returns the layer of every upload issued."""
-        # Candidates, best first per row: by admission worth if the policy has one, else
-        # router rank. Flattened to (layer, expert, position-in-row) lists.
-        if self._admit is not None:
-            worth = np.where(wanted, self._admit(t, ids + self._key_base), -np.inf)
-            order = np.argsort(-worth, axis=1, kind="stable")
-            wanted = np.take_along_axis(wanted & (worth > -np.inf), order, axis=1)
-        position = np.cumsum(wanted, axis=1)
-        wanted &= position <= budget
+        # Candidates as flat lists sorted by layer, best first within a layer: router rank,
+        # or admission worth (stable, so rank breaks ties) when the policy has one.
         cand_layer, cand_col = np.nonzero(wanted)
+        cand_expert = ids[cand_layer, cand_col]
+        if self._admit is not None and cand_layer.size:
+            cand_worth = self._admit(t, cand_expert + cand_layer * self.n_expert)
+            admitted = cand_worth > -np.inf
+            order = np.lexsort((-cand_worth[admitted], cand_layer[admitted]))
+            cand_layer = cand_layer[admitted][order]
+            cand_expert = cand_expert[admitted][order]
+            cand_worth = cand_worth[admitted][order]
         if cand_layer.size == 0:
             return cand_layer
-        if self._admit is not None:
-            cand_col = order[cand_layer, cand_col]
-            cand_worth = worth[cand_layer, cand_col]
-        cand_expert = ids[cand_layer, cand_col]
-        cand_pos = position[wanted] - 1
-
         n_want = np.bincount(cand_layer, minlength=self.n_layers)
+        per_layer_budget = isinstance(budget, np.ndarray)
+        if n_want.max() > (budget.min() if per_layer_budget else budget):  # keep each row's best
+            cand_pos = np.arange(cand_layer.size) - np.searchsorted(cand_layer, cand_layer)
+            keep = cand_pos < (budget[cand_layer, 0] if per_layer_budget else budget)
+            cand_layer, cand_expert = cand_layer[keep], cand_expert[keep]
+            if self._admit is not None:
+                cand_worth = cand_worth[keep]
+            n_want = np.minimum(n_want, budget[:, 0] if per_layer_budget else budget)
         rows = np.flatnonzero(n_want)
         n_want = n_want[rows]
         # Slot ranking per row: free slots -inf (lowest index first), evictable residents by
@@ -248,8 +259,8 @@ class CacheEngine:
         free = held < 0
         short = n_want > free.sum(axis=1)
         if short.any() and (self._admit is not None or not prefetch):  # prefetch w/o admit: free slots only
-            keys = held + (rows * self.n_expert)[:, None]  # junk where a slot is empty: masked
-            evictable = ~free & ~blocked.take(keys)
+            keys = held + self._key_base[rows]  # junk where a slot is empty: masked
+            evictable = ~(free | blocked.take(keys))
             if self._in_flight_possible:
                 evictable &= ~self._in_flight[rows]
             if self._choose_victims is None:
@@ -280,11 +291,12 @@ class CacheEngine:
             chosen = np.argsort(rank, axis=1, kind="stable")[:, :width]
             chosen_rank = np.take_along_axis(rank, chosen, axis=1)
 
-        # Row r's j-th candidate takes its j-th slot. Slot ranks ascend along j and worth
-        # descends, so the accepted candidates of a row are always a prefix.
-        cand_row = np.searchsorted(rows, cand_layer)
-        cand_slot = chosen[cand_row, cand_pos]
-        slot_rank = chosen_rank[cand_row, cand_pos]
+        # Row r's j-th candidate takes its j-th slot: a row-major mask lists them in candidate
+        # order. Slot ranks ascend along j and worth descends, so the accepted candidates of
+        # a row are always a prefix.
+        taken = np.arange(width) < n_want[:, None]
+        cand_slot = chosen[taken]
+        slot_rank = chosen_rank[taken]
         ok = slot_rank < np.inf
         if self._admit is not None:  # over a victim only if strictly worth more
             ok &= (slot_rank == -np.inf) | (cand_worth > slot_rank)
@@ -299,7 +311,10 @@ class CacheEngine:
         victims = self.slot_expert[layers, slots]
         gone = victims >= 0
         if gone.any():
-            vl, ve, vs = layers[gone], victims[gone], slots[gone]
+            if gone.all():  # the usual case once the cache is full
+                vl, ve, vs = layers, victims, slots
+            else:
+                vl, ve, vs = layers[gone], victims[gone], slots[gone]
             self.expert_slot[vl, ve] = -1
             self._assigned[vl, ve] = -1
             self.counters["evictions"] += np.bincount(vl, minlength=L)
