@@ -31,6 +31,7 @@ from .policies import Policy
 COUNTERS = ("hits", "misses", "uploads", "evictions", "prefetch_uploads", "prefetch_hits",
             "prefetch_waste")
 _NO_JOBS = np.empty((0, 3), dtype=np.int32)
+_NO_LAYERS = np.empty(0, dtype=np.int64)
 
 
 def _jobs(layers, experts, slots):
@@ -60,6 +61,15 @@ class StepPlan:
 
 
 class CacheEngine:
+    """Per-layer cache of n_slots experts, decided by `policy` at each decode boundary.
+
+    Live use: engine = CacheEngine(L, E, K, make_policy(name), inserts=2, pinned=...);
+    optionally engine.preload(lists); then plan = engine.step(None) at the first boundary and
+    plan = engine.step(ids) at every later one. Residency for cross-checks: slot_expert
+    (L, K), the expert held or being loaded per slot, -1 empty; expert_slot (L, E), the slot
+    of each PUBLISHED expert, -1 otherwise. counters / stats() / usage for reporting.
+    """
+
     def __init__(self, n_layers: int, n_expert: int, n_slots: int, policy: Policy, *,
                  inserts: int | None = 2, pinned=None, publish_delay: int = 1,
                  offline: bool = False):
@@ -86,13 +96,10 @@ class CacheEngine:
         self._in_flight = np.zeros((n_layers, n_slots), dtype=bool)
         self._prefetched = np.zeros((n_layers, n_expert), dtype=bool)         # prefetched, unused yet
         self._pinned = np.zeros((n_layers, n_expert), dtype=bool)
-        self._any_pinned = False
         self._pending = deque([_NO_JOBS] * publish_delay)
-        # with a one-step delay every upload is published before the next decisions
-        self._in_flight_possible = publish_delay > 1
+        self.publish_delay = publish_delay
         self._warm: list[np.ndarray] = []  # per-layer experts to upload at the next boundary
-        self._rows = np.arange(n_layers)
-        self._rows_col = self._rows[:, None]
+        self._rows_col = np.arange(n_layers)[:, None]
         self._key_base = self._rows_col * n_expert  # key = layer * n_expert + expert
         self.usage = np.zeros((n_layers, n_expert), dtype=np.int64)  # steps each expert was used in
         self.counters = {name: np.zeros(n_layers, dtype=np.int64) for name in COUNTERS}
@@ -125,10 +132,10 @@ class CacheEngine:
         for layer, experts in enumerate(per_layer_experts):
             ordered = np.asarray(list(experts), dtype=np.int64)
             self._expert_list(ordered, f"preload[{layer}]")
+            if self._warm:  # pinned experts still waiting go first
+                ordered = np.concatenate((self._warm[layer], ordered))
             _, first = np.unique(ordered, return_index=True)
             lists.append(ordered[np.sort(first)])
-        if self._warm:
-            lists = [np.concatenate((pin, extra)) for pin, extra in zip(self._warm, lists)]
         self._warm = lists
 
     # --- the boundary -------------------------------------------------------------------
@@ -140,8 +147,9 @@ class CacheEngine:
         self.step_index += 1
         L = self.n_layers
         hit_mask, used, valid = None, None, None
-        hits = misses = np.zeros(L, dtype=np.int64)
-        if ids is not None:
+        if ids is None:
+            hits = misses = np.zeros(L, dtype=np.int64)
+        else:
             ids = np.asarray(ids)
             if ids.ndim != 2 or ids.shape[0] != L or ids.dtype.kind not in "iu":
                 raise ValueError(f"ids must be an integer array ({L}, n_used), got {ids.dtype} {ids.shape}")
@@ -176,15 +184,14 @@ class CacheEngine:
         if publish.size:
             l, e, s = publish.T
             self.expert_slot[l, e] = s
-            if self._in_flight_possible:
-                self._in_flight[l, s] = False
+            self._in_flight[l, s] = False
 
         evict_parts, upload_parts = [], []
         if self._warm:
             self._upload_warm(t, evict_parts, upload_parts)
         budget = self.inserts if self.inserts is not None else self.n_slots
         blocked = self._pinned if used is None else (used | self._pinned if self._any_pinned else used)
-        uploaded = np.empty(0, dtype=np.int64)
+        uploaded = _NO_LAYERS
         if ids is not None:
             wanted = self._assigned[self._rows_col, ids] < 0
             if valid is not None:
@@ -261,7 +268,8 @@ class CacheEngine:
         if short.any() and (self._admit is not None or not prefetch):  # prefetch w/o admit: free slots only
             keys = held + self._key_base[rows]  # junk where a slot is empty: masked
             evictable = ~(free | blocked.take(keys))
-            if self._in_flight_possible:
+            # with a one-step delay nothing is in flight at a boundary until it commits uploads
+            if self.publish_delay > 1 or upload_parts:
                 evictable &= ~self._in_flight[rows]
             if self._choose_victims is None:
                 evictable_rank = np.where(evictable, self.policy.priority(t, keys), np.inf)
@@ -326,8 +334,7 @@ class CacheEngine:
             evict_parts.append(_jobs(vl, ve, vs))
         self.slot_expert[layers, slots] = experts
         self._assigned[layers, experts] = slots
-        if self._in_flight_possible:
-            self._in_flight[layers, slots] = True
+        self._in_flight[layers, slots] = True
         self.counters["uploads"] += np.bincount(layers, minlength=L)
         if prefetch:
             self._prefetched[layers, experts] = True

@@ -270,3 +270,12 @@ def test_every_policy_keeps_engine_invariants(name):
     assert stats["total"]["hits"] + stats["total"]["misses"] == routing.size
     assert stats["total"]["uploads"] <= 2 * 3 * len(routing)
     assert engine.usage.sum() == routing.size
+
+
+def test_uploads_of_one_boundary_never_evict_each_other():
+    engine = CacheEngine(1, 16, 3, Lru(), inserts=2, pinned=[{7}])
+    engine.preload([[7, 1, 2, 3]])              # 7 is pinned already: not uploaded twice
+    plan = engine.step(np.array([[4, 5]]))      # first boundary observes too: slots all loading
+    assert sorted(plan.upload[:, 1].tolist()) == [1, 2, 7]
+    assert plan.evict.size == 0
+    check_invariants(engine, plan, np.array([[4, 5]]), None)
