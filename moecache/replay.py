@@ -48,7 +48,7 @@ class ReplayResult:
     lookups_decode: int
     hits_all: int
     lookups_all: int
-    upload_bytes: int
+    upload_bytes: int           # uploaded (global: read) for decode tokens
     decode_tokens: int
     seconds: float
 
@@ -100,7 +100,7 @@ def replay_per_layer(trace: RouteTrace, policy: str, slots: int, *, inserts: int
         engine.preload(preload)
     start = time.perf_counter()
     engine.step(None)
-    hits_decode = lookups_decode = hits_all = lookups_all = 0
+    hits_decode = lookups_decode = hits_all = lookups_all = upload_bytes = 0
     for ids, decode in zip(obs, is_decode):
         plan = engine.step(ids)
         hits, looked = int(plan.hits.sum()), int(plan.hits.sum() + plan.misses.sum())
@@ -109,11 +109,10 @@ def replay_per_layer(trace: RouteTrace, policy: str, slots: int, *, inserts: int
         if decode:
             hits_decode += hits
             lookups_decode += looked
+            upload_bytes += int(trace.expert_bytes[plan.upload[:, 0]].sum())
     seconds = time.perf_counter() - start
     return ReplayResult("per-layer", policy, slots, None, inserts, hits_decode, lookups_decode,
-                        hits_all, lookups_all,
-                        int((engine.counters["uploads"] * trace.expert_bytes).sum()),
-                        int(sum(is_decode)), seconds)
+                        hits_all, lookups_all, upload_bytes, int(sum(is_decode)), seconds)
 
 
 def _make(policy, obs, seed):
@@ -282,10 +281,10 @@ def replay_global(trace: RouteTrace, policy: str, budget_mib: float, *, seed: in
         looked, hits, bytes_read = cache.run_batch(b, layer, ids)
         lookups_all += looked
         hits_all += hits
-        read += bytes_read
         if decode:
             lookups_decode += looked
             hits_decode += hits
+            read += bytes_read
     seconds = time.perf_counter() - start
     return ReplayResult("global", policy, None, budget_mib, None, hits_decode, lookups_decode,
                         hits_all, lookups_all, read, int((trace.phase == DECODE).sum()), seconds)
