@@ -325,7 +325,8 @@ class TraceWriter:
 
     def write_step(self, turn: int, phase: int, step: int, ids, weights, residency) -> None:
         """ids, residency: (n_layers, n_used) ints; weights: same shape or None (written as nan).
-        n_used may be a multiple of k (several tokens); rank = position modulo k."""
+        n_used may be a multiple of k (several tokens); rank = position modulo k. A layer
+        whose k ids for a token are all -1 did not run for it and gets no rows."""
         if self._fd is None:
             raise ValueError(f"{self.path}: TraceWriter is closed")
         ids = np.asarray(ids)
@@ -334,8 +335,11 @@ class TraceWriter:
             raise ValueError(f"ids shape {ids.shape} is not ({self.layers.size}, multiple of {self.k})")
         if residency.shape != ids.shape:
             raise ValueError(f"residency shape {residency.shape} != ids shape {ids.shape}")
-        if ids.size and (ids.min() < 0 or ids.max() >= self.n_expert):
-            raise ValueError(f"expert id out of range [0, {self.n_expert})")
+        if ids.size and (ids.min() < -1 or ids.max() >= self.n_expert):
+            raise ValueError(f"expert id out of range [-1, {self.n_expert})")
+        groups = ids.reshape(ids.shape[0], -1, self.k) >= 0  # (layers, tokens, k)
+        if (groups.any(axis=2) != groups.all(axis=2)).any():
+            raise ValueError("a layer's token must have all k experts or none (-1)")
         weights = np.full(ids.shape, np.nan) if weights is None else np.asarray(weights)
         if weights.shape != ids.shape:
             raise ValueError(f"weights shape {weights.shape} != ids shape {ids.shape}")
@@ -343,6 +347,8 @@ class TraceWriter:
         out = []
         for token in range(n_used // self.k):
             for li in range(n_layers):
+                if not groups[li, token, 0]:  # layer not run for this token: no rows
+                    continue
                 layer, size = int(self.layers[li]), int(self.expert_bytes[li])
                 for rank in range(self.k):
                     j = token * self.k + rank

@@ -141,7 +141,20 @@ def test_writer_rejects_bad_steps(tmp_path):
         writer.write_step(0, DECODE, 0, np.zeros((1, 2), int), None, np.zeros((1, 2), int))
     with pytest.raises(ValueError, match="out of range"):
         writer.write_step(0, DECODE, 0, np.full((2, 2), 4), None, np.zeros((2, 2), int))
+    with pytest.raises(ValueError, match="all k experts or none"):
+        writer.write_step(0, DECODE, 0, np.array([[1, -1], [0, 1]]), None, np.zeros((2, 2), int))
     writer.close()
+
+
+def test_writer_skips_layers_that_did_not_run(tmp_path):
+    path = str(tmp_path / "w.csv")
+    with TraceWriter(path, model="m", arch="a", n_layer=2, n_expert=4, n_expert_used=2,
+                     layers=[(0, 10, 0), (1, 10, 0)]) as writer:
+        writer.write_step(0, PREFILL, 0, np.array([[1, 2, 3, 0], [-1, -1, 2, 3]]), None,
+                          np.zeros((2, 4), int))
+        writer.write_step(0, DECODE, 2, np.array([[1, 2], [2, 3]]), None, np.ones((2, 2), int))
+    trace = read_trace(path)
+    assert trace.ids[:, 1].tolist() == [[-1, -1], [2, 3], [2, 3]]
 
 
 def test_synthetic_routing_has_distinct_experts_and_locality():
