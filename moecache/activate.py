@@ -1,0 +1,82 @@
+"""Attach the expert cache to llama.cpp contexts: explicitly (attach) or, with
+LLAMA_MOE_CACHE_SLOTS set, to every new context (install, called by the patched llama_cpp)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from . import native
+from .config import CacheConfig, ConfigError
+from .live import CacheUnavailable, LiveCache
+
+log = logging.getLogger("moecache")
+
+_caches: list[LiveCache] = []   # keeps every attached cache (and its callback) alive
+_context_callback = None
+
+
+def _setup_logging(debug: bool) -> None:
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+        log.propagate = False
+    log.setLevel(logging.INFO if debug else logging.WARNING)
+
+
+def context_of(target):
+    """The llama_context of a llama_cpp.Llama, or target itself (a context pointer)."""
+    internal = getattr(target, "_ctx", None)
+    return internal.ctx if internal is not None else target
+
+
+def attach(target, **overrides) -> LiveCache:
+    """Give a llama_cpp.Llama (or a llama_context pointer) an expert cache. Configuration comes
+    from LLAMA_MOE_CACHE_* with keyword arguments (slots=, inserts=, policy=, ...) winning.
+    Raises ConfigError for bad values, CacheUnavailable when the model cannot be cached."""
+    config = CacheConfig.from_env(**overrides)
+    _setup_logging(config.debug > 0)
+    ctx = native.as_context(context_of(target))
+    name = getattr(target, "model_path", None) or native.model_metadata(ctx, "general.name") or "model"
+    cache = LiveCache(ctx, config, model_name=name)
+    _caches.append(cache)
+    return cache
+
+
+def install() -> bool:
+    """Zero-code activation from the environment; never raises: bad input is logged in one line
+    and decoding stays stock."""
+    global _context_callback
+    try:
+        config = CacheConfig.from_env()
+    except ConfigError as e:
+        _setup_logging(False)
+        log.error("moecache: error: %s - expert cache disabled", e)
+        return False
+    _setup_logging(config.debug > 0)
+    if not config.enabled or _context_callback is not None:
+        return _context_callback is not None
+    try:
+        lib = native.lib()
+    except native.NotPatchedError as e:
+        log.error("moecache: error: %s - expert cache disabled", e)
+        return False
+
+    def on_context(ctx, user_data):
+        try:
+            cache = LiveCache(ctx, config, model_name=native.model_metadata(ctx, "general.name") or "model")
+        except (ConfigError, CacheUnavailable) as e:
+            log.warning("moecache: no expert cache for this context: %s", e)
+        except Exception as e:  # never break context creation
+            log.error("moecache: error: %s: %s - no expert cache for this context", type(e).__name__, e)
+        else:
+            _caches.append(cache)
+
+    _context_callback = native.ffi.callback("llama_moe_cache_context_callback", on_context)
+    lib.llama_moe_cache_set_context_callback(_context_callback, native.ffi.NULL)
+    return True
+
+
+def caches() -> list[LiveCache]:
+    return list(_caches)

@@ -1,0 +1,224 @@
+"""The live expert cache of one llama_context: policy and engine here, mechanism in libllama.
+
+At every single-token decode boundary libllama calls the step callback while no graph runs:
+wait for the uploads started at the previous boundary, hand the last graph's selections to the
+engine, then publish the completed uploads, clear the evicted table entries and start the new
+uploads (libllama starts them after the callback returns, once the tables are written).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from . import native
+from .config import CacheConfig, ConfigError
+from .engine import COUNTERS, CacheEngine
+from .policies import make_policy
+from .profile import UsageProfile
+from .traces import TraceWriter
+
+log = logging.getLogger("moecache")
+
+
+class CacheUnavailable(RuntimeError):
+    """This context gets no cache (the reason is the message); decoding stays stock."""
+
+
+class LiveCache:
+    def __init__(self, ctx, config: CacheConfig, *, model_name: str = "model"):
+        if not config.enabled:
+            raise ConfigError("LLAMA_MOE_CACHE_SLOTS is 0: the cache is off")
+        self.config = config
+        self.lib = native.lib()
+        self.ctx = native.as_context(ctx)
+        self.ffi = native.ffi
+
+        arch = native.model_metadata(self.ctx, "general.architecture") or "unknown"
+        n_expert_text = native.model_metadata(self.ctx, f"{arch}.expert_count")
+        if not n_expert_text or int(n_expert_text) == 0:
+            raise CacheUnavailable(f"model architecture '{arch}' has no experts")
+        if config.slots > int(n_expert_text):
+            raise ConfigError(f"LLAMA_MOE_CACHE_SLOTS={config.slots} exceeds the {n_expert_text} "
+                              f"experts per layer of this model")
+
+        n_layers = self.lib.llama_moe_cache_init(self.ctx, config.slots)
+        if n_layers <= 0:
+            raise CacheUnavailable("libllama cached no layer (its log says why); decoding stays stock")
+        self.layers = [self._layer_info(i) for i in range(n_layers)]
+        n_expert = self.layers[0]["n_expert"]
+        if any(layer["n_expert"] != n_expert for layer in self.layers):
+            raise CacheUnavailable("layers with different expert counts are not supported")
+        self.n_used = max(layer["n_expert_used"] for layer in self.layers)
+        self.device_bytes = int(self.lib.llama_moe_cache_device_bytes(self.ctx))
+
+        self.engine = CacheEngine(n_layers, n_expert, config.slots, make_policy(config.policy),
+                                  inserts=config.inserts)
+        model_layers = [layer["il"] for layer in self.layers]
+        if config.profile and os.path.exists(config.profile):
+            profile = UsageProfile.load(config.profile, layers=model_layers, n_expert=n_expert)
+            self.engine.preload(profile.top(config.slots))
+        self._profile_base = model_name
+
+        self.trace = None
+        if config.trace:
+            self.trace = TraceWriter(
+                config.trace, model=os.path.basename(model_name) or "model", arch=arch,
+                n_layer=max(model_layers) + 1, n_expert=n_expert, n_expert_used=self.n_used,
+                layers=[(layer["il"], layer["expert_bytes"], 0) for layer in self.layers])
+
+        self.steps = 0
+        self.decode_steps = 0
+        self.step_ns = 0
+        self.step_ns_max = 0
+        self.wait_us = 0
+        self.failed = None
+        self._observed = None
+        self._closed = False
+        self._callback = self.ffi.callback("llama_moe_cache_step_callback", self._on_step)
+        self.lib.llama_moe_cache_set_step_callback(self.ctx, self._callback, self.ffi.NULL)
+        atexit.register(self.close)
+        log.info("moecache: %d layers x %d slots (%.1f MiB on %s), policy %s, %d inserts/step",
+                 n_layers, config.slots, self.device_bytes / 2**20, self.layers[0]["device"],
+                 config.policy, config.inserts)
+
+    def _layer_info(self, i: int) -> dict:
+        info = self.ffi.new("struct llama_moe_cache_layer_info *")
+        if not self.lib.llama_moe_cache_layer_info(self.ctx, i, info):
+            raise CacheUnavailable(f"no info for cached layer {i}")
+        return {"il": info.il, "n_expert": info.n_expert, "n_expert_used": info.n_expert_used,
+                "expert_bytes": int(info.expert_bytes),
+                "device": self.ffi.string(info.device).decode()}
+
+    # --- the decode boundary (called by libllama) ---------------------------------------
+
+    def _on_step(self, ctx, user_data):
+        if self.failed:
+            return
+        try:
+            t0 = time.perf_counter_ns()
+            self._step()
+            dt = time.perf_counter_ns() - t0
+            self.step_ns += dt
+            self.step_ns_max = max(self.step_ns_max, dt)
+            if self.config.debug and self.steps % self.config.debug == 0:
+                print(self.summary(), file=sys.stderr)
+        except Exception as e:  # the graph must go on: freeze the cache as it is (still exact)
+            self.failed = f"{type(e).__name__}: {e}"
+            log.error("moecache: scheduler failed, cache frozen: %s", self.failed)
+
+    def _step(self):
+        lib, ctx = self.lib, self.ctx
+        # publication is one step after the upload started: the upload had a whole token to finish
+        self.wait_us += lib.llama_moe_cache_wait_uploads(ctx)
+        ids = self._read_observed()
+        plan = self.engine.step(ids)
+        for layer, expert, slot in plan.publish.tolist():
+            _check(lib.llama_moe_cache_set_slot(ctx, layer, expert, slot), "publish", layer, expert, slot)
+        for layer, expert, slot in plan.evict.tolist():
+            _check(lib.llama_moe_cache_set_slot(ctx, layer, expert, -1), "evict", layer, expert, slot)
+        for layer, expert, slot in plan.upload.tolist():
+            _check(lib.llama_moe_cache_upload(ctx, layer, expert, slot), "upload", layer, expert, slot)
+        self.steps += 1
+        if ids is not None:
+            if self.trace:
+                self.trace.write_step(0, 1, self.decode_steps, ids, None, plan.hit_mask.astype(np.int8))
+            self.decode_steps += 1
+
+    def _read_observed(self):
+        n_used_max = self.ffi.new("int32_t *")
+        ptr = self.lib.llama_moe_cache_observed(self.ctx, n_used_max)
+        if ptr == self.ffi.NULL:
+            return None
+        if self._observed is None:  # the buffer lives as long as the cache: map it once
+            n = len(self.layers) * n_used_max[0]
+            self._observed = np.frombuffer(self.ffi.buffer(ptr, 4 * n), dtype=np.int32).reshape(
+                len(self.layers), n_used_max[0])
+        return self._observed.copy()
+
+    # --- reporting ------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        counters = {name: self.engine.counters[name].tolist() for name in COUNTERS}
+        totals = {name: int(sum(values)) for name, values in counters.items()}
+        lookups = totals["hits"] + totals["misses"]
+        bytes_per_expert = [layer["expert_bytes"] for layer in self.layers]
+        return {
+            "slots": self.config.slots,
+            "inserts": self.config.inserts,
+            "policy": self.config.policy,
+            "device_bytes": self.device_bytes,
+            "steps": self.steps,
+            "decode_steps": self.decode_steps,
+            "hit_rate": totals["hits"] / lookups if lookups else None,
+            "totals": {**totals,
+                       "upload_bytes": int(np.dot(counters["uploads"], bytes_per_expert))},
+            "step_us_mean": self.step_ns / self.steps / 1e3 if self.steps else None,
+            "step_us_max": self.step_ns_max / 1e3,
+            "upload_wait_us": int(self.wait_us),
+            "failed": self.failed,
+            "layers": [{"layer": layer["il"], **{name: counters[name][i] for name in COUNTERS}}
+                       for i, layer in enumerate(self.layers)],
+        }
+
+    def summary(self) -> str:
+        s = self.stats()
+        rate = "n/a" if s["hit_rate"] is None else f"{100 * s['hit_rate']:.1f}%"
+        return (f"moecache: {s['decode_steps']} decode steps, hit rate {rate}, "
+                f"{s['totals']['uploads']} uploads, {s['totals']['evictions']} evictions, "
+                f"step {s['step_us_mean'] or 0:.0f} us mean, upload wait {s['upload_wait_us'] / 1e3:.1f} ms")
+
+    def close(self):
+        """Write stats, trace and profile (once; also at exit). The context may be gone: only
+        Python state is read here."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.config.debug:
+            print(self.summary(), file=sys.stderr)
+        if self.config.stats:
+            _write_atomic(self.config.stats, json.dumps(self.stats(), indent=1))
+        if self.trace:
+            self.trace.close()
+        if self.config.profile and self.decode_steps:
+            profile = UsageProfile(self._profile_base, [layer["il"] for layer in self.layers],
+                                   self.engine.usage)
+            if os.path.exists(self.config.profile):
+                profile = profile.merged(UsageProfile.load(self.config.profile))
+            profile.save(self.config.profile)
+
+    # --- testing ----------------------------------------------------------------------------
+
+    def native_counters(self) -> list[dict]:
+        """libllama's own per-layer counters (its CPU observer's view of hits and misses)."""
+        out = []
+        c = self.ffi.new("struct llama_moe_cache_counters *")
+        for i in range(len(self.layers)):
+            self.lib.llama_moe_cache_get_counters(self.ctx, i, c)
+            out.append({"hits": c.hits, "misses": c.misses, "uploads": c.uploads,
+                        "upload_bytes": c.upload_bytes})
+        return out
+
+
+def _check(ok: bool, what: str, layer: int, expert: int, slot: int) -> None:
+    if not ok:
+        raise RuntimeError(f"libllama refused {what} (layer {layer}, expert {expert}, slot {slot})")
+
+
+def _write_atomic(path: str, text: str) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".moecache-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise

@@ -1,0 +1,46 @@
+"""The moecache C API of the patched libllama, opened through cffi (declarations: native/)."""
+
+from __future__ import annotations
+
+import functools
+
+from ._native import ffi
+
+
+class NotPatchedError(RuntimeError):
+    """The loaded libllama is not the moecache-patched build."""
+
+
+@functools.lru_cache(maxsize=None)
+def lib():
+    """The libllama that llama_cpp loaded (same file, so the same handle and backend registry)."""
+    import llama_cpp.llama_cpp as llama_cpp_lib
+
+    path = llama_cpp_lib._lib._name
+    handle = ffi.dlopen(path)
+    try:
+        handle.llama_moecache_version
+    except AttributeError:
+        raise NotPatchedError(f"{path} is not the moecache-patched libllama (no llama_moecache_version): "
+                              f"install the wheel that scripts/build_wheel.sh builds") from None
+    return handle
+
+
+def patch_version() -> str:
+    return ffi.string(lib().llama_moecache_version()).decode()
+
+
+def as_context(ctx) -> "ffi.CData":
+    """A llama_context pointer from llama_cpp's ctypes handle, an int address or a cffi pointer."""
+    if isinstance(ctx, ffi.CData):
+        return ctx
+    address = ctx if isinstance(ctx, int) else getattr(ctx, "value", None)
+    if not address:
+        raise ValueError(f"not a llama_context pointer: {ctx!r}")
+    return ffi.cast("struct llama_context *", address)
+
+
+def model_metadata(ctx, key: str) -> str | None:
+    buf = ffi.new("char[]", 256)
+    n = lib().llama_model_meta_val_str(lib().llama_get_model(ctx), key.encode(), buf, 256)
+    return ffi.string(buf).decode() if n >= 0 else None

@@ -1,0 +1,42 @@
+/* The moecache C API of the patched libllama (see patches/), as cffi declares it.
+   Keep in sync with the "MoE expert cache" section the patches add to include/llama.h. */
+
+struct llama_context;
+struct llama_model;
+
+struct llama_moe_cache_layer_info {
+    int32_t      il;
+    int32_t      n_expert;
+    int32_t      n_expert_used;
+    int32_t      n_slots;
+    size_t       expert_bytes;
+    const char * device;
+};
+
+struct llama_moe_cache_counters {
+    uint64_t hits;
+    uint64_t misses;
+    uint64_t uploads;
+    uint64_t upload_bytes;
+    int64_t  upload_us;
+};
+
+typedef void (*llama_moe_cache_step_callback)(struct llama_context * ctx, void * user_data);
+typedef void (*llama_moe_cache_context_callback)(struct llama_context * ctx, void * user_data);
+
+const char * llama_moecache_version(void);
+void    llama_moe_cache_set_context_callback(llama_moe_cache_context_callback cb, void * user_data);
+int32_t llama_moe_cache_init(struct llama_context * ctx, int32_t n_slots);
+int32_t llama_moe_cache_n_layers(const struct llama_context * ctx);
+bool    llama_moe_cache_layer_info(const struct llama_context * ctx, int32_t i, struct llama_moe_cache_layer_info * info);
+size_t  llama_moe_cache_device_bytes(const struct llama_context * ctx);
+void    llama_moe_cache_set_step_callback(struct llama_context * ctx, llama_moe_cache_step_callback cb, void * user_data);
+const int32_t * llama_moe_cache_observed(struct llama_context * ctx, int32_t * n_used_max);
+bool    llama_moe_cache_set_slot(struct llama_context * ctx, int32_t i, int32_t expert, int32_t slot);
+bool    llama_moe_cache_upload(struct llama_context * ctx, int32_t i, int32_t expert, int32_t slot);
+int64_t llama_moe_cache_wait_uploads(struct llama_context * ctx);
+bool    llama_moe_cache_get_counters(struct llama_context * ctx, int32_t i, struct llama_moe_cache_counters * counters);
+void    llama_moe_cache_set_upload_delay_us(struct llama_context * ctx, int64_t delay_us);
+
+const struct llama_model * llama_get_model(const struct llama_context * ctx);
+int32_t llama_model_meta_val_str(const struct llama_model * model, const char * key, char * buf, size_t buf_size);

@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# Build the moecache-patched llama-cpp-python wheel into dist/.
+#
+#   scripts/build_wheel.sh [--cuda [ARCHS]] [--mtmd] [--jobs N] [--out DIR]
+#
+# Fetches the pinned llama-cpp-python sdist with pip (sha256 checked), applies patches/series
+# in order, and builds a wheel with a local version (0.3.36+moecache.<key>). The default build
+# is CPU-only with the ggml RPC backend (the test device). A rebuild is skipped when the sdist,
+# the patches, the flags and this script are unchanged; ccache is used when installed.
+#
+#   --cuda [ARCHS]  also build the CUDA backend (CMAKE_CUDA_ARCHITECTURES, default "native").
+#                   Needs nvcc and the CUDA toolkit's cuBLAS headers and libraries (CUDA 12/13).
+#   --mtmd          also build libmtmd (multimodal chat handlers); off by default to save time
+#   --jobs N        parallel compile jobs (default: nproc)
+#   --out DIR       where to put the wheel (default: dist/)
+#
+# Environment: MOECACHE_CACHE_DIR (default ${XDG_CACHE_HOME:-~/.cache}/moecache) holds the sdist,
+# the build tree and the built wheels.
+set -euo pipefail
+
+VERSION=0.3.36
+SDIST_SHA256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
+
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cache=${MOECACHE_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/moecache}
+out=$repo/dist
+jobs=$(nproc)
+cuda_archs=""
+mtmd=OFF
+
+die() { echo "build_wheel: error: $*" >&2; exit 1; }
+
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --cuda)
+            cuda_archs=native
+            if [ $# -gt 1 ] && [[ "$2" != --* ]]; then cuda_archs=$2; shift; fi ;;
+        --mtmd) mtmd=ON ;;
+        --jobs) [ $# -gt 1 ] && [[ "$2" =~ ^[1-9][0-9]*$ ]] || die "--jobs needs a positive integer"; jobs=$2; shift ;;
+        --out)  [ $# -gt 1 ] || die "--out needs a directory"; out=$2; shift ;;
+        -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        *) die "unknown argument '$1' (see --help)" ;;
+    esac
+    shift
+done
+
+flags="-DGGML_RPC=ON -DLLAVA_BUILD=$mtmd -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF"
+if [ -n "$cuda_archs" ]; then
+    command -v nvcc >/dev/null || die "--cuda needs nvcc on PATH"
+    flags="$flags -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=$cuda_archs"
+fi
+
+# --- the pinned sdist ---------------------------------------------------------------------
+sdist=$cache/sdist/llama_cpp_python-$VERSION.tar.gz
+if [ ! -f "$sdist" ]; then
+    echo "build_wheel: fetching llama-cpp-python==$VERSION sdist"
+    python3 -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$cache/sdist" \
+        || die "could not download the llama-cpp-python==$VERSION sdist"
+fi
+echo "$SDIST_SHA256  $sdist" | sha256sum --check --status \
+    || die "$sdist does not have the pinned sha256 $SDIST_SHA256 (delete it to download again)"
+
+# --- skip when nothing changed --------------------------------------------------------------
+series=$repo/patches/series
+[ -f "$series" ] || die "$series not found"
+mapfile -t patches < <(grep -v -e '^#' -e '^[[:space:]]*$' "$series")
+key=$( { echo "$SDIST_SHA256 $flags"; cat "${BASH_SOURCE[0]}" "$series"; for p in "${patches[@]}"; do cat "$repo/patches/$p"; done; } \
+       | sha256sum | cut -c1-12)
+wheel_dir=$cache/wheels/$key
+if ls "$wheel_dir"/*.whl >/dev/null 2>&1; then
+    mkdir -p "$out"
+    cp "$wheel_dir"/*.whl "$out"/
+    echo "build_wheel: up to date: $out/$(basename "$wheel_dir"/*.whl)"
+    exit 0
+fi
+
+# --- patched source tree (a fixed path, so ccache hits across patch revisions) ----------------
+src=$cache/build/src
+rm -rf "$src" && mkdir -p "$src"
+tar xzf "$sdist" -C "$src" --strip-components=1
+for p in "${patches[@]}"; do
+    [ -f "$repo/patches/$p" ] || die "patch patches/$p (listed in patches/series) not found"
+    if ! msg=$(cd "$src" && git apply --check "$repo/patches/$p" 2>&1); then
+        die "patch patches/$p does not apply: $(echo "$msg" | head -n 2 | tr '\n' ' ')"
+    fi
+    (cd "$src" && git apply "$repo/patches/$p")
+done
+sed -i "s/^__version__ = \"$VERSION\"$/__version__ = \"$VERSION+moecache.$key\"/" "$src/llama_cpp/__init__.py"
+grep -q "moecache.$key" "$src/llama_cpp/__init__.py" || die "could not set the local version in llama_cpp/__init__.py"
+
+# --- build ---------------------------------------------------------------------------------------
+if command -v ccache >/dev/null; then
+    flags="$flags -DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache"
+    [ -n "$cuda_archs" ] && flags="$flags -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache"
+    export CCACHE_BASEDIR=$cache/build CCACHE_NOHASHDIR=1
+else
+    echo "build_wheel: ccache not found: a full build (about 10 minutes on 2 cores)"
+fi
+
+echo "build_wheel: building llama-cpp-python $VERSION+moecache.$key ($flags)"
+start=$(date +%s)
+rm -rf "$wheel_dir.tmp" && mkdir -p "$wheel_dir.tmp"
+CMAKE_ARGS="$flags" CMAKE_BUILD_PARALLEL_LEVEL=$jobs \
+    python3 -m pip wheel --no-deps --wheel-dir "$wheel_dir.tmp" \
+        --config-settings=build-dir="$cache/build/cmake" --config-settings=cmake.verbose=false "$src" \
+    || die "the wheel build failed (see the compiler output above)"
+rm -rf "$wheel_dir" && mv "$wheel_dir.tmp" "$wheel_dir"
+mkdir -p "$out"
+cp "$wheel_dir"/*.whl "$out"/
+echo "build_wheel: built $out/$(basename "$wheel_dir"/*.whl) in $(( $(date +%s) - start )) s"

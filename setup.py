@@ -1,0 +1,11 @@
+from pathlib import Path
+import runpy
+
+from setuptools import setup
+
+# generate moecache/_native.py (the cffi declarations of the patched libllama's moecache API)
+# here, so that regular and editable installs both get it
+here = Path(__file__).parent
+runpy.run_path(str(here / "native" / "build_ffi.py"))["ffibuilder"].compile(tmpdir=str(here))
+
+setup()
