@@ -5,13 +5,15 @@
 Per trace: every per-layer policy's decode hit% at K = n_expert/8 with INSERTS=2 and with
 unlimited inserts, the share of the LRU->Belady gap the default closes, and a diagnostic
 offline bound (a policy told each expert's total decode use count up front); the same on
-synthetic locality routing; warm start (profile of the first half of decode preloaded before
+synthetic locality routing; what predicts reuse (recency vs past use count); warm start (profile of the first half of decode preloaded before
 replaying the second half, vs cold); replay throughput; the time of a 6 x 6 sweep.
 """
 
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 from moecache.engine import CacheEngine
 from moecache.policies import DEFAULT_POLICY, POLICIES, Policy, make_policy
@@ -103,6 +105,25 @@ def synthetic_table():
         print(f"| {label} | {best:.1f} | " + " | ".join(cells) + " |")
 
 
+def reuse_statistics(trace):
+    """P(an expert is used at step t+d | used at t), and P(used at t+2 | used n times up to t)."""
+    decode = trace.ids[trace.phase == DECODE]
+    steps, layers, _ = decode.shape
+    used = np.zeros((steps, layers, trace.n_expert), dtype=bool)
+    for t, ids in enumerate(decode):
+        used[t, np.arange(layers)[:, None], ids] = True
+    print(f"\nreuse, {Path(trace.path).name} (decode): chance level {trace.n_expert_used / trace.n_expert:.3f}")
+    print("  P(used at t+d | used at t): " + ", ".join(
+        f"d={d} {(used[:-d] & used[d:]).sum() / used[:-d].sum():.2f}" for d in (1, 2, 3, 5, 10)))
+    seen = np.cumsum(used, axis=0)[:-2]
+    cells = []
+    for low, high in ((1, 1), (2, 3), (4, 7), (8, 15), (16, 31), (32, steps)):
+        group = (seen >= low) & (seen <= high)
+        if group.any():
+            cells.append(f"{low}-{high}: {(group & used[2:]).sum() / group.sum():.2f}")
+    print("  P(used at t+2 | used n times up to t): " + ", ".join(cells))
+
+
 def warm_start_table(trace, slots):
     decode = trace.ids[trace.phase == DECODE]
     half = len(decode) // 2
@@ -143,6 +164,8 @@ def main():
     for trace in traces:
         policy_table(trace, trace.n_expert // 8)
     synthetic_table()
+    for trace in traces:
+        reuse_statistics(trace)
     for trace in traces:
         warm_start_table(trace, trace.n_expert // 8)
     for trace in traces:
