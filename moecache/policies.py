@@ -91,7 +91,8 @@ class DecayedLfu(Policy):
         return self.growth ** (step - self.origin)
 
     def observe(self, step, ids, hit_mask, used):
-        self.scaled[used] += self._weight(step)
+        weight = self._weight(step)  # first: it may rebase `scaled`
+        self.scaled[used] += weight
 
     def priority(self, step, keys):
         return self.scaled.take(keys)
@@ -151,7 +152,7 @@ class RandomEviction(Policy):
 class Belady(Policy):
     """Offline optimum (MIN) adapted to the engine's timing: evict the resident whose next use
     is furthest away, admit a miss only if it is needed again before that victim. `future`
-    is the (T, L, n) sequence of observations the engine will see, in order."""
+    is the sequence of (L, n) observations the engine will see, in order."""
     name = "belady"
     offline_only = True
 
@@ -268,9 +269,6 @@ class Arc(Policy):
             size_t1 -= bool(take_t1)
         return victims
 
-    def priority(self, step, keys):
-        raise AssertionError("arc chooses victims per layer")
-
 
 class Sieve(Policy):
     """SIEVE (Zhang et al., NSDI'24) per layer: a FIFO with a visited bit; the hand walks from
@@ -317,9 +315,6 @@ class Sieve(Policy):
             looked += 1
         self.hand[layer] = hand
         return victims
-
-    def priority(self, step, keys):
-        raise AssertionError("sieve chooses victims per layer")
 
 
 POLICIES: dict[str, Callable[..., Policy]] = {

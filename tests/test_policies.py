@@ -89,3 +89,16 @@ def test_heat_admission_keeps_one_off_experts_from_displacing_popular_ones():
     heat = hit_pct(routing, 64, 4, "heat", 2)
     assert heat > 2 * lru                     # LRU lets the one-offs push the pairs out
     assert heat <= hit_pct(routing, 64, 4, "belady", 2)
+
+
+def test_decayed_counts_survive_rebasing_far_into_a_run():
+    lfu = make_policy("lfu", half_life=2.0)
+    lfu.bind(1, 4, 2)
+    used = np.zeros((1, 4), dtype=bool)
+    for step in range(0, 3000, 10):  # 2**(3000/2) would overflow without rebasing
+        used[:] = False
+        used[0, 1 if step < 2900 else 2] = True
+        lfu.observe(step, None, None, used)
+    heat = lfu.priority(3000, np.arange(4))
+    assert np.isfinite(heat).all()
+    assert heat[2] > heat[1] > heat[0] == 0.0  # recent uses outweigh decayed old ones
