@@ -31,6 +31,7 @@ import numpy as np
 
 from .engine import CacheEngine
 from .policies import DEFAULT_POLICY, POLICIES, make_policy
+from .profile import ProfileError, UsageProfile
 from .traces import DECODE, PREFILL, RouteTrace, TraceError, read_trace
 
 MIB = 1 << 20
@@ -355,7 +356,7 @@ def main(argv=None) -> int:
     ap.add_argument("trace")
     ap.add_argument("--slots", help="per-layer cache sizes K, comma separated (default 8,16,32,64 "
                                     "unless --budget-mib is given)")
-    ap.add_argument("--policies", default=f"lru,belady,default",
+    ap.add_argument("--policies", default="lru,belady,default",
                     help=f"comma separated; per-layer: default ({DEFAULT_POLICY}), "
                          f"{', '.join(POLICIES)}; --budget-mib: {', '.join(GLOBAL_POLICIES)}")
     ap.add_argument("--inserts", default="2", help="uploads per layer per step, or 'unlimited'")
@@ -397,13 +398,12 @@ def main(argv=None) -> int:
 
     try:
         trace = read_trace(args.trace)
-    except (TraceError, OSError) as e:
-        return _fail(str(e) if isinstance(e, TraceError) else f"{args.trace}: {e.strerror}")
+    except TraceError as e:
+        return _fail(str(e))
     if slots and max(slots) > trace.n_expert:
         return _fail(f"--slots {max(slots)} exceeds n_expert={trace.n_expert}")
     preload = None
     if args.preload_profile:
-        from .profile import ProfileError, UsageProfile
         try:
             profile = UsageProfile.load(args.preload_profile, layers=trace.layers.tolist(),
                                         n_expert=trace.n_expert)

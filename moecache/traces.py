@@ -95,8 +95,13 @@ def _int_field(path, lineno, fields, key, minimum):
 
 
 def read_route_trace(path: str) -> RouteTrace:
-    with open(path, "r", encoding="utf-8") as f:
-        lines = f.read().split("\n")
+    try:
+        with open(path, "r", encoding="utf-8") as f:
+            lines = f.read().split("\n")
+    except OSError as e:
+        raise TraceError(f"{path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise TraceError(f"{path}: not UTF-8 text") from None
     if not lines or lines[0].strip() != MAGIC:
         raise TraceError(f"{path}:1: not a route trace (first line must be {MAGIC!r})")
 
@@ -278,6 +283,8 @@ def read_trace(path: str, fmt: str | None = None) -> RouteTrace:
             first = f.readline()
     except OSError as e:
         raise TraceError(f"{path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise TraceError(f"{path}: not UTF-8 text") from None
     for reader in READERS.values():
         if reader.sniff(first):
             return reader.read(path)

@@ -164,3 +164,12 @@ def test_synthetic_routing_has_distinct_experts_and_locality():
     reuse = np.mean([len(set(a) & set(b)) for s0, s1 in zip(ids[:-1], ids[1:])
                      for a, b in zip(s0.tolist(), s1.tolist())]) / 4
     assert reuse > 2 * 4 / 64  # consecutive steps share far more than chance
+
+
+def test_binary_or_directory_is_a_trace_error(tmp_path):
+    binary = tmp_path / "b.csv"
+    binary.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(TraceError, match="not UTF-8 text"):
+        read_trace(str(binary))
+    with pytest.raises(TraceError, match="Is a directory"):
+        read_trace(str(tmp_path))
