@@ -14,12 +14,13 @@ The `expert_bytes` COLUMN is the number of bytes that lookup read, not the exper
 is 0 for a hit and, in prefill, for an expert already read earlier in the same batched pass
 (in the shared traces every non-zero value equals the layer's preamble size). Expert sizes
 therefore come from the preamble only, and a layer without a preamble line is an error.
+The optional `dropped` column is parsed and kept; the replay models do not use it.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
@@ -58,7 +59,7 @@ class RouteTrace:
     ids: np.ndarray             # (n_steps, n_layers, k) int32 expert ids by router rank, -1 = layer not run
     weights: np.ndarray         # (n_steps, n_layers, k) float32 router weights
     residency: np.ndarray       # (n_steps, n_layers, k) int8 recorded outcome
-    dropped: np.ndarray = field(default=None)  # (n_steps, n_layers, k) bool, all False if absent
+    dropped: np.ndarray         # (n_steps, n_layers, k) bool; all False if the column is absent
 
     @property
     def decode_ids(self) -> np.ndarray:
