@@ -63,3 +63,18 @@ def cpu_device(directory: Path | None = None) -> int:
 
 def cpu_buffer_type() -> int:
     return libggml_base().ggml_backend_dev_buffer_type(cpu_device())
+
+
+GGML_BACKEND_DEVICE_TYPE_GPU = 1
+
+
+def has_gpu() -> bool:
+    """Whether ggml has a GPU device (registered RPC devices count too)."""
+    lib = libggml()
+    lib.ggml_backend_dev_count.restype = ctypes.c_size_t
+    lib.ggml_backend_dev_get.restype = ctypes.c_void_p
+    lib.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
+    lib.ggml_backend_dev_type.restype = ctypes.c_int
+    lib.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
+    return any(lib.ggml_backend_dev_type(lib.ggml_backend_dev_get(i)) == GGML_BACKEND_DEVICE_TYPE_GPU
+               for i in range(lib.ggml_backend_dev_count()))

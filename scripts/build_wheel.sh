@@ -67,9 +67,14 @@ mapfile -t patches < <(grep -v -e '^#' -e '^[[:space:]]*$' "$series")
 key=$( { echo "$SDIST_SHA256 $flags"; cat "${BASH_SOURCE[0]}" "$series"; for p in "${patches[@]}"; do cat "$repo/patches/$p"; done; } \
        | sha256sum | cut -c1-12)
 wheel_dir=$cache/wheels/$key
-if ls "$wheel_dir"/*.whl >/dev/null 2>&1; then
+# dist/ holds one patched wheel: the current one
+publish() {
     mkdir -p "$out"
+    rm -f "$out"/llama_cpp_python-*+moecache.*.whl
     cp "$wheel_dir"/*.whl "$out"/
+}
+if ls "$wheel_dir"/*.whl >/dev/null 2>&1; then
+    publish
     echo "build_wheel: up to date: $out/$(basename "$wheel_dir"/*.whl)"
     exit 0
 fi
@@ -105,6 +110,5 @@ CMAKE_ARGS="$flags" CMAKE_BUILD_PARALLEL_LEVEL=$jobs \
         --config-settings=build-dir="$cache/build/cmake" --config-settings=cmake.verbose=false "$src" \
     || die "the wheel build failed (see the compiler output above)"
 rm -rf "$wheel_dir" && mv "$wheel_dir.tmp" "$wheel_dir"
-mkdir -p "$out"
-cp "$wheel_dir"/*.whl "$out"/
+publish
 echo "build_wheel: built $out/$(basename "$wheel_dir"/*.whl) in $(( $(date +%s) - start )) s"

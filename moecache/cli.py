@@ -1,0 +1,123 @@
+"""run.py: generate text with the expert cache on a MoE model, llama.cpp-style flags.
+
+Experts stay in host memory, everything else goes to the device: the GPU when ggml has one,
+else a loopback RPC device (a CPU backend in a subprocess, which exercises the real device path
+but is no faster). Prints the text, the decode speed and the cache's hit rate."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+
+def _positive(text: str) -> int:
+    value = _integer(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = _integer(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="run.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("-m", "--model", help="GGUF path (default: smol-moe, built on first use)")
+    p.add_argument("-p", "--prompt", default="Explain how a mixture-of-experts model decides which experts handle each token.")
+    p.add_argument("-n", "--n-predict", type=_positive, default=128, help="tokens to generate (default 128)")
+    p.add_argument("-ngl", "--n-gpu-layers", type=_integer, default=-1, help="layers on the device (default -1: all)")
+    p.add_argument("-c", "--ctx-size", type=_positive, default=2048)
+    p.add_argument("-t", "--threads", type=_positive, default=None)
+    p.add_argument("--seed", type=_non_negative, default=0)
+    p.add_argument("--slots", type=_non_negative, default=None,
+                   help="experts cached per layer (default LLAMA_MOE_CACHE_SLOTS, else a quarter of the experts; 0 = off)")
+    p.add_argument("--inserts", type=_positive, default=None, help="uploads per layer per step (default 2)")
+    p.add_argument("--policy", default=None, help="cache policy (default: the shipped default)")
+    p.add_argument("--no-chat", action="store_true", help="raw completion instead of the chat template")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        return _run(args)
+    except (ValueError, RuntimeError, OSError) as e:
+        print(f"run.py: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
+    from . import fixtures
+    from .config import CacheConfig
+
+    # validate the cache settings before anything slow happens
+    config = CacheConfig.from_env(inserts=args.inserts, policy=args.policy)
+    if args.model is None:
+        model = str(fixtures.smol_moe())
+    elif not os.path.isfile(args.model):
+        raise ValueError(f"model file not found: {args.model}")
+    else:
+        model = args.model
+
+    import llama_cpp
+
+    from . import ggml
+    from .activate import attach
+    from .placement import experts_on_host
+
+    if ggml.has_gpu():
+        device = "GPU"
+    else:
+        from .rpc import RpcDevice
+
+        rpc = RpcDevice()  # noqa: F841  (serves until this process exits)
+        device = f"loopback RPC device {rpc.endpoint} (no GPU found: a CPU backend, exact but not faster)"
+    print(f"run.py: experts in host memory, the rest on the {device}", file=sys.stderr)
+
+    with experts_on_host():
+        llm = llama_cpp.Llama(model, n_gpu_layers=args.n_gpu_layers, n_ctx=args.ctx_size, seed=args.seed,
+                              n_threads=args.threads, verbose=False)
+    n_expert = int(next((v for k, v in llm.metadata.items() if k.endswith(".expert_count")), 0))
+    if n_expert == 0:
+        raise ValueError(f"{model} is not a MoE model (no expert_count)")
+    slots = args.slots if args.slots is not None else (config.slots or max(1, n_expert // 4))
+    cache = attach(llm, slots=slots, inserts=config.inserts, policy=config.policy) if slots else None
+
+    if args.no_chat:
+        stream = llm.create_completion(args.prompt, max_tokens=args.n_predict, temperature=0.0, stream=True)
+        pieces = (chunk["choices"][0]["text"] for chunk in stream)
+    else:
+        stream = llm.create_chat_completion([{"role": "user", "content": args.prompt}],
+                                            max_tokens=args.n_predict, temperature=0.0, stream=True)
+        pieces = (chunk["choices"][0]["delta"].get("content", "") for chunk in stream)
+
+    n_tokens, t_first = 0, None
+    for piece in pieces:
+        if not piece:
+            continue
+        if t_first is None:
+            t_first = time.perf_counter()
+        n_tokens += 1
+        print(piece, end="", flush=True)
+    t_end = time.perf_counter()
+    print()
+    decode = f"{(n_tokens - 1) / (t_end - t_first):.1f} tok/s" if n_tokens > 1 else "n/a"
+    print(f"run.py: {n_tokens} pieces, decode {decode}", file=sys.stderr)
+    if cache:
+        print(cache.summary(), file=sys.stderr)
+    else:
+        print("run.py: expert cache off (--slots 0)", file=sys.stderr)
+    return 0

@@ -1,0 +1,25 @@
+#!/usr/bin/env python3
+"""Generate with the MoE expert cache: `LLAMA_MOE_CACHE_SLOTS=K python run.py [-m MODEL] [-p PROMPT] [-n N]`.
+See `python run.py --help`. On first use it installs the patched llama-cpp-python wheel and
+moecache (scripts/bootstrap.sh: a ~10 minute build on 2 cores)."""
+
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.abspath(__file__))
+
+
+def _installed() -> bool:
+    probe = "import llama_cpp, moecache._native; assert '+moecache.' in llama_cpp.__version__"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_MOE_CACHE_")}
+    return subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True).returncode == 0
+
+
+if __name__ == "__main__":
+    if not _installed():
+        print("run.py: installing the patched llama-cpp-python and moecache (scripts/bootstrap.sh)", file=sys.stderr)
+        subprocess.run([os.path.join(REPO, "scripts", "bootstrap.sh")], check=True)
+    from moecache.cli import main
+
+    sys.exit(main())

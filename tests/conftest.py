@@ -1,0 +1,83 @@
+"""Shared fixtures for the tests that run llama.cpp: the loopback RPC test device and model
+loading with the experts in host memory."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import numpy as np
+import pytest
+
+N_THREADS = max(1, min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def rpc_device():
+    """One loopback RPC device for the whole session (ggml cannot unregister a device)."""
+    from moecache.rpc import RpcDevice
+
+    device = RpcDevice(threads=N_THREADS)
+    yield device
+    gc.collect()  # contexts and models on the device go first
+    device.close()
+
+
+@pytest.fixture(scope="session")
+def smol_path():
+    from moecache.fixtures import smol_moe
+
+    return str(smol_moe())
+
+
+@pytest.fixture(scope="session")
+def tiny_path():
+    from moecache.fixtures import tiny_moe
+
+    return str(tiny_moe(n_layer=2, n_expert=8))
+
+
+def load(path, *, n_gpu_layers=-1, experts_on_host=True, repack=False, n_ctx=512):
+    import llama_cpp
+
+    from moecache.placement import experts_on_host as host_experts
+
+    if experts_on_host:
+        with host_experts(repack=repack):
+            return llama_cpp.Llama(path, n_gpu_layers=n_gpu_layers, n_ctx=n_ctx, n_threads=N_THREADS,
+                                   n_threads_batch=N_THREADS, verbose=False)
+    # everything where n_gpu_layers puts it, without repacking (the RPC server does not repack)
+    import llama_cpp.llama_cpp as lib
+
+    stock = lib.llama_model_default_params
+
+    def plain():
+        params = stock()
+        params.use_extra_bufts = repack
+        return params
+
+    lib.llama_model_default_params = plain
+    try:
+        return llama_cpp.Llama(path, n_gpu_layers=n_gpu_layers, n_ctx=n_ctx, n_threads=N_THREADS,
+                               n_threads_batch=N_THREADS, verbose=False)
+    finally:
+        lib.llama_model_default_params = stock
+
+
+def greedy(llm, prompt: bytes, n: int):
+    """Greedy decode of n tokens one at a time; returns (tokens, logits[n, n_vocab]) where
+    logits[i] is the distribution token i was picked from."""
+    import llama_cpp
+
+    n_vocab = llm.n_vocab()
+    llm.reset()
+    llm.eval(llm.tokenize(prompt))
+    tokens, rows = [], []
+    for _ in range(n):
+        ptr = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
+        logits = np.ctypeslib.as_array(ptr, shape=(n_vocab,)).copy()
+        token = int(np.argmax(logits))
+        tokens.append(token)
+        rows.append(logits)
+        llm.eval([token])
+    return tokens, np.stack(rows)

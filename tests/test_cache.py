@@ -1,0 +1,227 @@
+"""The expert cache on the loopback RPC device: exactness, accounting, bad input, activation.
+
+The RPC device runs CPU kernels, so with the cache on the logits must be bit-identical to the
+same placement with the cache off."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from conftest import greedy, load
+
+llama_cpp = pytest.importorskip("llama_cpp")
+
+from moecache import native  # noqa: E402
+from moecache.activate import attach  # noqa: E402
+from moecache.config import ConfigError  # noqa: E402
+from moecache.live import CacheUnavailable  # noqa: E402
+
+PROMPT = b"The three primary colors are"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def record_plans(cache):
+    """Wrap the cache's engine so that each step's plan is kept."""
+    plans = []
+    step = cache.engine.step
+
+    def recording(ids=None):
+        plan = step(ids)
+        plans.append(plan)
+        return plan
+
+    cache.engine.step = recording
+    return plans
+
+
+def test_llama_cpp_is_the_patched_build():
+    assert "+moecache." in llama_cpp.__version__
+    assert native.patch_version() == "1"
+
+
+def test_rpc_placement_is_bit_identical_to_all_cpu(rpc_device, smol_path):
+    on_cpu = load(smol_path, n_gpu_layers=0, experts_on_host=False)
+    tokens_cpu, logits_cpu = greedy(on_cpu, PROMPT, 64)
+    del on_cpu
+    split = load(smol_path)  # experts in host memory, the rest on the RPC device
+    tokens_rpc, logits_rpc = greedy(split, PROMPT, 64)
+    assert tokens_rpc == tokens_cpu
+    assert np.array_equal(logits_rpc, logits_cpu)
+
+
+@pytest.fixture(scope="module")
+def smol_stock(rpc_device, smol_path):
+    llm = load(smol_path)
+    return greedy(llm, PROMPT, 256)
+
+
+@pytest.mark.parametrize("slots,inserts", [(2, 1), (8, 2), (1, 1)])
+def test_cache_is_bit_identical_and_accounts_every_lookup(smol_stock, smol_path, slots, inserts):
+    llm = load(smol_path)
+    cache = attach(llm, slots=slots, inserts=inserts, policy="lru")
+    plans = record_plans(cache)
+    tokens, logits = greedy(llm, PROMPT, 256)
+
+    assert tokens == smol_stock[0]
+    assert np.array_equal(logits, smol_stock[1]), f"max |diff| {np.abs(logits - smol_stock[1]).max()}"
+
+    n_layers, k = len(cache.layers), cache.n_used
+    stats = cache.stats()
+    observed = [p for p in plans if p.hit_mask is not None]
+    assert stats["decode_steps"] == len(observed) == 255  # the 256th graph is not observed yet
+    assert stats["totals"]["hits"] + stats["totals"]["misses"] == n_layers * k * len(observed)
+    for plan in plans:
+        assert np.bincount(plan.upload[:, 0], minlength=n_layers).max(initial=0) <= inserts
+
+    # libllama's CPU observer saw the same hits, plus the graph not observed yet
+    native_counters = cache.native_counters()
+    assert sum(c["hits"] + c["misses"] for c in native_counters) == n_layers * k * 256
+    last = len(observed)
+    engine_hits = stats["totals"]["hits"]
+    assert engine_hits <= sum(c["hits"] for c in native_counters) <= engine_hits + n_layers * k
+    assert sum(c["uploads"] for c in native_counters) == stats["totals"]["uploads"]
+    assert last > 0
+
+    if slots == 8:  # every expert fits: after warm-up nothing misses
+        assert all(plan.misses.sum() == 0 for plan in observed[-64:])
+    if slots < 8:
+        assert stats["totals"]["evictions"] > 0, "the test must churn the slots"
+
+
+def test_no_torn_slot_with_slow_uploads(rpc_device, tiny_path):
+    stock = greedy(load(tiny_path), PROMPT, 48)
+    llm = load(tiny_path)
+    cache = attach(llm, slots=2, inserts=8, policy="lru")
+    native.lib().llama_moe_cache_set_upload_delay_us(cache.ctx, 3000)
+    tokens, logits = greedy(llm, PROMPT, 48)
+    assert cache.stats()["totals"]["uploads"] > 0
+    assert cache.stats()["upload_wait_us"] > 0, "the uploads must outlast a graph to test tearing"
+    assert tokens == stock[0] and np.array_equal(logits, stock[1])
+
+
+@pytest.mark.parametrize("env,overrides,message", [
+    ({"LLAMA_MOE_CACHE_SLOTS": "abc"}, {}, "LLAMA_MOE_CACHE_SLOTS='abc' is not an integer"),
+    ({}, {"slots": -1}, "LLAMA_MOE_CACHE_SLOTS=-1 must be >= 0"),
+    ({}, {"slots": 2, "inserts": 0}, "LLAMA_MOE_CACHE_INSERTS=0 must be >= 1"),
+    ({}, {"slots": 9}, "LLAMA_MOE_CACHE_SLOTS=9 exceeds the 8 experts per layer of this model"),
+    ({}, {"slots": 2, "policy": "belady"}, "only runs in offline replay"),
+])
+def test_bad_configuration_is_one_line(monkeypatch, rpc_device, tiny_path, env, overrides, message):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    llm = load(tiny_path)
+    with pytest.raises(ConfigError) as err:
+        attach(llm, **overrides)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_repacked_experts_are_refused_and_decode_stays_stock(rpc_device):
+    from moecache.fixtures import tiny_moe
+
+    path = str(tiny_moe(n_layer=2, n_expert=8, expert_type="q4_0"))
+    stock = greedy(load(path, repack=True), PROMPT, 16)
+    llm = load(path, repack=True)  # q4_0 experts go to CPU_REPACK: no standard layout to copy
+    with pytest.raises(CacheUnavailable):
+        attach(llm, slots=2)
+    assert greedy(llm, PROMPT, 16)[0] == stock[0]
+
+
+def test_device_allocation_failure_keeps_decode_stock(rpc_device, tiny_path):
+    stock = greedy(load(tiny_path), PROMPT, 16)
+    llm = load(tiny_path)
+    ctx = native.as_context(llm._ctx.ctx)
+    assert native.lib().llama_moe_cache_init(ctx, 1 << 30) == 0  # far beyond the device
+    assert native.lib().llama_moe_cache_n_layers(ctx) == 0
+    tokens, logits = greedy(llm, PROMPT, 16)
+    assert tokens == stock[0] and np.array_equal(logits, stock[1])
+
+
+def _run_python(code: str, env: dict, timeout=300) -> subprocess.CompletedProcess:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_MOE_CACHE_")}
+    full_env.update(env)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full_env, cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+UNMODIFIED_PROGRAM = """
+    from moecache.rpc import RpcDevice
+    device = RpcDevice(threads=2)        # this machine has no GPU: the loopback test device
+    # --- an unmodified llama-cpp-python program ---
+    from llama_cpp import Llama
+    llm = Llama(model_path={path!r}, n_gpu_layers=-1, n_ctx=256, verbose=False)
+    out = llm.create_completion("The three primary colors are", max_tokens=24, temperature=0.0)
+    print("TEXT=" + repr(out["choices"][0]["text"]))
+    import llama_cpp, moecache.native as native
+    print("LAYERS=%d" % native.lib().llama_moe_cache_n_layers(native.as_context(llm._ctx.ctx)))
+"""
+
+
+def test_zero_code_activation(tmp_path, tiny_path):
+    stats = tmp_path / "stats.json"
+    on = _run_python(UNMODIFIED_PROGRAM.format(path=tiny_path),
+                     {"LLAMA_MOE_CACHE_SLOTS": "2", "LLAMA_MOE_CACHE_STATS": str(stats)})
+    assert on.returncode == 0, on.stderr
+    assert "LAYERS=2" in on.stdout
+    report = json.loads(stats.read_text())
+    assert report["slots"] == 2 and report["decode_steps"] > 0
+    assert report["totals"]["hits"] + report["totals"]["misses"] > 0
+
+    off = _run_python(UNMODIFIED_PROGRAM.format(path=tiny_path), {})
+    assert off.returncode == 0, off.stderr
+    assert "LAYERS=0" in off.stdout
+    assert _line(off.stdout, "TEXT=") == _line(on.stdout, "TEXT=")
+
+
+def test_zero_code_bad_value_is_one_logged_line_and_stock(tiny_path):
+    run = _run_python(UNMODIFIED_PROGRAM.format(path=tiny_path), {"LLAMA_MOE_CACHE_SLOTS": "abc"})
+    assert run.returncode == 0, run.stderr
+    assert "LAYERS=0" in run.stdout
+    errors = [line for line in run.stderr.splitlines() if "moecache: error" in line]
+    assert errors == ["moecache: error: LLAMA_MOE_CACHE_SLOTS='abc' is not an integer - expert cache disabled"]
+
+
+def test_inert_without_the_variable(tiny_path):
+    run = _run_python("""
+        import sys
+        from moecache.rpc import RpcDevice
+        device = RpcDevice(threads=2)
+        from llama_cpp import Llama
+        llm = Llama(model_path=%r, n_gpu_layers=-1, n_ctx=256, verbose=False)
+        llm.create_completion("hello", max_tokens=4)
+        print("ACTIVATED=%%s" %% ("moecache.activate" in sys.modules))
+    """ % tiny_path, {})
+    assert run.returncode == 0, run.stderr
+    assert "ACTIVATED=False" in run.stdout
+
+
+def test_two_devices_each_hold_their_layers_cache(smol_path):
+    run = _run_python("""
+        import json, numpy as np, sys
+        sys.path.insert(0, "tests")
+        from moecache.rpc import RpcDevice
+        devices = [RpcDevice(threads=1), RpcDevice(threads=1)]
+        from conftest import greedy, load
+        from moecache.activate import attach
+        stock = greedy(load(%r), b"The three primary colors are", 48)
+        llm = load(%r)
+        cache = attach(llm, slots=2, inserts=1, policy="lru")
+        tokens, logits = greedy(llm, b"The three primary colors are", 48)
+        print("RESULT=" + json.dumps({"devices": sorted({l["device"] for l in cache.layers}),
+              "exact": tokens == stock[0] and bool(np.array_equal(logits, stock[1])),
+              "evictions": cache.stats()["totals"]["evictions"]}))
+    """ % (smol_path, smol_path), {})
+    assert run.returncode == 0, run.stderr
+    result = json.loads(_line(run.stdout, "RESULT="))
+    assert len(result["devices"]) == 2, result
+    assert result["exact"] and result["evictions"] > 0
+
+
+def _line(text: str, prefix: str) -> str:
+    return next(line[len(prefix):] for line in text.splitlines() if line.startswith(prefix))
