@@ -38,6 +38,11 @@ def attach(target, **overrides) -> LiveCache:
     config = CacheConfig.from_env(**overrides)
     _setup_logging(config.debug > 0)
     ctx = native.as_context(context_of(target))
+    existing = next((c for c in _caches if c.ctx == ctx and not c.detached), None)
+    if existing is not None:
+        if existing.config == config:  # e.g. attached already by LLAMA_MOE_CACHE_SLOTS
+            return existing
+        existing.detach()
     name = getattr(target, "model_path", None) or native.model_metadata(ctx, "general.name") or "model"
     cache = LiveCache(ctx, config, model_name=name)
     _caches.append(cache)

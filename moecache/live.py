@@ -82,6 +82,7 @@ class LiveCache:
         self.failed = None
         self._observed = None
         self._closed = False
+        self.detached = False
         self._callback = self.ffi.callback("llama_moe_cache_step_callback", self._on_step)
         self.lib.llama_moe_cache_set_step_callback(self.ctx, self._callback, self.ffi.NULL)
         atexit.register(self.close)
@@ -193,6 +194,12 @@ class LiveCache:
             if os.path.exists(self.config.profile):
                 profile = profile.merged(UsageProfile.load(self.config.profile))
             profile.save(self.config.profile)
+
+    def detach(self):
+        """Forget this cache without reporting; a new init of the same context replaces it."""
+        self.detached = True
+        self._closed = True
+        atexit.unregister(self.close)
 
     # --- testing ----------------------------------------------------------------------------
 
