@@ -1,0 +1,405 @@
+#!/usr/bin/env python3
+"""Decode speed of a MoE model with the expert cache at several sizes, against stock placements.
+
+    python scripts/bench_decode.py -m MODEL [-p PROMPT] [-n 32] [-r 3] [-t THREADS] [-ngl -1]
+        [--slots 0,8,16,32,64] [--policy default] [--inserts 2] [--stock-repack] [--all-device]
+        [--md FILE] [--json FILE] [--png FILE]
+
+Configurations, each in a freshly loaded model (the previous one freed first):
+  stock         experts in host memory (plain buffers, as the cache needs), the rest on the
+                device, no cache: the K=0 baseline every ratio is against
+  stock-repack  (--stock-repack) the same, with llama.cpp repacking the experts for its faster
+                CPU kernels, as stock --cpu-moe does
+  K=k           the stock placement plus a cache of k experts per layer (--slots; values above
+                the model's expert count are skipped with a note)
+  all-device    (--all-device) n_gpu_layers=-1 without overrides, everything on the device;
+                "did not fit" when loading fails
+The device is the GPU when ggml has one, else a loopback RPC device (a CPU backend in a
+subprocess: it checks the mechanism and costs, it is no faster than the CPU).
+
+Per configuration: one untimed warm-up run, then -r timed runs; each run evaluates the prompt
+(untimed) and then -n greedy decode tokens, timed one by one around llama_decode. Reported:
+decode tok/s (median, min, max over the runs), ratio to stock, and for cache rows the hit rate,
+uploads per token and the time in the cache's step callback per token over the timed runs, and
+the device memory the cache took. The cache stays warm across runs, as in a server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+
+PROG = "bench_decode.py"
+DEFAULT_PROMPT = "Explain how a mixture-of-experts model decides which experts handle each token."
+
+
+class BenchError(Exception):
+    """A one-line error for the user (exit status 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise BenchError(message)
+
+
+def _int(minimum):
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+    return parse
+
+
+def _slot_list(text):
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}") from None
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"needs integers >= 0, got {text!r}")
+    return sorted(set(values))
+
+
+def parse_args(argv=None):
+    p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p.add_argument("-m", "--model", required=True, help="GGUF file of a MoE model")
+    p.add_argument("-p", "--prompt", default=DEFAULT_PROMPT)
+    p.add_argument("-n", "--n-predict", type=_int(1), default=32, help="decode tokens per run (default 32)")
+    p.add_argument("-r", "--repetitions", type=_int(1), default=3, help="timed runs per configuration (default 3)")
+    p.add_argument("-t", "--threads", type=_int(1), default=None, help="CPU threads (default: llama.cpp's)")
+    p.add_argument("-ngl", "--n-gpu-layers", type=_int(-1), default=-1,
+                   help="layers on the device in the host-experts configurations (default -1: all)")
+    p.add_argument("-c", "--ctx-size", type=_int(16), default=2048)
+    p.add_argument("--seed", type=_int(0), default=0)
+    p.add_argument("--slots", type=_slot_list, default=[0, 8, 16, 32, 64],
+                   help="cache sizes K, comma-separated (default 0,8,16,32,64; 0 is the stock row)")
+    p.add_argument("--inserts", type=_int(1), default=2, help="uploads per layer per step (default 2)")
+    p.add_argument("--policy", default="default", help="cache policy (default: the shipped default)")
+    p.add_argument("--stock-repack", action="store_true", help="also measure stock with repacked CPU experts")
+    p.add_argument("--all-device", action="store_true", help="also measure everything on the device")
+    p.add_argument("--md", metavar="FILE", help="write the markdown table here")
+    p.add_argument("--json", metavar="FILE", help="write the results as JSON here")
+    p.add_argument("--png", metavar="FILE", help="plot tok/s and hit rate against K (needs matplotlib)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    try:
+        args = parse_args(argv)
+        _check_inputs(args)
+        report = run(args)
+    except BenchError as e:
+        print(f"{PROG}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    table = markdown(report)
+    print(table)
+    if args.md:
+        _write(args.md, table + "\n")
+    if args.json:
+        _write(args.json, json.dumps(report, indent=1) + "\n")
+    if args.png:
+        plot(report, args.png)
+    return 0
+
+
+def _check_inputs(args):
+    """Everything that can fail fast, before a model is loaded."""
+    from moecache.config import CacheConfig, ConfigError
+
+    if not os.path.isfile(args.model):
+        raise BenchError(f"model file not found: {args.model}")
+    try:
+        CacheConfig(slots=1, inserts=args.inserts, policy=args.policy)
+    except ConfigError as e:
+        raise BenchError(str(e)) from None
+    for path in (args.md, args.json, args.png):
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise BenchError(f"cannot write {path}: no such directory")
+    if args.png:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise BenchError("--png needs matplotlib (pip install matplotlib)") from None
+
+
+def _write(path, text):
+    with open(path, "w") as f:
+        f.write(text)
+
+
+# --- measuring ---------------------------------------------------------------------------------
+
+class Progress:
+    """A one-line progress bar on stderr (a line per update when stderr is not a terminal)."""
+
+    def __init__(self, total):
+        self.total, self.done = total, 0
+        self.tty = sys.stderr.isatty()
+
+    def update(self, label, advance=1):
+        self.done += advance
+        filled = round(30 * self.done / self.total)
+        line = f"[{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} {label}"
+        print(("\r" + line.ljust(78)) if self.tty else line, end="" if self.tty else "\n",
+              file=sys.stderr, flush=True)
+
+    def close(self):
+        if self.tty:
+            print(file=sys.stderr)
+
+
+def run(args) -> dict:
+    # the benchmark attaches the cache itself: an inherited LLAMA_MOE_CACHE_SLOTS would put a
+    # cache into the stock rows too
+    for name in [n for n in os.environ if n.startswith("LLAMA_MOE_CACHE_")]:
+        del os.environ[name]
+    import llama_cpp  # noqa: F401  (after the environment is clean)
+
+    from moecache import ggml
+
+    if ggml.has_gpu():
+        device = "GPU"
+    else:
+        from moecache.rpc import RpcDevice
+
+        rpc = RpcDevice(threads=args.threads)  # noqa: F841  (serves until this process exits)
+        device = "loopback RPC device (CPU backend; a mechanism check, not a speed claim)"
+
+    configs = [("stock", 0)]
+    if args.stock_repack:
+        configs.append(("stock-repack", 0))
+    configs += [(f"K={k}", k) for k in args.slots if k > 0]
+    if args.all_device:
+        configs.append(("all-device", 0))
+
+    progress = Progress(len(configs) * (1 + args.repetitions))
+    rows, notes, n_expert, prompt_tokens = [], [], None, None
+    for name, slots in configs:
+        if n_expert is not None and slots > n_expert:
+            notes.append(f"K={slots} skipped: the model has {n_expert} experts per layer")
+            progress.update(f"{name} skipped", 1 + args.repetitions)
+            continue
+        row, info = _measure(args, name, slots, progress)
+        rows.append(row)
+        if info:
+            n_expert = n_expert or info["n_expert"]
+            prompt_tokens = prompt_tokens or info["prompt_tokens"]
+    progress.close()
+
+    stock = next((r for r in rows if r["config"] == "stock" and r["status"] == "ok"), None)
+    for row in rows:
+        row["ratio"] = (row["tok_s_median"] / stock["tok_s_median"]
+                        if stock and row["status"] == "ok" else None)
+    return {
+        "model": os.path.abspath(args.model),
+        "device": device,
+        "cache_device": next((r["cache_device"] for r in rows if r.get("cache_device")), None),
+        "n_expert": n_expert,
+        "prompt_tokens": prompt_tokens,
+        "n_predict": args.n_predict,
+        "repetitions": args.repetitions,
+        "threads": args.threads,
+        "n_gpu_layers": args.n_gpu_layers,
+        "policy": args.policy,
+        "inserts": args.inserts,
+        "host": _host(),
+        "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
+        "rows": rows,
+        "notes": notes,
+    }
+
+
+def _measure(args, name, slots, progress):
+    """One configuration: load, warm up, time; returns (row, model info or None)."""
+    import llama_cpp
+
+    from moecache.activate import attach
+    from moecache.live import CacheUnavailable
+    from moecache.placement import experts_on_host
+
+    row = {"config": name, "slots": slots, "status": "ok", "tok_s_runs": [], "tok_s_median": None,
+           "tok_s_min": None, "tok_s_max": None, "hit_rate": None, "uploads_per_token": None,
+           "step_us_per_token": None, "device_bytes": None, "cache_device": None}
+    common = dict(n_ctx=args.ctx_size, n_threads=args.threads, n_threads_batch=args.threads,
+                  seed=args.seed, verbose=False)
+    try:
+        if name == "all-device":
+            llm = llama_cpp.Llama(args.model, n_gpu_layers=-1, **common)
+        else:
+            with experts_on_host(repack=name == "stock-repack"):
+                llm = llama_cpp.Llama(args.model, n_gpu_layers=args.n_gpu_layers, **common)
+    except (ValueError, RuntimeError) as e:
+        if name != "all-device":
+            raise BenchError(f"{name}: could not load {args.model}: {e}") from None
+        row["status"] = "did not fit"
+        progress.update(f"{name} did not fit", 1 + args.repetitions)
+        return row, None
+
+    cache = None
+    try:
+        n_expert = int(next((v for k, v in llm.metadata.items() if k.endswith(".expert_count")), 0))
+        if n_expert == 0:
+            raise BenchError(f"{args.model} is not a MoE model (no expert_count)")
+        prompt = llm.tokenize(args.prompt.encode())
+        if len(prompt) + args.n_predict > args.ctx_size:
+            raise BenchError(f"prompt ({len(prompt)} tokens) + -n {args.n_predict} exceed -c {args.ctx_size}")
+        info = {"n_expert": n_expert, "prompt_tokens": len(prompt)}
+        if slots:
+            try:
+                cache = attach(llm, slots=slots, inserts=args.inserts, policy=args.policy)
+            except CacheUnavailable as e:
+                row["status"] = f"no cache: {e}"
+                progress.update(f"{name} no cache", 1 + args.repetitions)
+                return row, info
+            row["device_bytes"] = cache.device_bytes
+            row["cache_device"] = cache.layers[0]["device"]
+
+        _decode_run(llm, prompt, args.n_predict)  # warm-up: untimed
+        progress.update(f"{name} warm-up")
+        before = _cache_counters(cache)
+        for i in range(args.repetitions):
+            seconds = _decode_run(llm, prompt, args.n_predict)
+            row["tok_s_runs"].append(args.n_predict / seconds)
+            progress.update(f"{name} run {i + 1}/{args.repetitions}")
+        runs = row["tok_s_runs"]
+        row.update(tok_s_median=statistics.median(runs), tok_s_min=min(runs), tok_s_max=max(runs))
+        if cache is not None:
+            delta = {k: v - before[k] for k, v in _cache_counters(cache).items()}
+            lookups = delta["hits"] + delta["misses"]
+            tokens = args.repetitions * args.n_predict
+            row["hit_rate"] = delta["hits"] / lookups if lookups else None
+            row["uploads_per_token"] = delta["uploads"] / tokens
+            row["step_us_per_token"] = delta["step_ns"] / 1e3 / delta["steps"] if delta["steps"] else None
+            if cache.failed:
+                row["status"] = f"cache failed: {cache.failed}"
+        return row, info
+    finally:
+        if cache is not None:
+            cache.detach()  # a later context may reuse this one's address
+        llm.close()
+        del llm
+        gc.collect()
+
+
+def _decode_run(llm, prompt, n):
+    """Evaluate the prompt (untimed), then n greedy tokens; returns the decode seconds."""
+    import llama_cpp
+    import numpy as np
+
+    llm.reset()
+    llm.eval(prompt)
+    n_vocab = llm.n_vocab()
+    seconds = 0.0
+    for _ in range(n):
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(n_vocab,))
+        token = int(np.argmax(logits))
+        start = time.perf_counter()
+        llm.eval([token])
+        seconds += time.perf_counter() - start
+    return seconds
+
+
+def _cache_counters(cache):
+    if cache is None:
+        return {}
+    totals = cache.stats()["totals"]
+    return {"hits": totals["hits"], "misses": totals["misses"], "uploads": totals["uploads"],
+            "step_ns": cache.step_ns, "steps": cache.steps}
+
+
+def _host():
+    model = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
+                  if line.startswith("model name")), platform.processor() or "unknown CPU")
+    return {"cpu": model, "cpus": os.cpu_count(), "python": platform.python_version()}
+
+
+def _read(path):
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+# --- reporting ---------------------------------------------------------------------------------
+
+def _fmt(value, spec, missing="-"):
+    return missing if value is None else format(value, spec)
+
+
+def markdown(report) -> str:
+    lines = [
+        f"Model `{os.path.basename(report['model'])}` ({report['n_expert']} experts per layer), "
+        f"device: {report['device']}" + (f", cache on {report['cache_device']}" if report["cache_device"] else ""),
+        f"{report['prompt_tokens']} prompt tokens, {report['n_predict']} decode tokens per run, "
+        f"median [min, max] of {report['repetitions']} runs after a warm-up; policy {report['policy']}, "
+        f"{report['inserts']} inserts per layer per step; host: {report['host']['cpu']}, "
+        f"{report['host']['cpus']} CPUs, threads {report['threads'] or 'default'}",
+        f"Command: `{report['command']}`",
+        "",
+        "| config | decode tok/s | vs stock | hit % | uploads/token | step us/token | cache MiB |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in report["rows"]:
+        if r["status"] != "ok" and r["tok_s_median"] is None:
+            lines.append(f"| {r['config']} | {r['status']} | | | | | |")
+            continue
+        speed = f"{r['tok_s_median']:.2f} [{r['tok_s_min']:.2f}, {r['tok_s_max']:.2f}]"
+        hit = _fmt(None if r["hit_rate"] is None else 100 * r["hit_rate"], ".1f")
+        mib = _fmt(None if r["device_bytes"] is None else r["device_bytes"] / 2**20, ".1f")
+        status = "" if r["status"] == "ok" else f" ({r['status']})"
+        lines.append(f"| {r['config']}{status} | {speed} | {_fmt(r['ratio'], '.2f')} | {hit} | "
+                     f"{_fmt(r['uploads_per_token'], '.1f')} | {_fmt(r['step_us_per_token'], '.0f')} | {mib} |")
+    lines += [f"\nNote: {note}" for note in report["notes"]]
+    return "\n".join(lines)
+
+
+def plot(report, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    measured = [r for r in report["rows"] if r["tok_s_median"] is not None]
+    curve = [r for r in measured if r["config"] == "stock" or r["config"].startswith("K=")]
+    ks = [r["slots"] for r in curve]
+    fig, speed_axis = plt.subplots(figsize=(7, 4))
+    speed_axis.errorbar(ks, [r["tok_s_median"] for r in curve],
+                        yerr=[[r["tok_s_median"] - r["tok_s_min"] for r in curve],
+                              [r["tok_s_max"] - r["tok_s_median"] for r in curve]],
+                        marker="o", color="tab:blue", capsize=3, label="decode tok/s")
+    for r, style in ((next((r for r in measured if r["config"] == c), None), s)
+                     for c, s in (("stock-repack", ":"), ("all-device", "--"))):
+        if r:
+            speed_axis.axhline(r["tok_s_median"], linestyle=style, color="gray", label=r["config"])
+    speed_axis.set_xlabel("cache slots per layer (K)")
+    speed_axis.set_ylabel("decode tok/s")
+    hit_axis = speed_axis.twinx()
+    cached = [r for r in curve if r["hit_rate"] is not None]
+    hit_axis.plot([r["slots"] for r in cached], [100 * r["hit_rate"] for r in cached],
+                  marker="s", color="tab:orange", label="hit %")
+    hit_axis.set_ylabel("hit %")
+    hit_axis.set_ylim(0, 100)
+    handles = speed_axis.get_legend_handles_labels()
+    extra = hit_axis.get_legend_handles_labels()
+    speed_axis.legend(handles[0] + extra[0], handles[1] + extra[1], loc="lower right", fontsize=8)
+    speed_axis.set_title(f"{os.path.basename(report['model'])} on {report['device'].split(' (')[0]}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo's moecache
+    sys.exit(main())
