@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# One command for a lent GPU machine: build, install, generate the benchmark model, check
+# exactness, benchmark. No network is needed; everything lands under the output directory.
+#
+#   scripts/gpu_check.sh [--wheel PATH] [--out DIR] [--cpu-rehearsal]
+#
+#   --wheel PATH     install this llama-cpp-python wheel instead of building the CUDA one
+#   --out DIR        output directory (default: $OUT when set, else ./gpu-out)
+#   --cpu-rehearsal  the same phases on a CPU-only machine: no build or install (the llama_cpp
+#                    already importable is used, with the loopback RPC device as the device), a
+#                    4-layer model and few tokens
+#
+# Phases, each time-boxed with `timeout` (seconds), all within 10 minutes:
+#   build 300   scripts/build_wheel.sh --cuda 90 (skipped with --wheel or --cpu-rehearsal)
+#   install 30  pip install --no-deps --no-build-isolation --no-index: the wheel, then moecache.
+#               numpy, cffi, setuptools, gguf, jinja2, diskcache and typing_extensions must
+#               already be installed (no network): carry them as wheels and install them with
+#               pip install --no-index --find-links DIR ... first.
+#   model 90    python -m moecache.synth qwen3-30b-a3b (48 layers, ~17 GB, default locality)
+#   exact 60    scripts/check_exact.py: greedy tokens with a cache of 16 slots identical to the
+#               same placement without a cache over 128 tokens; prints max |logit difference|
+#   bench 120   scripts/bench_decode.py: stock, stock-repack, K=16,32,64, all-device
+# Output: phases.tsv (phase, exit status, seconds), <phase>.log, exact.json, bench.{md,json,png}.
+# Exit status: 0 when every phase passed, 1 otherwise, 2 for bad arguments.
+set -uo pipefail
+
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+out=${OUT:-./gpu-out}
+wheel=""
+rehearsal=0
+
+usage() { sed -n '2,28p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+bad() { echo "gpu_check: error: $*" >&2; exit 2; }
+
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --wheel) [ $# -gt 1 ] || bad "--wheel needs a path"; wheel=$2; shift ;;
+        --out) [ $# -gt 1 ] || bad "--out needs a directory"; out=$2; shift ;;
+        --cpu-rehearsal) rehearsal=1 ;;
+        -h|--help) usage; exit 0 ;;
+        *) bad "unknown argument '$1' (see --help)" ;;
+    esac
+    shift
+done
+[ -z "$wheel" ] || [ -f "$wheel" ] || bad "wheel not found: $wheel"
+[ -z "$wheel" ] || [ "$rehearsal" = 0 ] || bad "--wheel and --cpu-rehearsal exclude each other"
+
+mkdir -p "$out" || bad "cannot create $out"
+out=$(cd "$out" && pwd)
+export MOECACHE_CACHE_DIR=${MOECACHE_CACHE_DIR:-$out/cache}
+threads=$(nproc)
+if [ "$rehearsal" = 1 ]; then
+    export PYTHONPATH=$repo${PYTHONPATH:+:$PYTHONPATH}   # moecache from this checkout
+    model_args=(--layers 4); exact_tokens=16; bench_args=(-n 4 -r 2)
+else
+    model_args=(); exact_tokens=128; bench_args=(-n 32 -r 3)
+fi
+
+status=0
+printf 'phase\texit\tseconds\n' > "$out/phases.tsv"
+# phase NAME SECONDS COMMAND...: run it under timeout, log to NAME.log, record the outcome
+phase() {
+    local name=$1 limit=$2; shift 2
+    local start=$SECONDS rc
+    echo "gpu_check: $name (at most ${limit} s)" >&2
+    timeout --kill-after=10 "$limit" "$@" > "$out/$name.log" 2>&1
+    rc=$?
+    printf '%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - start))" >> "$out/phases.tsv"
+    if [ "$rc" != 0 ]; then
+        status=1
+        [ "$rc" = 124 ] && echo "gpu_check: $name timed out after $limit s" >&2
+        echo "gpu_check: $name failed (exit $rc); last lines of $out/$name.log:" >&2
+        tail -n 5 "$out/$name.log" >&2
+    fi
+    return "$rc"
+}
+
+if [ "$rehearsal" = 0 ]; then
+    if [ -z "$wheel" ]; then
+        phase build 300 "$repo/scripts/build_wheel.sh" --cuda 90 --out "$out/dist" || exit 1
+        wheel=$(ls "$out"/dist/llama_cpp_python-*.whl | head -n 1)
+    fi
+    phase install 30 bash -c 'python3 -m pip install --no-deps --no-build-isolation --no-index --force-reinstall "$1" \
+        && python3 -m pip install --no-deps --no-build-isolation --no-index "$2" \
+        && cd / && python3 -c "import llama_cpp, moecache.native as n; print(llama_cpp.__version__, n.patch_version())"' \
+        _ "$wheel" "$repo" || exit 1
+fi
+
+phase model 90 python3 -m moecache.synth qwen3-30b-a3b "${model_args[@]}" --threads "$threads" || exit 1
+model=$(tail -n 1 "$out/model.log")
+
+phase exact 60 python3 "$repo/scripts/check_exact.py" -m "$model" -n "$exact_tokens" --slots 16 \
+    -t "$threads" --json "$out/exact.json"
+grep '^check_exact:' "$out/exact.log" >&2
+
+png=()
+python3 -c "import matplotlib" 2>/dev/null && png=(--png "$out/bench.png")
+phase bench 120 python3 "$repo/scripts/bench_decode.py" -m "$model" "${bench_args[@]}" -t "$threads" \
+    --slots 0,16,32,64 --stock-repack --all-device --md "$out/bench.md" --json "$out/bench.json" "${png[@]}"
+[ -f "$out/bench.md" ] && cat "$out/bench.md" >&2
+
+echo "gpu_check: $([ "$status" = 0 ] && echo passed || echo FAILED); phases in $out/phases.tsv" >&2
+exit "$status"
