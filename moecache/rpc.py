@@ -41,7 +41,9 @@ class RpcDevice:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "moecache.rpc", "--serve", self.endpoint,
              "--lib-dir", str(ggml.lib_dir()), "--threads", str(threads or os.cpu_count() or 1)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+            # the server idles between graphs: spinning OpenMP threads would starve the client
+            env={**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "passive")})
         try:
             self._wait_listening(timeout)
         except BaseException:

@@ -17,7 +17,7 @@ def rpc_device():
     """One loopback RPC device for the whole session (ggml cannot unregister a device)."""
     from moecache.rpc import RpcDevice
 
-    device = RpcDevice(threads=N_THREADS)
+    device = RpcDevice(threads=1)
     yield device
     gc.collect()  # contexts and models on the device go first
     device.close()

@@ -62,27 +62,28 @@ def smol_stock(rpc_device, smol_path):
     return greedy(llm, PROMPT, 256)
 
 
-@pytest.mark.parametrize("slots,inserts", [(2, 1), (8, 2), (1, 1)])
-def test_cache_is_bit_identical_and_accounts_every_lookup(smol_stock, smol_path, slots, inserts):
+@pytest.mark.parametrize("slots,inserts,n_tokens", [(2, 1, 256), (8, 2, 128), (1, 1, 128)])
+def test_cache_is_bit_identical_and_accounts_every_lookup(smol_stock, smol_path, slots, inserts, n_tokens):
     llm = load(smol_path)
     cache = attach(llm, slots=slots, inserts=inserts, policy="lru")
     plans = record_plans(cache)
-    tokens, logits = greedy(llm, PROMPT, 256)
+    tokens, logits = greedy(llm, PROMPT, n_tokens)
 
-    assert tokens == smol_stock[0]
-    assert np.array_equal(logits, smol_stock[1]), f"max |diff| {np.abs(logits - smol_stock[1]).max()}"
+    assert tokens == smol_stock[0][:n_tokens]
+    stock_logits = smol_stock[1][:n_tokens]
+    assert np.array_equal(logits, stock_logits), f"max |diff| {np.abs(logits - stock_logits).max()}"
 
     n_layers, k = len(cache.layers), cache.n_used
     stats = cache.stats()
     observed = [p for p in plans if p.hit_mask is not None]
-    assert stats["decode_steps"] == len(observed) == 255  # the 256th graph is not observed yet
+    assert stats["decode_steps"] == len(observed) == n_tokens - 1  # the last graph is not observed yet
     assert stats["totals"]["hits"] + stats["totals"]["misses"] == n_layers * k * len(observed)
     for plan in plans:
         assert np.bincount(plan.upload[:, 0], minlength=n_layers).max(initial=0) <= inserts
 
     # libllama's CPU observer saw the same hits, plus the graph not observed yet
     native_counters = cache.native_counters()
-    assert sum(c["hits"] + c["misses"] for c in native_counters) == n_layers * k * 256
+    assert sum(c["hits"] + c["misses"] for c in native_counters) == n_layers * k * n_tokens
     last = len(observed)
     engine_hits = stats["totals"]["hits"]
     assert engine_hits <= sum(c["hits"] for c in native_counters) <= engine_hits + n_layers * k
@@ -225,3 +226,53 @@ def test_two_devices_each_hold_their_layers_cache(smol_path):
 
 def _line(text: str, prefix: str) -> str:
     return next(line[len(prefix):] for line in text.splitlines() if line.startswith(prefix))
+
+
+def _decode_graph_names(path: str, slots: int) -> list[str]:
+    """Names of the nodes of one single-token decode graph, through the scheduler's eval callback."""
+    import ctypes
+
+    import llama_cpp.llama_cpp as lib
+
+    from moecache import ggml
+
+    base = ggml.libggml_base()
+    base.ggml_get_name.restype = ctypes.c_char_p
+    base.ggml_get_name.argtypes = [ctypes.c_void_p]
+    names: list[str] = []
+
+    @lib.ggml_backend_sched_eval_callback
+    def ask(tensor, ask_only, user_data):
+        if ask_only:
+            names.append(base.ggml_get_name(tensor).decode())
+        return False  # asked about every node, observe none
+
+    stock = lib.llama_context_default_params
+
+    def with_callback():
+        params = stock()
+        params.cb_eval = ask
+        return params
+
+    lib.llama_context_default_params = with_callback
+    try:
+        llm = load(path)
+    finally:
+        lib.llama_context_default_params = stock
+    if slots:
+        attach(llm, slots=slots)
+    llm.eval(llm.tokenize(PROMPT))
+    names.clear()
+    llm.eval([llm.tokenize(b" red")[-1]])
+    return list(names)
+
+
+def test_cache_off_builds_the_stock_graph(rpc_device, tiny_path):
+    off = _decode_graph_names(tiny_path, 0)
+    on = _decode_graph_names(tiny_path, 2)
+    assert off and not any("moe_cache" in name for name in off)
+    assert any(name.startswith("ffn_moe_cache_down") for name in on)
+    # the cache adds its own nodes and removes none of the stock graph's (unnamed nodes are
+    # called after their index, which the added nodes shift)
+    named = lambda names: {n for n in names if not n.startswith("node_")}  # noqa: E731
+    assert named(off) <= named(on) and len(on) > len(off)
