@@ -18,10 +18,10 @@ The device is the GPU when ggml has one, else a loopback RPC device (a CPU backe
 subprocess: it checks the mechanism and costs, it is no faster than the CPU).
 
 Per configuration: one untimed warm-up run, then -r timed runs; each run evaluates the prompt
-(untimed) and then -n greedy decode tokens, timed from the prompt's logits to the last token's. Reported:
-decode tok/s (median, min, max over the runs), ratio to stock, and for cache rows the hit rate,
-uploads per token and the time in the cache's step callback per token over the timed runs, and
-the device memory the cache took. The cache stays warm across runs, as in a server.
+(untimed) and then -n greedy decode tokens, timed from the prompt's logits to the last
+token's. Reported: decode tok/s (median, min, max over the runs), ratio to stock, and for
+cache rows the hit rate, uploads per token and the time in the cache's step callback per
+token over the timed runs, and the device memory the cache took. The cache stays warm across runs, as in a server.
 """
 
 from __future__ import annotations
