@@ -259,6 +259,8 @@ class CacheEngine:
                 cand_worth = cand_worth[keep]
             n_want = np.minimum(n_want, budget[:, 0] if per_layer_budget else budget)
         rows = np.flatnonzero(n_want)
+        if rows.size == 0:  # prefetch: only layers without budget left wanted something
+            return _NO_LAYERS
         n_want = n_want[rows]
         # Slot ranking per row: free slots -inf (lowest index first), evictable residents by
         # policy priority, anything else +inf (never). Only rows short of free slots evict.

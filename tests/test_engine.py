@@ -209,6 +209,24 @@ def test_prefetch_uses_leftover_budget_and_counts_hits_and_waste():
     assert stats["total"]["prefetch_hits"] == 1 and set(stats["layers"]) >= {"hits", "prefetch_waste"}
 
 
+class PredictFive(Lru):
+    """Test policy: LRU that predicts expert 5 in layer 0 only, from the second boundary on."""
+    name = "predict-five"
+
+    def predict(self, step):
+        return np.array([[5 if step else -1], [-1]])
+
+
+def test_prefetch_only_for_layers_whose_budget_the_misses_used():
+    # layer 0's miss takes its whole budget, layer 1 has budget left but no prediction:
+    # nothing is prefetched (this used to raise on an empty reduction)
+    engine = CacheEngine(2, 16, 8, PredictFive(), inserts=1)
+    engine.step(None)
+    plan = engine.step(np.array([[3], [-1]]))
+    assert plan.upload.tolist() == [[0, 3, 0]]
+    assert engine.counters["prefetch_uploads"].tolist() == [0, 0]
+
+
 def test_prefetch_waste_counted_when_evicted_unused():
     engine = CacheEngine(1, 16, 2, PredictNext(), inserts=2)
     engine.step(None)
