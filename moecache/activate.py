@@ -38,13 +38,19 @@ def attach(target, **overrides) -> LiveCache:
     config = CacheConfig.from_env(**overrides)
     _setup_logging(config.debug > 0)
     ctx = native.as_context(context_of(target))
-    existing = next((c for c in _caches if c.ctx == ctx and not c.detached), None)
-    if existing is not None:
-        if existing.config == config:  # e.g. attached already by LLAMA_MOE_CACHE_SLOTS
-            return existing
-        existing.detach()
+    existing = next((c for c in reversed(_caches) if c.ctx == ctx and not c.detached), None)
+    # a context freed and another allocated at its address has no native cache yet
+    if existing is not None and existing.config == config and native.lib().llama_moe_cache_n_layers(ctx) > 0:
+        return existing  # e.g. attached already by LLAMA_MOE_CACHE_SLOTS
     name = getattr(target, "model_path", None) or native.model_metadata(ctx, "general.name") or "model"
-    cache = LiveCache(ctx, config, model_name=name)
+    return _register(LiveCache(ctx, config, model_name=name))
+
+
+def _register(cache: LiveCache) -> LiveCache:
+    # its init replaced whatever cache this context had: older ones are stale
+    for old in _caches:
+        if old.ctx == cache.ctx and not old.detached:
+            old.detach()
     _caches.append(cache)
     return cache
 
@@ -76,7 +82,7 @@ def install() -> bool:
         except Exception as e:  # never break context creation
             log.error("moecache: error: %s: %s - no expert cache for this context", type(e).__name__, e)
         else:
-            _caches.append(cache)
+            _register(cache)
 
     _context_callback = native.ffi.callback("llama_moe_cache_context_callback", on_context)
     lib.llama_moe_cache_set_context_callback(_context_callback, native.ffi.NULL)

@@ -649,17 +649,36 @@ def _smol_router(rng: np.random.Generator, ffn_norm: Any, n_expert: int,
 FIXTURES = ("tiny", "smol-moe")
 
 
-class _ArgumentError(Exception):
-    pass
+class ArgumentError(Exception):
+    """argparse's complaint, raised instead of printing usage and exiting."""
 
 
-class _Parser(argparse.ArgumentParser):
+class CliParser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
-        raise _ArgumentError(message)
+        raise ArgumentError(message)
+
+
+def run_cli(parser: argparse.ArgumentParser, build: Callable[[argparse.Namespace], Path],
+            argv: Sequence[str] | None) -> int:
+    """Parse argv, build a model file and print its path. Errors are one line, never a
+    traceback: exit 2 for bad input, 1 for anything else."""
+    try:
+        out = build(parser.parse_args(argv))
+    except (ArgumentError, ValueError) as e:
+        print(f"error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - the CLI reports, never tracebacks
+        print(f"error: {_one_line(e) or type(e).__name__}", file=sys.stderr)
+        return 1
+    print(out)
+    return 0
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m moecache.fixtures",
+    p = CliParser(prog="python -m moecache.fixtures",
                 description="Build (or reuse) a fixture model and print its path.")
     p.add_argument("fixture", help="tiny | smol-moe")
     p.add_argument("--experts", type=int, default=None, metavar="E", help="number of experts")
@@ -674,42 +693,31 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _build(args: argparse.Namespace) -> Path:
+    kw: dict[str, Any] = {}
+    if args.experts is not None:
+        kw["n_expert"] = args.experts
+    if args.top_k is not None:
+        kw["n_expert_used"] = args.top_k
+    if args.seed is not None:
+        kw["seed"] = args.seed
+    tiny_only = {"--layers": ("n_layer", args.layers), "--embd": ("n_embd", args.embd),
+                 "--expert-type": ("expert_type", args.expert_type)}
+    if args.fixture == "tiny":
+        for opt, (k, v) in tiny_only.items():
+            if v is not None:
+                kw[k] = v
+        return tiny_moe(args.out, **kw)
+    if args.fixture == "smol-moe":
+        for opt, (_, v) in tiny_only.items():
+            if v is not None:
+                raise ValueError(f"{opt} applies only to the tiny fixture")
+        return smol_moe(args.out, **kw)
+    raise ValueError(f"unknown fixture {args.fixture!r} (choose from {', '.join(FIXTURES)})")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        args = _parser().parse_args(argv)
-        kw: dict[str, Any] = {}
-        if args.experts is not None:
-            kw["n_expert"] = args.experts
-        if args.top_k is not None:
-            kw["n_expert_used"] = args.top_k
-        if args.seed is not None:
-            kw["seed"] = args.seed
-        tiny_only = {"--layers": ("n_layer", args.layers), "--embd": ("n_embd", args.embd),
-                     "--expert-type": ("expert_type", args.expert_type)}
-        if args.fixture == "tiny":
-            for opt, (k, v) in tiny_only.items():
-                if v is not None:
-                    kw[k] = v
-            out = tiny_moe(args.out, **kw)
-        elif args.fixture == "smol-moe":
-            for opt, (_, v) in tiny_only.items():
-                if v is not None:
-                    raise ValueError(f"{opt} applies only to the tiny fixture")
-            out = smol_moe(args.out, **kw)
-        else:
-            raise ValueError(f"unknown fixture {args.fixture!r} (choose from "
-                             f"{', '.join(FIXTURES)})")
-    except (_ArgumentError, ValueError) as e:
-        print(f"error: {_one_line(e)}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 130
-    except Exception as e:  # noqa: BLE001 - the CLI reports, never tracebacks
-        print(f"error: {_one_line(e) or type(e).__name__}", file=sys.stderr)
-        return 1
-    print(out)
-    return 0
+    return run_cli(_parser(), _build, argv)
 
 
 if __name__ == "__main__":

@@ -58,8 +58,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .fixtures import (KEY_FIXTURE, KEY_FIXTURE_KEY, _atomic_build, _check_int, _check_seed,
-                       _is_current, _key_digest, _one_line, _resolve_out, tiny_vocab)
+from .fixtures import (KEY_FIXTURE, KEY_FIXTURE_KEY, CliParser, _atomic_build, _check_int, _check_seed,
+                       _is_current, _key_digest, _resolve_out, run_cli, tiny_vocab)
 
 __all__ = ["PRESETS", "Shape", "file_bytes", "synth_moe", "main"]
 
@@ -347,17 +347,10 @@ def _write(tmp: Path, key: str, preset: str, shape: Shape, *, locality: float, s
 # command line
 
 
-class _ArgumentError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise _ArgumentError(message)
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m moecache.synth",
+    p = CliParser(prog="python -m moecache.synth",
                 description="Build (or reuse) a shape-realistic random MoE GGUF and print its path.")
     p.add_argument("preset", help=" | ".join(PRESETS))
     p.add_argument("--layers", type=int, metavar="N", help="number of layers (shrinks the model)")
@@ -373,21 +366,15 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _build(args: argparse.Namespace) -> Path:
+    overrides = {field: getattr(args, flag) for flag, field in SHAPE_FLAGS.items()
+                 if getattr(args, flag) is not None}
+    return synth_moe(args.preset, args.out, locality=args.locality, seed=args.seed,
+                     threads=args.threads, **overrides)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        args = _parser().parse_args(argv)
-        overrides = {field: getattr(args, flag) for flag, field in SHAPE_FLAGS.items()
-                     if getattr(args, flag) is not None}
-        out = synth_moe(args.preset, args.out, locality=args.locality, seed=args.seed,
-                        threads=args.threads, **overrides)
-    except (_ArgumentError, ValueError) as e:
-        print(f"error: {_one_line(e)}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 130
-    print(out)
-    return 0
+    return run_cli(_parser(), _build, argv)
 
 
 if __name__ == "__main__":
