@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import gc
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 N_THREADS = max(1, min(2, os.cpu_count() or 1))
+
+# the real routing traces: shared/ sits beside the repository (MOECACHE_TRACES overrides)
+TRACES = Path(os.environ.get("MOECACHE_TRACES", Path(__file__).resolve().parents[2] / "shared" / "traces"))
 
 
 @pytest.fixture(scope="session")

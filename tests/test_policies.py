@@ -8,7 +8,7 @@ from moecache.policies import DEFAULT_POLICY, POLICIES, make_policy
 from moecache.replay import observations, replay_per_layer
 from moecache.traces import read_trace, synthetic_routing
 
-TRACES = Path("/work/shared/traces")
+from conftest import TRACES  # noqa: E402
 REAL = [TRACES / "qwen3-30b-a3b.route.csv", TRACES / "gpt-oss-120b.route.csv"]
 ONLINE = [name for name, factory in POLICIES.items() if name != "belady"]
 

@@ -13,7 +13,7 @@ from moecache.profile import ProfileError, UsageProfile
 from moecache.replay import MIB, main, replay_global, replay_per_layer
 from moecache.traces import DECODE, read_trace
 
-TRACES = Path("/work/shared/traces")
+from conftest import TRACES  # noqa: E402
 QWEN = TRACES / "qwen3-30b-a3b.route.csv"
 GPTOSS = TRACES / "gpt-oss-120b.route.csv"
 needs_traces = pytest.mark.skipif(not QWEN.exists(), reason="shared traces not present")

@@ -7,7 +7,7 @@ import pytest
 from moecache.traces import (DECODE, PREFILL, TraceError, TraceWriter, read_trace,
                              synthetic_routing)
 
-TRACES = Path("/work/shared/traces")
+from conftest import TRACES  # noqa: E402
 QWEN = TRACES / "qwen3-30b-a3b.route.csv"
 GPTOSS = TRACES / "gpt-oss-120b.route.csv"
 needs_traces = pytest.mark.skipif(not QWEN.exists(), reason="shared traces not present")
