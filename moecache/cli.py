@@ -33,8 +33,14 @@ def _integer(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not usage + error
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="run.py", description=__doc__.split("\n\n")[0])
+    p = _OneLineParser(prog="run.py", description=__doc__.split("\n\n")[0])
     p.add_argument("-m", "--model", help="GGUF path (default: smol-moe, built on first use)")
     p.add_argument("-p", "--prompt", default="Explain how a mixture-of-experts model decides which experts handle each token.")
     p.add_argument("-n", "--n-predict", type=_positive, default=128, help="tokens to generate (default 128)")
