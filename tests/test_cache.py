@@ -302,3 +302,33 @@ def test_live_trace_replays_to_the_live_hit_count(tmp_path, rpc_device, smol_pat
     assert int((trace.residency[trace.phase == 1] > 0).sum()) == live["hits"]
     replayed = replay_per_layer(trace, cache.config.policy, 2, inserts=1)
     assert (replayed.hits_decode, replayed.lookups_decode) == (live["hits"], live["hits"] + live["misses"])
+
+
+def test_debug_stats_go_to_stderr(capfd, rpc_device, tiny_path):
+    llm = load(tiny_path)
+    cache = attach(llm, slots=2, debug=8)
+    greedy(llm, PROMPT, 20)
+    cache.close()
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("moecache: ")]
+    assert len(lines) >= 3  # every 8 steps and at close
+    assert "decode steps, hit rate" in lines[-1]
+
+
+def test_profile_warms_the_next_run(tmp_path, rpc_device, tiny_path):
+    profile = tmp_path / "profile.json"
+    first = load(tiny_path)
+    cold = attach(first, slots=4, profile=str(profile))
+    first_plans = record_plans(cold)
+    greedy(first, PROMPT, 24)
+    cold.close()
+    assert profile.exists()
+
+    second = load(tiny_path)
+    warm = attach(second, slots=4, profile=str(profile))
+    second_plans = record_plans(warm)
+    greedy(second, PROMPT, 24)
+    # preloaded at the first boundary, published at the second: they serve from the second step on
+    early = lambda plans: [int(p.hits.sum()) for p in plans if p.hit_mask is not None][:4]  # noqa: E731
+    cold_hits, warm_hits = early(first_plans), early(second_plans)
+    assert cold_hits[0] == warm_hits[0] == 0
+    assert sum(warm_hits) > sum(cold_hits), (cold_hits, warm_hits)
