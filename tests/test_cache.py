@@ -332,3 +332,31 @@ def test_profile_warms_the_next_run(tmp_path, rpc_device, tiny_path):
     cold_hits, warm_hits = early(first_plans), early(second_plans)
     assert cold_hits[0] == warm_hits[0] == 0
     assert sum(warm_hits) > sum(cold_hits), (cold_hits, warm_hits)
+
+
+def test_unsupported_architecture_is_refused_and_stock(capfd, rpc_device):
+    """A real MoE architecture outside the cache's list (granitemoe): attach refuses it,
+    libllama logs one line naming it, and decoding stays stock."""
+    import logging
+
+    from moecache.fixtures import tiny_moe
+
+    path = str(tiny_moe(n_layer=2, n_expert=8, arch="granitemoe"))
+    stock = greedy(load(path), PROMPT, 16)
+    llm = load(path)  # experts in host memory, the rest on the RPC device
+    assert native.model_metadata(native.as_context(llm._ctx.ctx), "general.architecture") == "granitemoe"
+    # llama_cpp prints llama.cpp's log to stderr only at its logger's level (ERROR unless verbose)
+    logger = logging.getLogger("llama-cpp-python")
+    level = logger.level
+    capfd.readouterr()
+    logger.setLevel(logging.WARNING)
+    try:
+        with pytest.raises(CacheUnavailable):
+            attach(llm, slots=2)
+    finally:
+        logger.setLevel(level)
+    lines = [line for line in capfd.readouterr().err.splitlines() if "expert cache disabled" in line]
+    assert len(lines) == 1 and "'granitemoe'" in lines[0], lines
+    assert native.lib().llama_moe_cache_n_layers(native.as_context(llm._ctx.ctx)) == 0
+    tokens, logits = greedy(llm, PROMPT, 16)
+    assert tokens == stock[0] and np.array_equal(logits, stock[1])

@@ -142,6 +142,26 @@ def test_tiny_sizes_and_types(tmp_cache):
         assert t["blk.3.ffn_gate_inp.weight"].tensor_type.name == "F32"
 
 
+def test_tiny_granitemoe(tmp_cache):
+    q = tiny_moe()
+    p = tiny_moe(arch="granitemoe")
+    assert p != q and tiny_moe(arch="qwen3moe") == q
+    r = gguf.GGUFReader(p)
+    f = _fields(r)
+    assert f["general.architecture"] == "granitemoe"
+    a = "granitemoe."
+    assert f[a + "expert_count"] == 8 and f[a + "expert_used_count"] == 2
+    assert f[a + "feed_forward_length"] == 64  # granitemoe sizes its experts by it
+    assert f[a + "logit_scale"] == 1.0
+    t = _tensors(r)
+    assert t["blk.1.ffn_up_exps.weight"].shape.tolist() == [64, 64, 8]
+    assert t["blk.1.attn_k.weight"].shape.tolist() == [64, 32]
+    assert not any("attn_q_norm" in n or "attn_k_norm" in n for n in t)
+    # the same random weights as the qwen3moe model of the same parameters
+    t_q = _tensors(gguf.GGUFReader(q))
+    assert np.array_equal(t["blk.1.ffn_up_exps.weight"].data, t_q["blk.1.ffn_up_exps.weight"].data)
+
+
 def test_tiny_rebuilds_stale_or_foreign_file(tmp_cache, tmp_path, monkeypatch):
     out = tmp_path / "m.gguf"
     out.write_bytes(b"GGUF garbage")
@@ -234,6 +254,8 @@ def test_tiny_vocab_is_byte_level():
     (dict(n_expert="8"), "n_expert"),
     (dict(expert_type="q5_k"), "expert_type"),
     (dict(n_embd=48, n_head=4, expert_type="q4_0"), "multiples of 32"),
+    (dict(arch="olmoe"), "arch"),
+    (dict(arch=None), "arch"),
 ])
 def test_tiny_bad_args(tmp_cache, kwargs, word):
     with pytest.raises(ValueError) as ei:
@@ -318,6 +340,8 @@ def test_cli_tiny(tmp_path):
     (["tiny", "--embd", "66"], "n_head"),
     (["tiny", "--bogus"], "--bogus"),
     (["smol-moe", "--layers", "3"], "--layers"),
+    (["smol-moe", "--arch", "granitemoe"], "--arch"),
+    (["tiny", "--arch", "mixtral"], "arch"),
     (["smol-moe", "--experts", "1"], "n_expert"),
     (["tiny", "--out", "/proc/nope/m.gguf"], "/proc/nope"),
 ])
