@@ -8,6 +8,6 @@ cd "$repo"
 
 "$repo/scripts/build_wheel.sh" "$@"
 wheel=$(ls "$repo"/dist/llama_cpp_python-*+moecache.*.whl)
-python3 -m pip install --quiet --disable-pip-version-check "$wheel"
-python3 -m pip install --quiet --disable-pip-version-check -e "$repo[test]"
+python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore "$wheel"
+python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore -e "$repo[test]"
 python3 -c "import llama_cpp, moecache.native as n; print('bootstrap: llama_cpp', llama_cpp.__version__, 'patch series', n.patch_version())"
