@@ -251,6 +251,23 @@ def tiny_vocab() -> tuple[list[str], list[int], list[str]]:
     return tokens, types, merges
 
 
+def add_tiny_tokenizer(w) -> None:
+    """Write tiny_vocab into a GGUFWriter as a gpt2-style tokenizer; <|endoftext|> is bos, eos
+    and pad."""
+    tokens, types, merges = tiny_vocab()
+    eot = tokens.index("<|endoftext|>")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(eot)
+    w.add_eos_token_id(eot)
+    w.add_pad_token_id(eot)
+    w.add_add_bos_token(False)
+
+
+
 def tiny_moe(path: str | os.PathLike[str] | None = None, *, n_layer: int = 2, n_expert: int = 8,
              n_expert_used: int = 2, n_embd: int = 64, seed: int = 0, n_head: int = 4,
              n_head_kv: int = 2, n_ff_exp: int | None = None, expert_type: str = "f32",
@@ -321,9 +338,8 @@ def _write_tiny(tmp: Path, key: str, *, n_layer: int, n_expert: int, n_expert_us
     import gguf  # deferred: only the builders need it
 
     head_dim = n_embd // n_head
-    tokens, types, merges = tiny_vocab()
+    tokens, types, _ = tiny_vocab()
     n_vocab = len(tokens)
-    eot = tokens.index("<|endoftext|>")
     rng = np.random.default_rng([seed, 0x7E57])
 
     def normal(*shape: int, std: float) -> np.ndarray:
@@ -359,15 +375,7 @@ def _write_tiny(tmp: Path, key: str, *, n_layer: int, n_expert: int, n_expert_us
     w.add_layer_norm_rms_eps(1e-6)
     if arch == "granitemoe":
         w.add_logit_scale(1.0)  # required; the other granite scales are optional
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(eot)
-    w.add_eos_token_id(eot)
-    w.add_pad_token_id(eot)
-    w.add_add_bos_token(False)
+    add_tiny_tokenizer(w)
 
     def add(name: str, arr: np.ndarray) -> None:
         w.add_tensor(name, np.ascontiguousarray(arr))

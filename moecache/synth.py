@@ -59,7 +59,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .fixtures import (KEY_FIXTURE, KEY_FIXTURE_KEY, CliParser, _atomic_build, _check_int, _check_seed,
-                       _is_current, _key_digest, _resolve_out, run_cli, tiny_vocab)
+                       _is_current, _key_digest, _resolve_out, add_tiny_tokenizer, run_cli, tiny_vocab)
 
 __all__ = ["PRESETS", "Shape", "file_bytes", "synth_moe", "main"]
 
@@ -260,9 +260,8 @@ def _write(tmp: Path, key: str, preset: str, shape: Shape, *, locality: float, s
     import gguf
 
     s = shape
-    tokens, types, merges = tiny_vocab()
+    tokens, types, _ = tiny_vocab()
     n_vocab = len(tokens)
-    eot = tokens.index("<|endoftext|>")
     normal = np.flatnonzero(np.asarray(types) == 1)
     rng = np.random.default_rng([seed, 0x5E7, 0])
     cycle = rng.permutation(normal)
@@ -297,15 +296,7 @@ def _write(tmp: Path, key: str, preset: str, shape: Shape, *, locality: float, s
     w.add_rope_dimension_count(s.head_dim)
     w.add_rope_freq_base(1_000_000.0)
     w.add_layer_norm_rms_eps(1e-6)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(eot)
-    w.add_eos_token_id(eot)
-    w.add_pad_token_id(eot)
-    w.add_add_bos_token(False)
+    add_tiny_tokenizer(w)
 
     plan = _tensor_plan(s, n_vocab)
     dense = {"token_embd.weight": token_embd, "output.weight": output}

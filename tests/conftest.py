@@ -3,6 +3,7 @@ loading with the experts in host memory."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 from pathlib import Path
@@ -51,21 +52,30 @@ def load(path, *, n_gpu_layers=-1, experts_on_host=True, repack=False, n_ctx=512
             return llama_cpp.Llama(path, n_gpu_layers=n_gpu_layers, n_ctx=n_ctx, n_threads=N_THREADS,
                                    n_threads_batch=N_THREADS, verbose=False)
     # everything where n_gpu_layers puts it, without repacking (the RPC server does not repack)
-    import llama_cpp.llama_cpp as lib
-
-    stock = lib.llama_model_default_params
-
-    def plain():
-        params = stock()
-        params.use_extra_bufts = repack
-        return params
-
-    lib.llama_model_default_params = plain
-    try:
+    with default_params("llama_model_default_params", use_extra_bufts=repack):
         return llama_cpp.Llama(path, n_gpu_layers=n_gpu_layers, n_ctx=n_ctx, n_threads=N_THREADS,
                                n_threads_batch=N_THREADS, verbose=False)
+
+
+@contextlib.contextmanager
+def default_params(name: str, **fields):
+    """Within the block, llama_cpp's `name` (llama_model_default_params or
+    llama_context_default_params, which Llama starts from) sets these fields."""
+    import llama_cpp.llama_cpp as lib
+
+    stock = getattr(lib, name)
+
+    def changed():
+        params = stock()
+        for field, value in fields.items():
+            setattr(params, field, value)
+        return params
+
+    setattr(lib, name, changed)
+    try:
+        yield
     finally:
-        lib.llama_model_default_params = stock
+        setattr(lib, name, stock)
 
 
 def greedy(llm, prompt: bytes, n: int):

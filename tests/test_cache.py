@@ -15,7 +15,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from conftest import greedy, load
+from conftest import default_params, greedy, load
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
@@ -216,7 +216,7 @@ def test_two_devices_each_hold_their_layers_cache(smol_path):
         sys.path.insert(0, "tests")
         from moecache.rpc import RpcDevice
         devices = [RpcDevice(threads=1), RpcDevice(threads=1)]
-        from conftest import greedy, load
+        from conftest import default_params, greedy, load
         from moecache.activate import attach
         stock = greedy(load(%r), b"The three primary colors are", 48)
         llm = load(%r)
@@ -255,18 +255,8 @@ def _decode_graph_names(path: str, slots: int) -> list[str]:
             names.append(base.ggml_get_name(tensor).decode())
         return False  # asked about every node, observe none
 
-    stock = lib.llama_context_default_params
-
-    def with_callback():
-        params = stock()
-        params.cb_eval = ask
-        return params
-
-    lib.llama_context_default_params = with_callback
-    try:
+    with default_params("llama_context_default_params", cb_eval=ask):
         llm = load(path)
-    finally:
-        lib.llama_context_default_params = stock
     if slots:
         attach(llm, slots=slots)
     llm.eval(llm.tokenize(PROMPT))
