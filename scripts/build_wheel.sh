@@ -1,18 +1,24 @@
 #!/usr/bin/env bash
 # Build the moecache-patched llama-cpp-python wheel into dist/.
 #
-#   scripts/build_wheel.sh [--cuda [ARCHS]] [--mtmd] [--jobs N] [--out DIR]
+#   scripts/build_wheel.sh [--cuda [ARCHS]] [--mtmd] [--cmake-args ARGS] [--jobs N] [--out DIR]
+#                          [--export-source DIR | --source DIR]
 #
 # Fetches the pinned llama-cpp-python sdist with pip (sha256 checked), applies patches/series
 # in order, and builds a wheel with a local version (0.3.36+moecache.<key>). The default build
 # is CPU-only with the ggml RPC backend (the test device). A rebuild is skipped when the sdist,
 # the patches, the flags and this script are unchanged; ccache is used when installed.
 #
-#   --cuda [ARCHS]  also build the CUDA backend (CMAKE_CUDA_ARCHITECTURES, default "native").
-#                   Needs nvcc and the CUDA toolkit's cuBLAS headers and libraries (CUDA 12/13).
-#   --mtmd          also build libmtmd (multimodal chat handlers); off by default to save time
-#   --jobs N        parallel compile jobs (default: nproc)
-#   --out DIR       where to put the wheel (default: dist/)
+#   --cuda [ARCHS]       also build the CUDA backend (CMAKE_CUDA_ARCHITECTURES, default "native").
+#                        Needs nvcc and the CUDA toolkit's cuBLAS headers and libraries (CUDA 12/13).
+#   --mtmd               also build libmtmd (multimodal chat handlers); off by default to save time
+#   --cmake-args ARGS    more CMake flags, e.g. "-DGGML_CUDA_FA=OFF"
+#   --jobs N             parallel compile jobs (default: nproc)
+#   --out DIR            where to put the wheel (default: dist/)
+#   --export-source DIR  write the patched source tree (version set) to DIR and stop: for a
+#                        machine without network (scripts/gpu_bundle.sh packs it)
+#   --source DIR         build from such a tree, offline: no download, no patching, and no build
+#                        isolation (scikit-build-core must be installed)
 #
 # Environment: MOECACHE_CACHE_DIR (default ${XDG_CACHE_HOME:-~/.cache}/moecache) holds the sdist,
 # the build tree and the built wheels.
@@ -27,6 +33,9 @@ out=$repo/dist
 jobs=$(nproc)
 cuda_archs=""
 mtmd=OFF
+extra_args=""
+export_dir=""
+source_dir=""
 
 die() { echo "build_wheel: error: $*" >&2; exit 1; }
 
@@ -38,7 +47,10 @@ while [ $# -gt 0 ]; do
         --mtmd) mtmd=ON ;;
         --jobs) [ $# -gt 1 ] && [[ "$2" =~ ^[1-9][0-9]*$ ]] || die "--jobs needs a positive integer"; jobs=$2; shift ;;
         --out)  [ $# -gt 1 ] || die "--out needs a directory"; out=$2; shift ;;
-        -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        --cmake-args) [ $# -gt 1 ] || die "--cmake-args needs a value"; extra_args=$2; shift ;;
+        --export-source) [ $# -gt 1 ] || die "--export-source needs a directory"; export_dir=$2; shift ;;
+        --source) [ $# -gt 1 ] && [ -f "$2/llama_cpp/__init__.py" ] || die "--source needs a patched llama-cpp-python tree"; source_dir=$(cd "$2" && pwd); shift ;;
+        -h|--help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) die "unknown argument '$1' (see --help)" ;;
     esac
     shift
@@ -46,9 +58,25 @@ done
 
 flags="-DGGML_RPC=ON -DLLAVA_BUILD=$mtmd -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF"
 if [ -n "$cuda_archs" ]; then
-    command -v nvcc >/dev/null || die "--cuda needs nvcc on PATH"
+    [ -n "$export_dir" ] || command -v nvcc >/dev/null || die "--cuda needs nvcc on PATH"
     flags="$flags -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=$cuda_archs"
 fi
+[ -z "$extra_args" ] || flags="$flags $extra_args"
+[ -z "$export_dir" ] || [ -z "$source_dir" ] || die "--export-source and --source exclude each other"
+
+publish() {  # dist/ holds one patched wheel: the current one
+    mkdir -p "$out"
+    rm -f "$out"/llama_cpp_python-*+moecache.*.whl
+    cp "$wheel_dir"/*.whl "$out"/
+}
+
+if [ -n "$source_dir" ]; then
+    src=$source_dir
+    version=$(sed -n 's/^__version__ = "\(.*\)"$/\1/p' "$src/llama_cpp/__init__.py")
+    [[ "$version" == *+moecache.* ]] || die "$src is not a patched tree (version '$version')"
+    wheel_dir=$cache/wheels/source-$(echo "$version $flags" | sha256sum | cut -c1-12)
+    pip_offline=(--no-build-isolation --no-index)
+else
 
 # --- the pinned sdist ---------------------------------------------------------------------
 sdist=$cache/sdist/llama_cpp_python-$VERSION.tar.gz
@@ -67,20 +95,14 @@ mapfile -t patches < <(grep -v -e '^#' -e '^[[:space:]]*$' "$series")
 key=$( { echo "$SDIST_SHA256 $flags"; cat "${BASH_SOURCE[0]}" "$series"; for p in "${patches[@]}"; do cat "$repo/patches/$p"; done; } \
        | sha256sum | cut -c1-12)
 wheel_dir=$cache/wheels/$key
-# dist/ holds one patched wheel: the current one
-publish() {
-    mkdir -p "$out"
-    rm -f "$out"/llama_cpp_python-*+moecache.*.whl
-    cp "$wheel_dir"/*.whl "$out"/
-}
-if ls "$wheel_dir"/*.whl >/dev/null 2>&1; then
+if [ -z "$export_dir" ] && ls "$wheel_dir"/*.whl >/dev/null 2>&1; then
     publish
     echo "build_wheel: up to date: $out/$(basename "$wheel_dir"/*.whl)"
     exit 0
 fi
 
 # --- patched source tree (a fixed path, so ccache hits across patch revisions) ----------------
-src=$cache/build/src
+src=${export_dir:-$cache/build/src}
 rm -rf "$src" && mkdir -p "$src"
 tar xzf "$sdist" -C "$src" --strip-components=1
 for p in "${patches[@]}"; do
@@ -92,6 +114,12 @@ for p in "${patches[@]}"; do
 done
 sed -i "s/^__version__ = \"$VERSION\"$/__version__ = \"$VERSION+moecache.$key\"/" "$src/llama_cpp/__init__.py"
 grep -q "moecache.$key" "$src/llama_cpp/__init__.py" || die "could not set the local version in llama_cpp/__init__.py"
+if [ -n "$export_dir" ]; then
+    echo "build_wheel: patched source of $VERSION+moecache.$key in $export_dir"
+    exit 0
+fi
+pip_offline=()
+fi
 
 # --- build ---------------------------------------------------------------------------------------
 if command -v ccache >/dev/null; then
@@ -102,11 +130,11 @@ else
     echo "build_wheel: ccache not found: a full build (about 10 minutes on 2 cores)"
 fi
 
-echo "build_wheel: building llama-cpp-python $VERSION+moecache.$key ($flags)"
+echo "build_wheel: building $(sed -n 's/^__version__ = "\(.*\)"$/\1/p' "$src/llama_cpp/__init__.py") ($flags)"
 start=$(date +%s)
 rm -rf "$wheel_dir.tmp" && mkdir -p "$wheel_dir.tmp"
 CMAKE_ARGS="$flags" CMAKE_BUILD_PARALLEL_LEVEL=$jobs \
-    python3 -m pip wheel --no-deps --wheel-dir "$wheel_dir.tmp" \
+    python3 -m pip wheel --no-deps "${pip_offline[@]}" --wheel-dir "$wheel_dir.tmp" \
         --config-settings=build-dir="$cache/build/cmake" --config-settings=cmake.verbose=false "$src" \
     || die "the wheel build failed (see the compiler output above)"
 rm -rf "$wheel_dir" && mv "$wheel_dir.tmp" "$wheel_dir"

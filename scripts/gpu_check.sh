@@ -2,39 +2,53 @@
 # One command for a lent GPU machine: build, install, generate the benchmark model, check
 # exactness, benchmark. No network is needed; everything lands under the output directory.
 #
-#   scripts/gpu_check.sh [--wheel PATH] [--out DIR] [--cpu-rehearsal]
+#   scripts/gpu_check.sh [--bundle DIR] [--wheel PATH] [--build-only] [--out DIR] [--cpu-rehearsal]
 #
+#   --bundle DIR     offline inputs made here by scripts/gpu_bundle.sh (the patched source and the
+#                    wheels the GPU image lacks); carry it to the GPU machine
 #   --wheel PATH     install this llama-cpp-python wheel instead of building the CUDA one
-#   --out DIR        output directory (default: $OUT when set, else ./gpu-out)
+#   --build-only     stop after building the wheel (into OUT/dist), for a first device call
+#   --out DIR        working directory (default ./gpu-out); small results are also copied to
+#                    $OUT when it is set (the device tool's result folder)
 #   --cpu-rehearsal  the same phases on a CPU-only machine: no build or install (the llama_cpp
 #                    already importable is used, with the loopback RPC device as the device), a
 #                    4-layer model and few tokens
 #
-# Phases, each time-boxed with `timeout` (seconds), all within 10 minutes:
-#   build 300   scripts/build_wheel.sh --cuda 90 (skipped with --wheel or --cpu-rehearsal)
-#   install 30  pip install --no-deps --no-build-isolation --no-index: the wheel, then moecache.
-#               numpy, cffi, setuptools, gguf, jinja2, diskcache and typing_extensions must
-#               already be installed (no network): carry them as wheels and install them with
-#               pip install --no-index --find-links DIR ... first.
-#   model 90    python -m moecache.synth qwen3-30b-a3b (48 layers, ~17 GB, default locality)
-#   exact 60    scripts/check_exact.py: greedy tokens with a cache of 16 slots identical to the
+# On a lent machine (10 minutes a command, the machine stays warm between back-to-back calls):
+#   here:        scripts/gpu_bundle.sh
+#   device call: scripts/gpu_check.sh --bundle gpu-bundle --build-only          (carry gpu-bundle)
+#   device call: scripts/gpu_check.sh --bundle gpu-bundle --wheel gpu-out/dist/*.whl
+#
+# Phases, each time-boxed with `timeout` (seconds):
+#   build 540   build_wheel.sh --cuda 90 --cmake-args -DGGML_CUDA_FA=OFF (from the bundle's
+#               source when given; FlashAttention kernels are left out to fit the time box:
+#               stock and cached runs use the same build)
+#   install 60  the bundle's wheels into OUT/site (PYTHONPATH), the llama-cpp-python wheel and
+#               moecache with pip --no-deps --no-build-isolation --no-index
+#   model 150   python -m moecache.synth qwen3-30b-a3b (48 layers, ~17 GB, default locality)
+#   exact 90    scripts/check_exact.py: greedy tokens with a cache of 16 slots identical to the
 #               same placement without a cache over 128 tokens; prints max |logit difference|
-#   bench 120   scripts/bench_decode.py: stock, stock-repack, K=16,32,64, all-device
+#   bench 180   scripts/bench_decode.py: stock, stock-repack, K=16,32,64, all-device
 # Output: phases.tsv (phase, exit status, seconds), <phase>.log, exact.json, bench.{md,json,png}.
 # Exit status: 0 when every phase passed, 1 otherwise, 2 for bad arguments.
 set -uo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-out=${OUT:-./gpu-out}
+out=./gpu-out
 wheel=""
+bundle=""
+build_only=0
 rehearsal=0
 
-usage() { sed -n '2,28p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,36p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 bad() { echo "gpu_check: error: $*" >&2; exit 2; }
 
 while [ $# -gt 0 ]; do
     case "$1" in
         --wheel) [ $# -gt 1 ] || bad "--wheel needs a path"; wheel=$2; shift ;;
+        --bundle) [ $# -gt 1 ] && [ -f "$2/src.tar.gz" ] && [ -d "$2/wheels" ] || bad "--bundle needs a directory made by scripts/gpu_bundle.sh"
+                  bundle=$(cd "$2" && pwd); shift ;;
+        --build-only) build_only=1 ;;
         --out) [ $# -gt 1 ] || bad "--out needs a directory"; out=$2; shift ;;
         --cpu-rehearsal) rehearsal=1 ;;
         -h|--help) usage; exit 0 ;;
@@ -44,6 +58,8 @@ while [ $# -gt 0 ]; do
 done
 [ -z "$wheel" ] || [ -f "$wheel" ] || bad "wheel not found: $wheel"
 [ -z "$wheel" ] || [ "$rehearsal" = 0 ] || bad "--wheel and --cpu-rehearsal exclude each other"
+[ "$build_only" = 0 ] || [ -z "$wheel" ] || bad "--build-only and --wheel exclude each other"
+[ "$build_only" = 0 ] || [ "$rehearsal" = 0 ] || bad "--build-only and --cpu-rehearsal exclude each other"
 
 mkdir -p "$out" || bad "cannot create $out"
 out=$(cd "$out" && pwd)
@@ -75,27 +91,47 @@ phase() {
     return "$rc"
 }
 
+# small results go back through the device tool's result folder
+report() {
+    [ -n "${OUT:-}" ] && [ "$OUT" != "$out" ] || return 0
+    mkdir -p "$OUT" && cp "$out"/*.tsv "$out"/*.log "$OUT"/ 2>/dev/null
+    cp "$out"/*.json "$out"/*.md "$out"/*.png "$OUT"/ 2>/dev/null
+    return 0
+}
+trap report EXIT
+
 if [ "$rehearsal" = 0 ]; then
-    if [ -z "$wheel" ]; then
-        phase build 300 "$repo/scripts/build_wheel.sh" --cuda 90 --out "$out/dist" || exit 1
-        wheel=$(ls "$out"/dist/llama_cpp_python-*.whl | head -n 1)
+    if [ -n "$bundle" ]; then
+        export PYTHONPATH=$out/site${PYTHONPATH:+:$PYTHONPATH}
     fi
-    phase install 30 bash -c 'python3 -m pip install --no-deps --no-build-isolation --no-index --force-reinstall "$1" \
+    if [ -z "$wheel" ]; then
+        source_args=()
+        if [ -n "$bundle" ]; then
+            rm -rf "$out/src" && mkdir -p "$out/src" && tar xzf "$bundle/src.tar.gz" -C "$out/src"
+            source_args=(--source "$out/src")
+        fi
+        phase build 540 "$repo/scripts/build_wheel.sh" --cuda 90 --cmake-args "-DGGML_CUDA_FA=OFF" \
+            "${source_args[@]}" --out "$out/dist" || exit 1
+        wheel=$(ls "$out"/dist/llama_cpp_python-*.whl | head -n 1)
+        [ "$build_only" = 0 ] || { echo "gpu_check: built $wheel" >&2; exit 0; }
+    fi
+    phase install 60 bash -c '{ [ -z "$3" ] || python3 -m pip install -q --no-index --no-deps --upgrade --target "$4" "$3"/wheels/*.whl; } \
+        && python3 -m pip install --no-deps --no-build-isolation --no-index --force-reinstall "$1" \
         && python3 -m pip install --no-deps --no-build-isolation --no-index "$2" \
         && cd / && python3 -c "import llama_cpp, moecache.native as n; print(llama_cpp.__version__, n.patch_version())"' \
-        _ "$wheel" "$repo" || exit 1
+        _ "$wheel" "$repo" "$bundle" "$out/site" || exit 1
 fi
 
-phase model 90 python3 -m moecache.synth qwen3-30b-a3b "${model_args[@]}" --threads "$threads" || exit 1
+phase model 150 python3 -m moecache.synth qwen3-30b-a3b "${model_args[@]}" --threads "$threads" || exit 1
 model=$(tail -n 1 "$out/model.log")
 
-phase exact 60 python3 "$repo/scripts/check_exact.py" -m "$model" -n "$exact_tokens" --slots 16 \
+phase exact 90 python3 "$repo/scripts/check_exact.py" -m "$model" -n "$exact_tokens" --slots 16 \
     -t "$threads" --json "$out/exact.json"
 grep '^check_exact:' "$out/exact.log" >&2
 
 png=()
 python3 -c "import matplotlib" 2>/dev/null && png=(--png "$out/bench.png")
-phase bench 120 python3 "$repo/scripts/bench_decode.py" -m "$model" "${bench_args[@]}" -t "$threads" \
+phase bench 180 python3 "$repo/scripts/bench_decode.py" -m "$model" "${bench_args[@]}" -t "$threads" \
     --slots 0,16,32,64 --stock-repack --all-device --md "$out/bench.md" --json "$out/bench.json" "${png[@]}"
 [ -f "$out/bench.md" ] && cat "$out/bench.md" >&2
 
