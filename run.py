@@ -19,7 +19,9 @@ def _installed() -> bool:
 if __name__ == "__main__":
     if not _installed():
         print("run.py: installing the patched llama-cpp-python and moecache (scripts/bootstrap.sh)", file=sys.stderr)
-        subprocess.run([os.path.join(REPO, "scripts", "bootstrap.sh")], check=True)
+        if subprocess.run([os.path.join(REPO, "scripts", "bootstrap.sh")]).returncode != 0:
+            sys.exit("run.py: error: scripts/bootstrap.sh failed (see above)")
+        os.execv(sys.executable, [sys.executable, *sys.argv])  # start again with the new packages
     from moecache.cli import main
 
     sys.exit(main())
