@@ -19,7 +19,8 @@ def _installed() -> bool:
 if __name__ == "__main__":
     if not _installed():
         print("run.py: installing the patched llama-cpp-python and moecache (scripts/bootstrap.sh)", file=sys.stderr)
-        if subprocess.run([os.path.join(REPO, "scripts", "bootstrap.sh")]).returncode != 0:
+        bootstrap = [os.path.join(REPO, "scripts", "bootstrap.sh")]
+        if subprocess.run(bootstrap, env={**os.environ, "PYTHON": sys.executable}).returncode != 0:
             sys.exit("run.py: error: scripts/bootstrap.sh failed (see above)")
         os.execv(sys.executable, [sys.executable, *sys.argv])  # start again with the new packages
     from moecache.cli import main

@@ -5,9 +5,10 @@
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo"
+python=${PYTHON:-python3}  # the interpreter to install into (run.py passes its own)
 
 "$repo/scripts/build_wheel.sh" "$@"
 wheel=$(ls "$repo"/dist/llama_cpp_python-*+moecache.*.whl)
-python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore "$wheel"
-python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore -e "$repo[test]"
-python3 -c "import llama_cpp, moecache.native as n; print('bootstrap: llama_cpp', llama_cpp.__version__, 'patch series', n.patch_version())"
+"$python" -m pip install --quiet --disable-pip-version-check --root-user-action=ignore "$wheel"
+"$python" -m pip install --quiet --disable-pip-version-check --root-user-action=ignore -e "$repo[test]"
+"$python" -c "import llama_cpp, moecache.native as n; print('bootstrap: llama_cpp', llama_cpp.__version__, 'patch series', n.patch_version())"

@@ -82,7 +82,7 @@ else
 sdist=$cache/sdist/llama_cpp_python-$VERSION.tar.gz
 if [ ! -f "$sdist" ]; then
     echo "build_wheel: fetching llama-cpp-python==$VERSION sdist"
-    python3 -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$cache/sdist" \
+    "${PYTHON:-python3}" -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$cache/sdist" \
         || die "could not download the llama-cpp-python==$VERSION sdist"
 fi
 echo "$SDIST_SHA256  $sdist" | sha256sum --check --status \
@@ -134,7 +134,7 @@ echo "build_wheel: building $(sed -n 's/^__version__ = "\(.*\)"$/\1/p' "$src/lla
 start=$(date +%s)
 rm -rf "$wheel_dir.tmp" && mkdir -p "$wheel_dir.tmp"
 CMAKE_ARGS="$flags" CMAKE_BUILD_PARALLEL_LEVEL=$jobs \
-    python3 -m pip wheel --no-deps "${pip_offline[@]}" --wheel-dir "$wheel_dir.tmp" \
+    "${PYTHON:-python3}" -m pip wheel --no-deps "${pip_offline[@]}" --wheel-dir "$wheel_dir.tmp" \
         --config-settings=build-dir="$cache/build/cmake" --config-settings=cmake.verbose=false "$src" \
     || die "the wheel build failed (see the compiler output above)"
 rm -rf "$wheel_dir" && mv "$wheel_dir.tmp" "$wheel_dir"

@@ -4,4 +4,4 @@ set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 "$repo/scripts/bootstrap.sh"
 cd "$repo"
-exec python3 -m pytest -q "$@"
+exec "${PYTHON:-python3}" -m pytest -q "$@"
