@@ -184,16 +184,19 @@ class LiveCache:
         self._closed = True
         if self.config.debug:
             print(self.summary(), file=sys.stderr)
-        if self.config.stats:
-            _write_atomic(self.config.stats, json.dumps(self.stats(), indent=1))
         if self.trace:
             self.trace.close()
-        if self.config.profile and self.decode_steps:
-            profile = UsageProfile(self._profile_base, [layer["il"] for layer in self.layers],
-                                   self.engine.usage)
-            if os.path.exists(self.config.profile):
-                profile = profile.merged(UsageProfile.load(self.config.profile))
-            profile.save(self.config.profile)
+        try:
+            if self.config.stats:
+                _write_atomic(self.config.stats, json.dumps(self.stats(), indent=1))
+            if self.config.profile and self.decode_steps:
+                profile = UsageProfile(self._profile_base, [layer["il"] for layer in self.layers],
+                                       self.engine.usage)
+                if os.path.exists(self.config.profile):
+                    profile = profile.merged(UsageProfile.load(self.config.profile))
+                profile.save(self.config.profile)
+        except (OSError, ValueError) as e:  # at exit: one line, not a traceback
+            log.error("moecache: error: could not write the cache's report: %s", e)
 
     def detach(self):
         """Forget this cache without reporting; a new init of the same context replaces it."""
