@@ -350,3 +350,56 @@ def test_unsupported_architecture_is_refused_and_stock(capfd, rpc_device):
     assert native.lib().llama_moe_cache_n_layers(native.as_context(llm._ctx.ctx)) == 0
     tokens, logits = greedy(llm, PROMPT, 16)
     assert tokens == stock[0] and np.array_equal(logits, stock[1])
+
+
+SERVER = """
+    import runpy, sys
+    from moecache.rpc import RpcDevice
+    device = RpcDevice(threads=1)  # no GPU here: the loopback test device
+    sys.argv = ["llama_cpp.server", "--model", {path!r}, "--n_gpu_layers", "-1", "--n_ctx", "256",
+                "--host", "127.0.0.1", "--port", "{port}"]
+    runpy.run_module("llama_cpp.server", run_name="__main__")
+"""
+
+
+def test_llama_cpp_server_gets_the_cache(tmp_path, tiny_path):
+    import signal
+    import socket
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    stats = tmp_path / "stats.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_MOE_CACHE_")}
+    env.update({"LLAMA_MOE_CACHE_SLOTS": "2", "LLAMA_MOE_CACHE_STATS": str(stats)})
+    server = subprocess.Popen([sys.executable, "-c", textwrap.dedent(SERVER.format(path=tiny_path, port=port))],
+                              env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions", method="POST",
+            headers={"Content-Type": "application/json"},
+            data=json.dumps({"prompt": "The three primary colors are", "max_tokens": 16, "temperature": 0}).encode())
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(request, timeout=30) as response:
+                    completion = json.loads(response.read())
+                break
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise
+                time.sleep(0.3)
+        assert completion["usage"]["completion_tokens"] == 16
+    finally:
+        server.send_signal(signal.SIGINT)  # a clean shutdown runs the exit report
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+    report = json.loads(stats.read_text())
+    # 16 tokens: the first comes from the prompt, 15 single-token decodes, the last not observed yet
+    assert report["decode_steps"] == 14
+    assert report["totals"]["hits"] + report["totals"]["misses"] == 14 * 2 * 2  # layers x top-k
