@@ -74,3 +74,20 @@ def test_gpu_check_bad_flags_exit_2(argv, message):
     run = _run(["bash", GPU_CHECK, *argv])
     assert run.returncode == 2
     assert run.stderr.strip() == f"gpu_check: error: {message}"
+
+
+def test_gpu_bundle_holds_the_patched_source_and_the_missing_wheels(tmp_path):
+    import tarfile
+
+    bundle = tmp_path / "bundle"
+    run = _run([os.path.join(REPO, "scripts", "gpu_bundle.sh"), str(bundle)], timeout=300)
+    assert run.returncode == 0, run.stderr
+    with tarfile.open(bundle / "src.tar.gz") as tar:
+        names = set(tar.getnames())
+        init = tar.extractfile("./llama_cpp/__init__.py").read().decode()
+    assert "./vendor/llama.cpp/src/llama-moe-cache.cpp" in names
+    assert not any(n.startswith(("./.git/", "./vendor/llama.cpp/models/")) for n in names)
+    assert "+moecache." in init and "moecache.activate" in init
+    wheels = sorted(p.name.split("-")[0] for p in (bundle / "wheels").iterdir())
+    assert wheels == ["cffi", "diskcache", "gguf", "pycparser"]
+    assert os.path.getsize(bundle / "src.tar.gz") < 32 << 20  # carried with the repo: 64 MiB a call
