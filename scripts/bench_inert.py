@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     result = {"model": model, "n": args.n, "rounds": args.r, "threads": args.threads,
               "n_gpu_layers": args.n_gpu_layers, "tok_s": runs, "median": med,
               "patched_over_stock": med["patched"] / med["stock"]}
-    print(f"| build | median tok/s | min | max |\n|---|---:|---:|---:|")
+    print("| build | median tok/s | min | max |\n|---|---:|---:|---:|")
     for name, v in runs.items():
         print(f"| {name} | {med[name]:.1f} | {min(v):.1f} | {max(v):.1f} |")
     print(f"patched / stock = {result['patched_over_stock']:.3f}")

@@ -205,7 +205,7 @@ def test_tiny_experts_distinct_and_router_routes(tmp_cache):
                     assert not np.allclose(w[e], w[f])
     # numpy reference of layer 0's routing for a one-token sequence: attention over a single
     # position returns that position's V, so no rope is needed
-    n_embd, n_head, n_kv, hd = 64, 4, 2, 16
+    n_head, n_kv, hd = 4, 2, 16
     x = t["token_embd.weight"]  # (n_vocab, n_embd)
     xn = _rms_norm(x) * t["blk.0.attn_norm.weight"]
     v = xn @ t["blk.0.attn_v.weight"].T  # (n_vocab, n_kv*hd)
