@@ -20,6 +20,8 @@ class CacheConfig:
     slots: int = 0                 # experts cached per layer; 0 = off
     inserts: int = 2               # uploads per layer per decode step
     policy: str = DEFAULT_POLICY
+    wait: int = 0                  # 1: each boundary waits for the last step's uploads
+                                   # (replayable hit counts, may stall); 0: never stall
     debug: int = 0                 # print stats to stderr every N steps (and at exit); 0 = off
     stats: str | None = None       # write stats JSON here (atomically) at exit
     trace: str | None = None       # record live routing as route_trace v1
@@ -29,6 +31,9 @@ class CacheConfig:
         _require_int("SLOTS", self.slots, minimum=0)
         _require_int("INSERTS", self.inserts, minimum=1)
         _require_int("DEBUG", self.debug, minimum=0)
+        _require_int("WAIT", self.wait, minimum=0)
+        if self.wait > 1:
+            raise ConfigError(f"{ENV_PREFIX}WAIT={self.wait} must be 0 or 1")
         if self.policy == "default":
             object.__setattr__(self, "policy", DEFAULT_POLICY)
         if self.policy not in POLICIES:

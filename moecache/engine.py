@@ -29,7 +29,7 @@ import numpy as np
 from .policies import Policy
 
 COUNTERS = ("hits", "misses", "uploads", "evictions", "prefetch_uploads", "prefetch_hits",
-            "prefetch_waste")
+            "prefetch_waste", "late")  # late: due uploads not complete at their boundary
 _NO_JOBS = np.empty((0, 3), dtype=np.int32)
 _NO_LAYERS = np.empty(0, dtype=np.int64)
 
@@ -140,9 +140,13 @@ class CacheEngine:
 
     # --- the boundary -------------------------------------------------------------------
 
-    def step(self, ids=None) -> StepPlan:
+    def step(self, ids=None, ready: int | None = None) -> StepPlan:
         """ids: (n_layers, n_used) int expert ids the previous graph selected, router-rank
-        order (-1 = no selection), or None at the first boundary."""
+        order (-1 = no selection), or None at the first boundary. ready: how many of the
+        uploads due now are complete, counted in the order they were issued (the live glue
+        reads it off the upload worker, which completes them in that order); the others stay
+        in flight, unpublished and unevictable, and are due again at the next boundary.
+        None: all of them (offline replay, or a glue that waited)."""
         t = self.step_index
         self.step_index += 1
         L = self.n_layers
@@ -181,11 +185,16 @@ class CacheEngine:
             self.policy.observe(t, ids, hit_mask, used)
 
         publish = self._pending.popleft()
+        late = _NO_JOBS
+        if ready is not None and ready < len(publish):
+            publish, late = publish[:max(ready, 0)], publish[max(ready, 0):]
+            self.counters["late"] += np.bincount(late[:, 0], minlength=L)
         if publish.size:
             l, e, s = publish.T
             self.expert_slot[l, e] = s
             self._in_flight[l, s] = False
 
+        self._late = late.size > 0
         evict_parts, upload_parts = [], []
         if self._warm:
             self._upload_warm(t, evict_parts, upload_parts)
@@ -211,6 +220,8 @@ class CacheEngine:
         evict = _join(evict_parts)
         upload = _join(upload_parts)
         self._pending.append(upload)
+        if late.size:  # issued first, so completed first: ahead of the next due uploads
+            self._pending[0] = _join([late, self._pending[0]])
         return StepPlan(t, hit_mask, hits, misses, publish, evict, upload)
 
     @staticmethod
@@ -271,7 +282,7 @@ class CacheEngine:
             keys = held + self._key_base[rows]  # junk where a slot is empty: masked
             evictable = ~(free | blocked.take(keys))
             # with a one-step delay nothing is in flight at a boundary until it commits uploads
-            if self.publish_delay > 1 or upload_parts:
+            if self.publish_delay > 1 or upload_parts or self._late:
                 evictable &= ~self._in_flight[rows]
             if self._choose_victims is None:
                 evictable_rank = np.where(evictable, self.policy.priority(t, keys), np.inf)
@@ -343,6 +354,11 @@ class CacheEngine:
             self.counters["prefetch_uploads"] += np.bincount(layers, minlength=L)
         self.policy.inserted(t, layers, experts, prefetch)
         upload_parts.append(_jobs(layers, experts, slots))
+
+    @property
+    def uploads_due(self) -> int:
+        """How many uploads the next step() publishes (when they are complete)."""
+        return len(self._pending[0])
 
     # --- reporting ----------------------------------------------------------------------
 

@@ -1,9 +1,12 @@
 """The live expert cache of one llama_context: policy and engine here, mechanism in libllama.
 
 At every single-token decode boundary libllama calls the step callback while no graph runs:
-wait for the uploads started at the previous boundary, hand the last graph's selections to the
-engine, then publish the completed uploads, clear the evicted table entries and start the new
-uploads (libllama starts them after the callback returns, once the tables are written).
+hand the last graph's selections to the engine, publish the uploads that are due and complete,
+clear the evicted table entries and start the new uploads (libllama starts them after the
+callback returns, once the tables are written). An upload still running when it is due stays
+unpublished and its slot untouchable until a later boundary ("late"), so a slow upload never
+stalls decoding; LLAMA_MOE_CACHE_WAIT=1 waits for it instead, which makes the hit count
+deterministic (what the offline replay reproduces).
 """
 
 from __future__ import annotations
@@ -117,10 +120,14 @@ class LiveCache:
 
     def _step(self):
         lib, ctx = self.lib, self.ctx
-        # publication is one step after the upload started: the upload had a whole token to finish
-        self.wait_us += lib.llama_moe_cache_wait_uploads(ctx)
+        # an upload is due one step after it started: it had a whole token to finish
+        if self.config.wait:
+            self.wait_us += lib.llama_moe_cache_wait_uploads(ctx)
+            ready = None
+        else:  # the worker completes uploads in order: the first ones due are the ready ones
+            ready = self.engine.uploads_due - lib.llama_moe_cache_uploads_pending(ctx)
         ids = self._read_observed()
-        plan = self.engine.step(ids)
+        plan = self.engine.step(ids, ready)
         for layer, expert, slot in plan.publish.tolist():
             _check(lib.llama_moe_cache_set_slot(ctx, layer, expert, slot), "publish", layer, expert, slot)
         for layer, expert, slot in plan.evict.tolist():
@@ -173,7 +180,7 @@ class LiveCache:
         s = self.stats()
         rate = "n/a" if s["hit_rate"] is None else f"{100 * s['hit_rate']:.1f}%"
         return (f"moecache: {s['decode_steps']} decode steps, hit rate {rate}, "
-                f"{s['totals']['uploads']} uploads, {s['totals']['evictions']} evictions, "
+                f"{s['totals']['uploads']} uploads ({s['totals']['late']} late), {s['totals']['evictions']} evictions, "
                 f"step {s['step_us_mean'] or 0:.0f} us mean, upload wait {s['upload_wait_us'] / 1e3:.1f} ms")
 
     def close(self):

@@ -35,6 +35,7 @@ const int32_t * llama_moe_cache_observed(struct llama_context * ctx, int32_t * n
 bool    llama_moe_cache_set_slot(struct llama_context * ctx, int32_t i, int32_t expert, int32_t slot);
 bool    llama_moe_cache_upload(struct llama_context * ctx, int32_t i, int32_t expert, int32_t slot);
 int64_t llama_moe_cache_wait_uploads(struct llama_context * ctx);
+int32_t llama_moe_cache_uploads_pending(struct llama_context * ctx);
 bool    llama_moe_cache_get_counters(struct llama_context * ctx, int32_t i, struct llama_moe_cache_counters * counters);
 void    llama_moe_cache_set_upload_delay_us(struct llama_context * ctx, int64_t delay_us);
 

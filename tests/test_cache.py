@@ -33,8 +33,8 @@ def record_plans(cache):
     plans = []
     step = cache.engine.step
 
-    def recording(ids=None):
-        plan = step(ids)
+    def recording(ids=None, ready=None):
+        plan = step(ids, ready)
         plan.observed = None if ids is None else np.array(ids)
         plans.append(plan)
         return plan
@@ -67,7 +67,7 @@ def smol_stock(rpc_device, smol_path):
 @pytest.mark.parametrize("slots,inserts,n_tokens", [(2, 1, 256), (8, 2, 128), (1, 1, 128)])
 def test_cache_is_bit_identical_and_accounts_every_lookup(smol_stock, smol_path, slots, inserts, n_tokens):
     llm = load(smol_path)
-    cache = attach(llm, slots=slots, inserts=inserts, policy="lru")
+    cache = attach(llm, slots=slots, inserts=inserts, policy="lru", wait=1)  # deterministic counts
     plans = record_plans(cache)
     tokens, logits = greedy(llm, PROMPT, n_tokens)
 
@@ -107,12 +107,22 @@ def test_cache_is_bit_identical_and_accounts_every_lookup(smol_stock, smol_path,
 def test_no_torn_slot_with_slow_uploads(rpc_device, tiny_path):
     stock = greedy(load(tiny_path), PROMPT, 48)
     llm = load(tiny_path)
-    cache = attach(llm, slots=2, inserts=8, policy="lru")
+    cache = attach(llm, slots=2, inserts=8, policy="lru")  # never waits: graphs run during uploads
     native.lib().llama_moe_cache_set_upload_delay_us(cache.ctx, 3000)
     tokens, logits = greedy(llm, PROMPT, 48)
-    assert cache.stats()["totals"]["uploads"] > 0
-    assert cache.stats()["upload_wait_us"] > 0, "the uploads must outlast a graph to test tearing"
+    totals = cache.stats()["totals"]
+    assert totals["uploads"] > 0
+    assert totals["late"] > 0, "uploads must outlast a graph to test tearing"
+    assert cache.stats()["upload_wait_us"] == 0
     assert tokens == stock[0] and np.array_equal(logits, stock[1])
+
+
+def test_waiting_for_uploads_is_an_option(rpc_device, tiny_path):
+    llm = load(tiny_path)
+    cache = attach(llm, slots=2, inserts=8, policy="lru", wait=1)
+    native.lib().llama_moe_cache_set_upload_delay_us(cache.ctx, 3000)
+    greedy(llm, PROMPT, 16)
+    assert cache.stats()["totals"]["late"] == 0 and cache.stats()["upload_wait_us"] > 0
 
 
 @pytest.mark.parametrize("env,overrides,message", [
@@ -283,7 +293,7 @@ def test_live_trace_replays_to_the_live_hit_count(tmp_path, rpc_device, smol_pat
 
     trace_path = tmp_path / "live.route.csv"
     llm = load(smol_path)
-    cache = attach(llm, slots=2, inserts=1, policy=policy, trace=str(trace_path))
+    cache = attach(llm, slots=2, inserts=1, policy=policy, trace=str(trace_path), wait=1)
     greedy(llm, PROMPT, 48)
     cache.close()
     live = cache.stats()["totals"]

@@ -295,3 +295,21 @@ def test_uploads_of_one_boundary_never_evict_each_other():
     assert sorted(plan.upload[:, 1].tolist()) == [1, 2, 7]
     assert plan.evict.size == 0
     check_invariants(engine, plan, np.array([[4, 5]]), None)
+
+
+def test_an_upload_not_ready_stays_in_flight_until_a_later_boundary():
+    from moecache.engine import CacheEngine
+    from moecache.policies import make_policy
+
+    engine = CacheEngine(1, 4, 1, make_policy("lru"), inserts=1)
+    engine.step(None)
+    plan = engine.step(np.array([[2]]))            # miss: upload expert 2 into slot 0
+    assert plan.upload.tolist() == [[0, 2, 0]]
+    assert engine.uploads_due == 1
+    plan = engine.step(np.array([[3]]), ready=0)   # still copying: not published, not evicted
+    assert plan.publish.size == 0 and plan.upload.size == 0 and plan.evict.size == 0
+    assert engine.expert_slot[0, 2] == -1 and engine.counters["late"].tolist() == [1]
+    plan = engine.step(np.array([[2]]), ready=1)   # done now: published; expert 2 missed once more
+    assert plan.publish.tolist() == [[0, 2, 0]] and plan.hits.tolist() == [0]
+    plan = engine.step(np.array([[2]]), ready=0)   # nothing was due: ready=0 changes nothing
+    assert plan.hits.tolist() == [1]
