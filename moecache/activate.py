@@ -87,7 +87,3 @@ def install() -> bool:
     _context_callback = native.ffi.callback("llama_moe_cache_context_callback", on_context)
     lib.llama_moe_cache_set_context_callback(_context_callback, native.ffi.NULL)
     return True
-
-
-def caches() -> list[LiveCache]:
-    return list(_caches)

@@ -84,6 +84,7 @@ class LiveCache:
         self.wait_us = 0
         self.failed = None
         self._observed = None
+        self._n_used_max = self.ffi.new("int32_t *")  # out-parameter, reused every step
         self._closed = False
         self.detached = False
         self._callback = self.ffi.callback("llama_moe_cache_step_callback", self._on_step)
@@ -141,7 +142,7 @@ class LiveCache:
             self.decode_steps += 1
 
     def _read_observed(self):
-        n_used_max = self.ffi.new("int32_t *")
+        n_used_max = self._n_used_max
         ptr = self.lib.llama_moe_cache_observed(self.ctx, n_used_max)
         if ptr == self.ffi.NULL:
             return None
