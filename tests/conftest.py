@@ -4,8 +4,8 @@ loading with the experts in host memory."""
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +16,9 @@ N_THREADS = max(1, min(2, os.cpu_count() or 1))
 # the real routing traces: shared/ sits beside the repository (MOECACHE_TRACES overrides)
 TRACES = Path(os.environ.get("MOECACHE_TRACES", Path(__file__).resolve().parents[2] / "shared" / "traces"))
 
+# every model load() made; the device fixture frees those still alive before stopping the server
+_loaded: weakref.WeakSet = weakref.WeakSet()
+
 
 @pytest.fixture(scope="session")
 def rpc_device():
@@ -24,7 +27,10 @@ def rpc_device():
 
     device = RpcDevice(threads=1)
     yield device
-    gc.collect()  # contexts and models on the device go first
+    # contexts and models on the device go first, including those a failed test's traceback
+    # keeps alive: freed after the server is gone, they would hang the interpreter's exit
+    for llm in list(_loaded):
+        llm.close()
     device.close()
 
 
@@ -47,14 +53,15 @@ def load(path, *, n_gpu_layers=-1, experts_on_host=True, repack=False, n_ctx=512
 
     from moecache.placement import experts_on_host as host_experts
 
-    if experts_on_host:
-        with host_experts(repack=repack):
-            return llama_cpp.Llama(path, n_gpu_layers=n_gpu_layers, n_ctx=n_ctx, n_threads=N_THREADS,
-                                   n_threads_batch=N_THREADS, verbose=False)
-    # everything where n_gpu_layers puts it, without repacking (the RPC server does not repack)
-    with default_params("llama_model_default_params", use_extra_bufts=repack):
-        return llama_cpp.Llama(path, n_gpu_layers=n_gpu_layers, n_ctx=n_ctx, n_threads=N_THREADS,
-                               n_threads_batch=N_THREADS, verbose=False)
+    # experts on host, or everything where n_gpu_layers puts it without repacking (the RPC
+    # server does not repack)
+    placement = (host_experts(repack=repack) if experts_on_host
+                 else default_params("llama_model_default_params", use_extra_bufts=repack))
+    with placement:
+        llm = llama_cpp.Llama(path, n_gpu_layers=n_gpu_layers, n_ctx=n_ctx, n_threads=N_THREADS,
+                              n_threads_batch=N_THREADS, verbose=False)
+    _loaded.add(llm)
+    return llm
 
 
 @contextlib.contextmanager

@@ -317,14 +317,15 @@ def test_debug_stats_go_to_stderr(capfd, rpc_device, tiny_path):
 def test_profile_warms_the_next_run(tmp_path, rpc_device, tiny_path):
     profile = tmp_path / "profile.json"
     first = load(tiny_path)
-    cold = attach(first, slots=4, profile=str(profile))
+    # waiting makes the uploads due at a boundary published there, whatever the timing
+    cold = attach(first, slots=4, profile=str(profile), wait=1)
     first_plans = record_plans(cold)
     greedy(first, PROMPT, 24)
     cold.close()
     assert profile.exists()
 
     second = load(tiny_path)
-    warm = attach(second, slots=4, profile=str(profile))
+    warm = attach(second, slots=4, profile=str(profile), wait=1)
     second_plans = record_plans(warm)
     greedy(second, PROMPT, 24)
     # preloaded at the first boundary, published at the second: they serve from the second step on
