@@ -254,10 +254,11 @@ class CacheEngine:
         if self._admit is not None and cand_layer.size:
             cand_worth = self._admit(t, cand_expert + cand_layer * self.n_expert)
             admitted = cand_worth > -np.inf
-            order = np.lexsort((-cand_worth[admitted], cand_layer[admitted]))
-            cand_layer = cand_layer[admitted][order]
-            cand_expert = cand_expert[admitted][order]
-            cand_worth = cand_worth[admitted][order]
+            if not admitted.all():
+                cand_layer, cand_expert, cand_worth = (
+                    cand_layer[admitted], cand_expert[admitted], cand_worth[admitted])
+            order = np.lexsort((-cand_worth, cand_layer))
+            cand_layer, cand_expert, cand_worth = cand_layer[order], cand_expert[order], cand_worth[order]
         if cand_layer.size == 0:
             return cand_layer
         n_want = np.bincount(cand_layer, minlength=self.n_layers)

@@ -62,7 +62,7 @@ class Lru(Policy):
         self.last_use = np.zeros((n_layers, n_expert))
 
     def observe(self, step, ids, hit_mask, used):
-        self.last_use[used] = step
+        np.copyto(self.last_use, step, where=used)
 
     def priority(self, step, keys):
         return self.last_use.take(keys)
@@ -92,7 +92,7 @@ class DecayedLfu(Policy):
 
     def observe(self, step, ids, hit_mask, used):
         weight = self._weight(step)  # first: it may rebase `scaled`
-        self.scaled[used] += weight
+        np.add(self.scaled, weight, out=self.scaled, where=used)  # masked ufunc: no gather/scatter
 
     def priority(self, step, keys):
         return self.scaled.take(keys)
@@ -126,7 +126,7 @@ class Gdsf(Policy):
         self.value = np.zeros((n_layers, n_expert))
 
     def observe(self, step, ids, hit_mask, used):
-        self.value[used] += 1.0
+        np.add(self.value, 1.0, out=self.value, where=used)
 
     def priority(self, step, keys):
         return self.value.take(keys)
