@@ -64,7 +64,7 @@ class CacheEngine:
     """Per-layer cache of n_slots experts, decided by `policy` at each decode boundary.
 
     Live use: engine = CacheEngine(L, E, K, make_policy(name), inserts=2, pinned=...);
-    optionally engine.preload(lists); then plan = engine.step(None) at the first boundary and
+    optionally engine.preload(lists, rates); then plan = engine.step(None) at the first boundary and
     plan = engine.step(ids) at every later one. Residency for cross-checks: slot_expert
     (L, K), the expert held or being loaded per slot, -1 empty; expert_slot (L, E), the slot
     of each PUBLISHED expert, -1 otherwise. counters / stats() / usage for reporting.
@@ -123,11 +123,24 @@ class CacheEngine:
             raise ValueError(f"{what}: expert ids must be in [0, {self.n_expert})")
         return experts
 
-    def preload(self, per_layer_experts) -> None:
+    def preload(self, per_layer_experts, rates=None) -> None:
         """Warm start: upload these experts (best first, up to the free slots of each layer,
-        ignoring INSERTS) at the next boundary, after the pinned ones."""
+        ignoring INSERTS) at the next boundary, after the pinned ones. rates: optional
+        (n_layers, n_expert) uses per step from earlier runs, handed to a policy that has
+        prior() before the first step."""
         if len(per_layer_experts) != self.n_layers:
             raise ValueError(f"preload has {len(per_layer_experts)} layers, expected {self.n_layers}")
+        if rates is not None:
+            rates = np.asarray(rates, dtype=np.float64)
+            if rates.shape != (self.n_layers, self.n_expert) or not np.isfinite(rates).all() \
+                    or (rates < 0).any():
+                raise ValueError(f"rates must be finite and >= 0 with shape ({self.n_layers}, "
+                                 f"{self.n_expert}), got shape {rates.shape}")
+            if self.step_index:
+                raise ValueError("rates must be given before the first step")
+            prior = getattr(self.policy, "prior", None)
+            if prior is not None:
+                prior(rates)
         lists = []
         for layer, experts in enumerate(per_layer_experts):
             ordered = np.asarray(list(experts), dtype=np.int64)

@@ -67,7 +67,7 @@ class LiveCache:
         model_layers = [layer["il"] for layer in self.layers]
         if config.profile and os.path.exists(config.profile):
             profile = UsageProfile.load(config.profile, layers=model_layers, n_expert=n_expert)
-            self.engine.preload(profile.top(config.slots))
+            self.engine.preload(profile.top(config.slots), rates=profile.rates(self.n_used))
         self._profile_base = model_name
 
         self.trace = None

@@ -23,6 +23,9 @@ Optional, looked up once by the engine:
                                                from `candidates` (evictable residents)
     predict(step) -> (L, p) int, -1 padded     experts to prefetch, best first, uploaded with
                                                the INSERTS budget the misses left over
+    prior(rates)                               before the first step: (L, E) uses per step
+                                               from earlier runs (a usage profile) to start
+                                               the policy's statistics from
 """
 
 from __future__ import annotations
@@ -96,6 +99,12 @@ class DecayedLfu(Policy):
 
     def priority(self, step, keys):
         return self.scaled.take(keys)
+
+    def prior(self, rates):
+        """Start from the decayed count an expert used at these rates through an endless
+        history before the first step would have (rate x the decay series' sum): earlier runs
+        weigh like a long history, which the run's own uses replace at the half-life."""
+        self.scaled[:] = rates / (self.growth - 1.0)  # the first step's weight is 1
 
 
 class Heat(DecayedLfu):

@@ -1,8 +1,10 @@
 """Per-layer expert usage profiles: saved at exit, loaded at start to warm the cache.
 
 A profile counts, per cached layer, the decode steps each expert was used in. At start the
-glue loads it and calls engine.preload(profile.top(n_slots)), so the most used experts are
-uploaded at the first boundary instead of being missed one INSERTS batch at a time.
+glue loads it and calls engine.preload(profile.top(n_slots), rates=profile.rates(n_used)):
+the most used experts are uploaded at the first boundary instead of being missed one INSERTS
+batch at a time, and a policy that keeps use statistics starts from the profile's instead of
+from nothing.
 
 File: JSON {"format": "moecache-profile", "version": 1, "model": str, "n_expert": E,
 "layers": [model layer numbers], "counts": [[E ints] per layer]}, written atomically.
@@ -59,6 +61,14 @@ class UsageProfile:
         """Per layer, up to n used experts, most used first (ties: lower id first)."""
         order = np.argsort(-self.counts, axis=1, kind="stable")[:, :n]
         return [row[self.counts[li, row] > 0] for li, row in enumerate(order)]
+
+    def rates(self, n_used: int) -> np.ndarray:
+        """(layers, n_expert) uses per decode step. A decode step selects n_used distinct
+        experts in every layer, so a layer's steps are its total count / n_used."""
+        if n_used < 1:
+            raise ValueError(f"n_used must be >= 1, got {n_used}")
+        steps = self.counts.sum(axis=1, keepdims=True) / n_used
+        return np.divide(self.counts, steps, out=np.zeros(self.counts.shape), where=steps > 0)
 
     def check_shape(self, layers, n_expert, *, what="this model", path="profile"):
         layers = [int(l) for l in layers]

@@ -90,15 +90,16 @@ def observations(trace: RouteTrace, include_prefill: bool = False):
 
 
 def replay_per_layer(trace: RouteTrace, policy: str, slots: int, *, inserts: int | None = 2,
-                     include_prefill: bool = False, preload=None, seed: int = 0,
-                     obs=None) -> ReplayResult:
-    """Replay through CacheEngine. preload: per-layer expert lists uploaded at the first
-    boundary (warm start). obs: a precomputed observations() result to share across runs."""
+                     include_prefill: bool = False, profile: UsageProfile | None = None,
+                     seed: int = 0, obs=None) -> ReplayResult:
+    """Replay through CacheEngine. profile: warm start as the live cache does it (its top
+    experts uploaded at the first boundary, its rates as the policy's prior). obs: a
+    precomputed observations() result to share across runs."""
     obs, is_decode = obs if obs is not None else observations(trace, include_prefill)
     engine = CacheEngine(trace.layers.size, trace.n_expert, slots, _make(policy, obs, seed),
                          inserts=inserts, offline=True)
-    if preload is not None:
-        engine.preload(preload)
+    if profile is not None:
+        engine.preload(profile.top(slots), rates=profile.rates(trace.n_expert_used))
     start = time.perf_counter()
     engine.step(None)
     hits_decode = lookups_decode = hits_all = lookups_all = upload_bytes = 0
@@ -402,7 +403,7 @@ def main(argv=None) -> int:
         return _fail(str(e))
     if slots and max(slots) > trace.n_expert:
         return _fail(f"--slots {max(slots)} exceeds n_expert={trace.n_expert}")
-    preload = None
+    profile = None
     if args.preload_profile:
         try:
             profile = UsageProfile.load(args.preload_profile, layers=trace.layers.tolist(),
@@ -425,9 +426,7 @@ def main(argv=None) -> int:
     for model, policy, size in runs:
         name = DEFAULT_POLICY if policy == "default" else policy
         if model == "per-layer":
-            if args.preload_profile:
-                preload = profile.top(size)
-            result = replay_per_layer(trace, name, size, inserts=inserts, preload=preload,
+            result = replay_per_layer(trace, name, size, inserts=inserts, profile=profile,
                                       seed=args.seed, obs=obs)
         else:
             result = replay_global(trace, name, size, seed=args.seed, batches=batches)

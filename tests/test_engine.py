@@ -157,6 +157,32 @@ def test_preload_ignores_inserts_and_publishes_next_boundary():
     assert plan.hit_mask.tolist() == [[True, False], [True, False]]
 
 
+@pytest.mark.parametrize("with_rates", [False, True])
+def test_preload_rates_are_the_policys_prior(with_rates):
+    """Heat seeded from a profile keeps its preloaded experts against one-off misses;
+    without the rates they have no heat and the misses replace them."""
+    engine = CacheEngine(1, 8, 2, make_policy("heat"), inserts=2)
+    rates = np.array([[0.9, 0.9, 0.1, 0.1, 0, 0, 0, 0]])
+    engine.preload([[0, 1]], rates=rates if with_rates else None)
+    engine.step(None)
+    engine.step(np.array([[0, 1]]))             # published now: hits from the next graph
+    plan = engine.step(np.array([[2, 3]]))
+    assert plan.hits.sum() == 0
+    assert sorted(plan.upload[:, 1].tolist()) == ([] if with_rates else [2, 3])
+
+
+def test_preload_rates_are_checked():
+    engine = CacheEngine(2, 4, 2, make_policy("heat"))
+    with pytest.raises(ValueError, match=r"rates must be finite and >= 0 with shape \(2, 4\)"):
+        engine.preload([[0], [1]], rates=np.ones((2, 5)))
+    with pytest.raises(ValueError, match="rates must be finite"):
+        engine.preload([[0], [1]], rates=np.full((2, 4), np.nan))
+    engine.step(None)
+    with pytest.raises(ValueError, match="before the first step"):
+        engine.preload([[0], [1]], rates=np.ones((2, 4)))
+    CacheEngine(2, 4, 2, Lru()).preload([[0], [1]], rates=np.ones((2, 4)))  # no prior(): ignored
+
+
 def test_pinned_experts_are_uploaded_first_and_never_evicted():
     routing = synthetic_routing(200, 3, 32, 4, seed=2)
     pinned = [{0, 1}, set(), {31}]

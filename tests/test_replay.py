@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from moecache.policies import Heat
 from moecache.profile import ProfileError, UsageProfile
 from moecache.replay import MIB, main, replay_global, replay_per_layer
 from moecache.traces import DECODE, read_trace
@@ -131,6 +132,8 @@ def test_profile_round_trip_is_atomic_and_validated(tmp_path):
     profile = UsageProfile.from_ids("m.gguf", [4, 5], 4, ids)
     assert profile.counts.tolist() == [[2, 1, 1, 0], [0, 1, 2, 1]]
     assert [row.tolist() for row in profile.top(2)] == [[0, 1], [2, 1]]
+    assert profile.rates(2).tolist() == [[1, 0.5, 0.5, 0], [0, 0.5, 1, 0.5]]  # 2 steps, top-2
+    assert UsageProfile("m", [0], [[0, 0]]).rates(2).tolist() == [[0, 0]]
     path = tmp_path / "p.json"
     profile.save(str(path))
     assert os.listdir(tmp_path) == ["p.json"]  # no temporary left behind
@@ -153,15 +156,19 @@ def test_profile_round_trip_is_atomic_and_validated(tmp_path):
 
 @needs_traces
 @pytest.mark.parametrize("path", [QWEN, GPTOSS], ids=["qwen", "gptoss"])
-def test_first_half_profile_warms_the_second_half(path):
+def test_first_half_profile_warms_the_second_half(path, monkeypatch):
     trace = read_trace(str(path))
     decode = trace.ids[trace.phase == DECODE]
     half = len(decode) // 2
     profile = UsageProfile.from_ids(trace.model, trace.layers, trace.n_expert, decode[:half])
     second = [list(decode[half:]), [True] * (len(decode) - half)]
-    cold = replay_per_layer(trace, "lru", 16, obs=second)
-    warm = replay_per_layer(trace, "lru", 16, obs=second, preload=profile.top(16))
-    assert warm.hit_pct_decode > cold.hit_pct_decode
+    hit = lambda policy, warm: replay_per_layer(  # noqa: E731
+        trace, policy, 16, obs=second, profile=profile if warm else None).hit_pct_decode
+    assert hit("lru", True) > hit("lru", False)
+    heat_warm = hit("heat", True)
+    monkeypatch.setattr(Heat, "prior", lambda self, rates: None)  # preload alone
+    heat_preloaded = hit("heat", True)
+    assert heat_warm > heat_preloaded > hit("heat", False)
 
 
 @needs_traces
