@@ -170,22 +170,23 @@ class CacheEngine:
             ids = np.asarray(ids)
             if ids.ndim != 2 or ids.shape[0] != L or ids.dtype.kind not in "iu":
                 raise ValueError(f"ids must be an integer array ({L}, n_used), got {ids.dtype} {ids.shape}")
-            lowest = int(ids.min()) if ids.size else 0
-            if lowest < -1:
-                raise ValueError(f"expert ids must be in [-1, {self.n_expert}), got {lowest}")
-            try:  # numpy bounds-checks the gather: ids >= n_expert raise here
-                hit_mask = self.expert_slot[self._rows_col, ids] >= 0
-            except IndexError:
-                raise ValueError(f"expert ids must be in [-1, {self.n_expert}), got {int(ids.max())}") from None
-            used = np.zeros((L, self.n_expert), dtype=bool)
+            lowest, highest = (int(ids.min()), int(ids.max())) if ids.size else (0, 0)
+            if lowest < -1 or highest >= self.n_expert:  # a flat key would hit another layer
+                raise ValueError(f"expert ids must be in [-1, {self.n_expert}), got "
+                                 f"{lowest if lowest < -1 else highest}")
+            # flat (layer, expert) keys: one take per table instead of 2-d fancy indexing
+            keys = ids + self._key_base  # junk where ids is -1: masked with `valid`
+            hit_mask = self.expert_slot.take(keys) >= 0
+            used = np.zeros(L * self.n_expert, dtype=bool)
             if lowest >= 0:
-                used[self._rows_col, ids] = True
+                used[keys] = True
                 looked_up = ids.shape[1]
             else:
                 valid = ids >= 0
                 hit_mask &= valid
-                used[np.nonzero(valid)[0], ids[valid]] = True
+                used[keys[valid]] = True
                 looked_up = valid.sum(axis=1)
+            used = used.reshape(L, self.n_expert)
             hits = hit_mask.sum(axis=1)
             misses = looked_up - hits
             self.counters["hits"] += hits
@@ -215,7 +216,7 @@ class CacheEngine:
         blocked = self._pinned if used is None else (used | self._pinned if self._any_pinned else used)
         uploaded = _NO_LAYERS
         if ids is not None:
-            wanted = self._assigned[self._rows_col, ids] < 0
+            wanted = self._assigned.take(keys) < 0
             if valid is not None:
                 wanted &= valid
             if np.count_nonzero(used) != (wanted.size if valid is None else np.count_nonzero(valid)):

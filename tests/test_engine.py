@@ -273,13 +273,13 @@ def test_duplicate_and_absent_ids():
 
 
 @pytest.mark.parametrize("ids, message", [
-    (np.array([[1, 8]]), "in \\[-1, 8\\)"),
-    (np.array([[1, -2]]), "in \\[-1, 8\\)"),
+    (np.array([[1, 8], [0, 1]]), "in \\[-1, 8\\), got 8"),  # not layer 1's expert 0
+    (np.array([[1, 2], [0, -2]]), "in \\[-1, 8\\), got -2"),
     (np.array([1, 2]), "ids must be"),
-    (np.array([[1.0, 2.0]]), "ids must be"),
+    (np.array([[1.0, 2.0], [0.0, 1.0]]), "ids must be"),
 ])
 def test_bad_observations_are_rejected(ids, message):
-    engine = CacheEngine(1, 8, 4, Lru())
+    engine = CacheEngine(2, 8, 4, Lru())
     with pytest.raises(ValueError, match=message):
         engine.step(ids)
 
