@@ -23,6 +23,7 @@ from moecache import native  # noqa: E402
 from moecache.activate import attach  # noqa: E402
 from moecache.config import ConfigError  # noqa: E402
 from moecache.live import CacheUnavailable  # noqa: E402
+from moecache.profile import UsageProfile  # noqa: E402
 
 PROMPT = b"The three primary colors are"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -326,6 +327,11 @@ def test_profile_warms_the_next_run(tmp_path, rpc_device, tiny_path):
 
     second = load(tiny_path)
     warm = attach(second, slots=4, profile=str(profile), wait=1)
+    # the default policy starts from the profile's counts: most used, hottest
+    saved = UsageProfile.load(str(profile)).counts
+    heat = warm.engine.policy.scaled
+    assert warm.config.policy == "heat" and (np.argsort(-heat, axis=1, kind="stable")[:, 0] ==
+                                              np.argsort(-saved, axis=1, kind="stable")[:, 0]).all()
     second_plans = record_plans(warm)
     greedy(second, PROMPT, 24)
     # preloaded at the first boundary, published at the second: they serve from the second step on
