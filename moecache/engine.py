@@ -130,6 +130,14 @@ class CacheEngine:
         prior() before the first step."""
         if len(per_layer_experts) != self.n_layers:
             raise ValueError(f"preload has {len(per_layer_experts)} layers, expected {self.n_layers}")
+        lists = []
+        for layer, experts in enumerate(per_layer_experts):
+            ordered = np.asarray(list(experts), dtype=np.int64)
+            self._expert_list(ordered, f"preload[{layer}]")
+            if self._warm:  # pinned experts still waiting go first
+                ordered = np.concatenate((self._warm[layer], ordered))
+            _, first = np.unique(ordered, return_index=True)
+            lists.append(ordered[np.sort(first)])
         if rates is not None:
             rates = np.asarray(rates, dtype=np.float64)
             if rates.shape != (self.n_layers, self.n_expert) or not np.isfinite(rates).all() \
@@ -141,14 +149,6 @@ class CacheEngine:
             prior = getattr(self.policy, "prior", None)
             if prior is not None:
                 prior(rates)
-        lists = []
-        for layer, experts in enumerate(per_layer_experts):
-            ordered = np.asarray(list(experts), dtype=np.int64)
-            self._expert_list(ordered, f"preload[{layer}]")
-            if self._warm:  # pinned experts still waiting go first
-                ordered = np.concatenate((self._warm[layer], ordered))
-            _, first = np.unique(ordered, return_index=True)
-            lists.append(ordered[np.sort(first)])
         self._warm = lists
 
     # --- the boundary -------------------------------------------------------------------
