@@ -35,15 +35,17 @@ _NO_LAYERS = np.empty(0, dtype=np.int64)
 
 
 def _jobs(layers, experts, slots):
-    """(n, 3) int32 rows of (layer, expert, slot)."""
-    return np.array((layers, experts, slots), dtype=np.int32).T
+    """C-contiguous (n, 3) int32 rows of (layer, expert, slot)."""
+    jobs = np.empty((len(layers), 3), dtype=np.int32)
+    jobs[:, 0], jobs[:, 1], jobs[:, 2] = layers, experts, slots
+    return jobs
 
 
 def _join(parts):
-    """One C-contiguous (n, 3) job table."""
+    """One (n, 3) job table."""
     if not parts:
         return _NO_JOBS
-    return np.ascontiguousarray(parts[0]) if len(parts) == 1 else np.concatenate(parts)
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 @dataclass
@@ -277,14 +279,16 @@ class CacheEngine:
             return cand_layer
         n_want = np.bincount(cand_layer, minlength=self.n_layers)
         per_layer_budget = isinstance(budget, np.ndarray)
-        if n_want.max() > (budget.min() if per_layer_budget else budget):  # keep each row's best
+        width = int(n_want.max())  # candidates of the busiest row
+        if width > (budget.min() if per_layer_budget else budget):  # keep each row's best
             cand_pos = np.arange(cand_layer.size) - np.searchsorted(cand_layer, cand_layer)
             keep = cand_pos < (budget[cand_layer, 0] if per_layer_budget else budget)
             cand_layer, cand_expert = cand_layer[keep], cand_expert[keep]
             if self._admit is not None:
                 cand_worth = cand_worth[keep]
             n_want = np.minimum(n_want, budget[:, 0] if per_layer_budget else budget)
-        rows = np.flatnonzero(n_want)
+            width = int(n_want.max())
+        rows = np.nonzero(n_want)[0]
         if rows.size == 0:  # prefetch: only layers without budget left wanted something
             return _NO_LAYERS
         n_want = n_want[rows]
@@ -311,7 +315,6 @@ class CacheEngine:
             rank = np.where(free, -np.inf, evictable_rank)
         else:
             rank = np.where(free, -np.inf, np.inf)
-        width = int(n_want.max())
         if width <= 4:  # a few argmin passes beat a sort; ties go to the lowest slot
             chosen = np.empty((rows.size, width), dtype=np.int64)
             chosen_rank = np.empty((rows.size, width))
@@ -346,8 +349,9 @@ class CacheEngine:
         L = self.n_layers
         victims = self.slot_expert[layers, slots]
         gone = victims >= 0
-        if gone.any():
-            if gone.all():  # the usual case once the cache is full
+        n_gone = np.count_nonzero(gone)
+        if n_gone:
+            if n_gone == gone.size:  # the usual case once the cache is full
                 vl, ve, vs = layers, victims, slots
             else:
                 vl, ve, vs = layers[gone], victims[gone], slots[gone]

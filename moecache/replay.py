@@ -102,19 +102,23 @@ def replay_per_layer(trace: RouteTrace, policy: str, slots: int, *, inserts: int
         engine.preload(profile.top(slots), rates=profile.rates(trace.n_expert_used))
     start = time.perf_counter()
     engine.step(None)
-    hits_decode = lookups_decode = hits_all = lookups_all = upload_bytes = 0
+    warm_uploads = engine.counters["uploads"].copy()  # the preload's: not a decode token's
+    # the engine's counters total every step; only the few prefill steps are tallied here
+    hits_prefill = lookups_prefill = 0
+    uploads_prefill = np.zeros_like(warm_uploads)
     for ids, decode in zip(obs, is_decode):
         plan = engine.step(ids)
-        hits, looked = int(plan.hits.sum()), int(plan.hits.sum() + plan.misses.sum())
-        hits_all += hits
-        lookups_all += looked
-        if decode:
-            hits_decode += hits
-            lookups_decode += looked
-            upload_bytes += int(trace.expert_bytes[plan.upload[:, 0]].sum())
+        if not decode:
+            hits_prefill += int(plan.hits.sum())
+            lookups_prefill += int(plan.hits.sum() + plan.misses.sum())
+            uploads_prefill += np.bincount(plan.upload[:, 0], minlength=uploads_prefill.size)
     seconds = time.perf_counter() - start
-    return ReplayResult("per-layer", policy, slots, None, inserts, hits_decode, lookups_decode,
-                        hits_all, lookups_all, upload_bytes, int(sum(is_decode)), seconds)
+    hits_all = int(engine.counters["hits"].sum())
+    lookups_all = hits_all + int(engine.counters["misses"].sum())
+    decode_uploads = engine.counters["uploads"] - warm_uploads - uploads_prefill
+    return ReplayResult("per-layer", policy, slots, None, inserts, hits_all - hits_prefill,
+                        lookups_all - lookups_prefill, hits_all, lookups_all,
+                        int(np.dot(decode_uploads, trace.expert_bytes)), int(sum(is_decode)), seconds)
 
 
 def _make(policy, obs, seed):
