@@ -42,6 +42,11 @@ class CacheConfig:
         if POLICIES[self.policy].offline_only:
             raise ConfigError(f"{ENV_PREFIX}POLICY={self.policy!r} needs future routing and only "
                               f"runs in offline replay (python -m moecache.replay)")
+        for name in ("stats", "trace", "profile"):  # written later: say so now, not at exit
+            path = getattr(self, name)
+            folder = path and os.path.dirname(os.path.abspath(path))
+            if path and not os.path.isdir(folder):
+                raise ConfigError(f"{ENV_PREFIX}{name.upper()}={path!r}: directory {folder} does not exist")
 
     @property
     def enabled(self) -> bool:

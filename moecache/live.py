@@ -25,7 +25,7 @@ from . import native
 from .config import CacheConfig, ConfigError
 from .engine import COUNTERS, CacheEngine
 from .policies import make_policy
-from .profile import UsageProfile
+from .profile import ProfileError, UsageProfile
 from .traces import TraceWriter
 
 log = logging.getLogger("moecache")
@@ -55,27 +55,11 @@ class LiveCache:
         n_layers = self.lib.llama_moe_cache_init(self.ctx, config.slots)
         if n_layers <= 0:
             raise CacheUnavailable("libllama cached no layer (its log says why); decoding stays stock")
-        self.layers = [self._layer_info(i) for i in range(n_layers)]
-        n_expert = self.layers[0]["n_expert"]
-        if any(layer["n_expert"] != n_expert for layer in self.layers):
-            raise CacheUnavailable("layers with different expert counts are not supported")
-        self.n_used = max(layer["n_expert_used"] for layer in self.layers)
-        self.device_bytes = int(self.lib.llama_moe_cache_device_bytes(self.ctx))
-
-        self.engine = CacheEngine(n_layers, n_expert, config.slots, make_policy(config.policy),
-                                  inserts=config.inserts)
-        model_layers = [layer["il"] for layer in self.layers]
-        if config.profile and os.path.exists(config.profile):
-            profile = UsageProfile.load(config.profile, layers=model_layers, n_expert=n_expert)
-            self.engine.preload(profile.top(config.slots), rates=profile.rates(self.n_used))
-        self._profile_base = model_name
-
-        self.trace = None
-        if config.trace:
-            self.trace = TraceWriter(
-                config.trace, model=os.path.basename(model_name) or "model", arch=arch,
-                n_layer=max(model_layers) + 1, n_expert=n_expert, n_expert_used=self.n_used,
-                layers=[(layer["il"], layer["expert_bytes"], 0) for layer in self.layers])
+        try:
+            self._setup(n_layers, arch, model_name)
+        except BaseException:
+            self.lib.llama_moe_cache_init(self.ctx, 0)  # release the slots: stock, not an idle split
+            raise
 
         self.steps = 0
         self.decode_steps = 0
@@ -93,6 +77,37 @@ class LiveCache:
         log.info("moecache: %d layers x %d slots (%.1f MiB on %s), policy %s, %d inserts/step",
                  n_layers, config.slots, self.device_bytes / 2**20, self.layers[0]["device"],
                  config.policy, config.inserts)
+
+    def _setup(self, n_layers: int, arch: str, model_name: str) -> None:
+        """Layers, engine, warm start and trace of a freshly allocated cache."""
+        config = self.config
+        self.layers = [self._layer_info(i) for i in range(n_layers)]
+        n_expert = self.layers[0]["n_expert"]
+        if any(layer["n_expert"] != n_expert for layer in self.layers):
+            raise CacheUnavailable("layers with different expert counts are not supported")
+        self.n_used = max(layer["n_expert_used"] for layer in self.layers)
+        self.device_bytes = int(self.lib.llama_moe_cache_device_bytes(self.ctx))
+
+        self.engine = CacheEngine(n_layers, n_expert, config.slots, make_policy(config.policy),
+                                  inserts=config.inserts)
+        model_layers = [layer["il"] for layer in self.layers]
+        if config.profile and os.path.exists(config.profile):
+            try:
+                profile = UsageProfile.load(config.profile, layers=model_layers, n_expert=n_expert)
+            except ProfileError as e:
+                raise ConfigError(f"LLAMA_MOE_CACHE_PROFILE: {e}") from None
+            self.engine.preload(profile.top(config.slots), rates=profile.rates(self.n_used))
+        self._profile_base = model_name
+
+        self.trace = None
+        if config.trace:
+            try:
+                self.trace = TraceWriter(
+                    config.trace, model=os.path.basename(model_name) or "model", arch=arch,
+                    n_layer=max(model_layers) + 1, n_expert=n_expert, n_expert_used=self.n_used,
+                    layers=[(layer["il"], layer["expert_bytes"], 0) for layer in self.layers])
+            except OSError as e:
+                raise ConfigError(f"LLAMA_MOE_CACHE_TRACE={config.trace!r}: {e.strerror}") from None
 
     def _layer_info(self, i: int) -> dict:
         info = self.ffi.new("struct llama_moe_cache_layer_info *")

@@ -132,6 +132,10 @@ def test_waiting_for_uploads_is_an_option(rpc_device, tiny_path):
     ({}, {"slots": 2, "inserts": 0}, "LLAMA_MOE_CACHE_INSERTS=0 must be >= 1"),
     ({}, {"slots": 9}, "LLAMA_MOE_CACHE_SLOTS=9 exceeds the 8 experts per layer of this model"),
     ({}, {"slots": 2, "policy": "belady"}, "only runs in offline replay"),
+    ({}, {"slots": 2, "stats": "/nonexistent/s.json"},
+     "LLAMA_MOE_CACHE_STATS='/nonexistent/s.json': directory /nonexistent does not exist"),
+    ({"LLAMA_MOE_CACHE_TRACE": "/nonexistent/t.csv"}, {"slots": 2},
+     "LLAMA_MOE_CACHE_TRACE='/nonexistent/t.csv': directory /nonexistent does not exist"),
 ])
 def test_bad_configuration_is_one_line(monkeypatch, rpc_device, tiny_path, env, overrides, message):
     for name, value in env.items():
@@ -140,6 +144,22 @@ def test_bad_configuration_is_one_line(monkeypatch, rpc_device, tiny_path, env, 
     with pytest.raises(ConfigError) as err:
         attach(llm, **overrides)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("content, message", [
+    ("{not json", "not valid JSON"),
+    (json.dumps({"format": "moecache-profile", "version": 1, "model": "m", "n_expert": 8,
+                 "layers": [0], "counts": [[1] * 8]}), "profile covers 1 layers x 8 experts"),
+])
+def test_a_bad_profile_releases_the_cache(tmp_path, rpc_device, tiny_path, content, message):
+    """A failure after the slots are allocated frees them: decoding is stock, not an idle split."""
+    profile = tmp_path / "profile.json"
+    profile.write_text(content)
+    llm = load(tiny_path)
+    with pytest.raises(ConfigError) as err:
+        attach(llm, slots=2, profile=str(profile))
+    assert str(err.value).startswith("LLAMA_MOE_CACHE_PROFILE: ") and message in str(err.value)
+    assert native.lib().llama_moe_cache_n_layers(native.as_context(llm._ctx.ctx)) == 0
 
 
 def test_repacked_experts_are_refused_and_decode_stays_stock(rpc_device):
