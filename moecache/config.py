@@ -44,8 +44,8 @@ class CacheConfig:
                               f"runs in offline replay (python -m moecache.replay)")
         for name in ("stats", "trace", "profile"):  # written later: say so now, not at exit
             path = getattr(self, name)
-            folder = path and os.path.dirname(os.path.abspath(path))
-            if path and not os.path.isdir(folder):
+            folder = os.path.dirname(os.path.abspath(path)) if path else None
+            if folder and not os.path.isdir(folder):
                 raise ConfigError(f"{ENV_PREFIX}{name.upper()}={path!r}: directory {folder} does not exist")
 
     @property

@@ -1,7 +1,10 @@
 """Time CacheEngine.step() on synthetic decode routing with locality.
 
     python scripts/bench_step.py [--layers 48 --experts 128 --top-k 8 --slots 64 --inserts 2
-                                  --policy lru --steps 2000]
+                                  --policy lru --steps 2000 --evict-mib 0]
+
+--evict-mib N reads N MiB before each timed step, as a decode graph streaming the experts does
+between two live steps: the step then runs with cold CPU caches.
 """
 
 import argparse
@@ -23,17 +26,24 @@ def main():
     ap.add_argument("--inserts", type=int, default=2)
     ap.add_argument("--policy", default="lru", help="comma separated policy names")
     ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--evict-mib", type=int, default=0,
+                    help="MiB read before each step to evict the CPU caches (0: warm loop)")
     args = ap.parse_args()
+    if args.evict_mib < 0:
+        ap.error(f"--evict-mib must be >= 0, got {args.evict_mib}")
+    streamed = np.ones(args.evict_mib << 17)  # float64: 2**17 per MiB
 
     routing = synthetic_routing(args.steps, args.layers, args.experts, args.top_k, seed=1)
     print(f"{args.layers} layers x top-{args.top_k}, {args.experts} experts, K={args.slots}, "
-          f"inserts={args.inserts}, {args.steps} steps")
+          f"inserts={args.inserts}, {args.steps} steps"
+          + (f", {args.evict_mib} MiB read before each step" if args.evict_mib else ""))
     for name in args.policy.split(","):
         engine = CacheEngine(args.layers, args.experts, args.slots, make_policy(name),
                              inserts=args.inserts)
         engine.step(None)
         times = np.empty(args.steps)
         for t, ids in enumerate(routing):
+            streamed.sum()
             start = time.perf_counter()
             engine.step(ids)
             times[t] = time.perf_counter() - start

@@ -46,8 +46,10 @@ class PopularityOracle(Policy):
         return self.total.take(keys)
 
 
-def engine_hit_pct(obs, n_expert, slots, policy, inserts=2):
+def engine_hit_pct(obs, n_expert, slots, policy, inserts=2, preload=None, rates=None):
     engine = CacheEngine(obs[0].shape[0], n_expert, slots, policy, inserts=inserts, offline=True)
+    if preload is not None:
+        engine.preload(preload, rates=rates)
     engine.step(None)
     for ids in obs:
         engine.step(ids)
@@ -133,8 +135,8 @@ def warm_start_table(trace, slots):
           f"cold or warmed by the other half's profile (Belady warm: preloaded, it has no prior); "
           f"gap closed: LRU -> Belady, all cold or all warm\n")
     print(f"| replayed <- profile | lru cold | lru warm | {DEFAULT_POLICY} cold | {DEFAULT_POLICY} warm | "
-          f"belady cold | belady warm | gap closed cold | gap closed warm |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          f"belady cold | belady warm | gap closed cold | gap closed warm | {DEFAULT_POLICY} preloaded only |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     halves = {"first": slice(0, half), "second": slice(half, None)}
     for replayed, source in (("second", "first"), ("first", "second")):
         ids = decode[halves[replayed]]
@@ -145,9 +147,30 @@ def warm_start_table(trace, slots):
                for name in ("lru", DEFAULT_POLICY, "belady") for warm in (False, True)}
         closed = [gap_closed(hit[DEFAULT_POLICY, warm], hit["lru", warm], hit["belady", warm])
                   for warm in (False, True)]
+        preloaded = engine_hit_pct(obs[0], trace.n_expert, slots, make_policy(DEFAULT_POLICY),
+                                   preload=profile.top(slots))  # no rates: no prior
         print(f"| {replayed} <- {source} | " + " | ".join(
             f"{hit[name, warm]:.1f}" for name in ("lru", DEFAULT_POLICY, "belady") for warm in (False, True))
-            + f" | {closed[0]:.0f}% | {closed[1]:.0f}% |")
+            + f" | {closed[0]:.0f}% | {closed[1]:.0f}% | {preloaded:.1f} |")
+
+
+def synthetic_warm_start_table():
+    """The default policy warmed by the profile of one half of synthetic routing (popularity
+    drifts), with and without the prior."""
+    print(f"\nwarm start on synthetic locality routing (as above), {DEFAULT_POLICY}, K = experts/8, "
+          f"INSERTS=2: profile of steps 0-149 warming 150-299, and the reverse\n")
+    print("| routing | replayed | cold | preloaded only | preloaded + prior |")
+    print("|---|---|---:|---:|---:|")
+    for seed, (label, layers, experts, k, options) in enumerate(SYNTHETIC, start=3):
+        routing = synthetic_routing(300, layers, experts, k, seed=seed, **options)
+        for replayed, source in ((slice(150, None), slice(0, 150)), (slice(0, 150), slice(150, None))):
+            obs = list(routing[replayed])
+            profile = UsageProfile.from_ids("synthetic", range(layers), experts, routing[source])
+            hit = [engine_hit_pct(obs, experts, experts // 8, make_policy(DEFAULT_POLICY), **warm)
+                   for warm in ({}, {"preload": profile.top(experts // 8)},
+                                {"preload": profile.top(experts // 8), "rates": profile.rates(k)})]
+            print(f"| {label} | {replayed.start or 0}-{(replayed.stop or 300) - 1} | "
+                  + " | ".join(f"{h:.1f}" for h in hit) + " |")
 
 
 def throughput(trace, slots, repeats=5):
@@ -179,6 +202,7 @@ def main():
         reuse_statistics(trace)
     for trace in traces:
         warm_start_table(trace, trace.n_expert // 8)
+    synthetic_warm_start_table()
     for trace in traces:
         throughput(trace, trace.n_expert // 8)
     sweep_time(traces[0])
