@@ -98,19 +98,24 @@ def main(argv=None) -> int:
     try:
         args = parse_args(argv)
         _check_inputs(args)
-        report = run(args)
+        report = run(args, on_row=lambda partial: _save(args, partial))
     except BenchError as e:
         print(f"{PROG}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    table = markdown(report)
-    print(table)
-    if args.md:
-        _write(args.md, table + "\n")
-    if args.json:
-        _write(args.json, json.dumps(report, indent=1) + "\n")
+    _save(args, report)
+    print(markdown(report))
     if args.png:
         plot(report, args.png)
     return 0
+
+
+def _save(args, report):
+    """Write the table and the JSON; called after every configuration too, so that a run stopped
+    by a time limit leaves what it measured."""
+    if args.md:
+        _write(args.md, markdown(report) + "\n")
+    if args.json:
+        _write(args.json, json.dumps(report, indent=1) + "\n")
 
 
 def _check_inputs(args):
@@ -159,7 +164,8 @@ class Progress:
             print(file=sys.stderr)
 
 
-def run(args) -> dict:
+def run(args, on_row=None) -> dict:
+    """All configurations; on_row(report so far) after each one."""
     # the benchmark attaches the cache itself: an inherited LLAMA_MOE_CACHE_SLOTS would put a
     # cache into the stock rows too
     for name in [n for n in os.environ if n.startswith("LLAMA_MOE_CACHE_")]:
@@ -185,7 +191,17 @@ def run(args) -> dict:
 
     progress = Progress(len(configs) * (1 + args.repetitions))
     rows, notes, n_expert, prompt_tokens = [], [], None, None
-    for name, slots in configs:
+
+    def report(done):
+        stock = next((r for r in rows if r["config"] == "stock" and r["status"] == "ok"), None)
+        for row in rows:
+            row["ratio"] = (row["tok_s_median"] / stock["tok_s_median"]
+                            if stock and row["status"] == "ok" else None)
+        pending = [name for name, _ in configs[done:]]
+        return _report(args, device, rows, notes + ([f"still to run: {', '.join(pending)}"] if pending else []),
+                       n_expert, prompt_tokens)
+
+    for done, (name, slots) in enumerate(configs, 1):
         if n_expert is not None and slots > n_expert:
             notes.append(f"K={slots} skipped: the model has {n_expert} experts per layer")
             progress.update(f"{name} skipped", 1 + args.repetitions)
@@ -195,12 +211,13 @@ def run(args) -> dict:
         if info:
             n_expert = n_expert or info["n_expert"]
             prompt_tokens = prompt_tokens or info["prompt_tokens"]
+        if on_row:
+            on_row(report(done))
     progress.close()
+    return report(len(configs))
 
-    stock = next((r for r in rows if r["config"] == "stock" and r["status"] == "ok"), None)
-    for row in rows:
-        row["ratio"] = (row["tok_s_median"] / stock["tok_s_median"]
-                        if stock and row["status"] == "ok" else None)
+
+def _report(args, device, rows, notes, n_expert, prompt_tokens) -> dict:
     return {
         "model": os.path.abspath(args.model),
         "device": device,

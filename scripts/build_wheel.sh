@@ -10,7 +10,8 @@
 # the patches, the flags and this script are unchanged; ccache is used when installed.
 #
 #   --cuda [ARCHS]       also build the CUDA backend (CMAKE_CUDA_ARCHITECTURES, default "native").
-#                        Needs nvcc and the CUDA toolkit's cuBLAS headers and libraries (CUDA 12/13).
+#                        Needs nvcc (CUDA 12/13) and cuBLAS: the toolkit's, or else python3's
+#                        nvidia-cublas package (scripts/cuda_env.sh).
 #   --mtmd               also build libmtmd (multimodal chat handlers); off by default to save time
 #   --cmake-args ARGS    more CMake flags, e.g. "-DGGML_CUDA_FA=OFF"
 #   --jobs N             parallel compile jobs (default: nproc)
@@ -50,7 +51,7 @@ while [ $# -gt 0 ]; do
         --cmake-args) [ $# -gt 1 ] || die "--cmake-args needs a value"; extra_args=$2; shift ;;
         --export-source) [ $# -gt 1 ] || die "--export-source needs a directory"; export_dir=$2; shift ;;
         --source) [ $# -gt 1 ] && [ -f "$2/llama_cpp/__init__.py" ] || die "--source needs a patched llama-cpp-python tree"; source_dir=$(cd "$2" && pwd); shift ;;
-        -h|--help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;;
         *) die "unknown argument '$1' (see --help)" ;;
     esac
     shift
@@ -122,6 +123,49 @@ pip_offline=()
 fi
 
 # --- build ---------------------------------------------------------------------------------------
+# FindCUDAToolkit wants one root holding nvcc, cuBLAS and a libcuda.so to link against. A toolkit
+# assembled from pip wheels has neither of the last two: build against a completed copy of it.
+cuda_toolkit() {
+    source "$repo/scripts/cuda_env.sh"
+    cuda_find_cublas || die "--cuda needs cuBLAS: none in nvcc's toolkit (${CUDA_TOP:-not found}) nor in ${PYTHON:-python3}'s nvidia-cublas package"
+    local driver_stub toolkit lib so driver
+    driver_stub=""
+    for so in "$CUDA_TOP"/lib*/stubs/libcuda.so "$CUDA_TOP"/targets/*/lib/stubs/libcuda.so; do
+        [ -f "$so" ] && { driver_stub=$so; break; }
+    done
+    [ -z "$CUBLAS_HOME" ] && [ -n "$driver_stub" ] && return 0
+    toolkit=$cache/cuda-toolkit
+    rm -rf "$toolkit" && mkdir -p "$toolkit" && cp -a "$CUDA_TOP/." "$toolkit/"
+    lib=$toolkit/lib64
+    [ -d "$lib" ] || lib=$toolkit/lib
+    if [ -n "$CUBLAS_HOME" ]; then
+        cp -a "$CUBLAS_HOME/include/." "$toolkit/include/"
+        for so in "$CUBLAS_HOME"/lib/libcublas*.so.*; do
+            ln -sf "$so" "$lib/"
+            ln -sf "${so##*/}" "$lib/$(basename "${so%%.so.*}").so"
+        done
+    fi
+    if [ -z "$driver_stub" ]; then
+        mkdir -p "$lib/stubs"
+        driver=$(ldconfig -p | sed -n 's/^[[:space:]]*libcuda\.so\.1 .*=> //p')
+        driver=${driver%%$'\n'*}  # the first one
+        if [ -n "$driver" ]; then
+            ln -sf "$driver" "$lib/stubs/libcuda.so"
+        else  # no driver here (a build-only machine): a libcuda.so.1 defining the driver API's
+              # names, so that the link records it as needed (an empty one would be dropped,
+              # leaving cu* symbols nothing loads); the driver's own is loaded at run time. Each
+              # returns CUDA_ERROR_NO_DEVICE, so the stub can also stand in for a driver here.
+            echo '#include <cuda.h>' | cc -E -P -I"$toolkit/include" -x c - \
+                | grep -o '\bcu[A-Za-z0-9_]*[[:space:]]*(' | tr -d '( \t' | sort -u | sed 's/.*/int &(void) { return 100; }/' \
+                | cc -shared -fPIC -Wl,-soname,libcuda.so.1 -x c - -o "$lib/stubs/libcuda.so" \
+                || die "could not make a libcuda.so to link against"
+        fi
+    fi
+    echo "build_wheel: CUDA toolkit $CUDA_TOP completed in $toolkit (cuBLAS from ${CUBLAS_HOME:-the toolkit})"
+    export CUDACXX=$toolkit/bin/nvcc CUDAToolkit_ROOT=$toolkit PATH=$toolkit/bin:$PATH
+}
+[ -z "$cuda_archs" ] || cuda_toolkit
+
 if command -v ccache >/dev/null; then
     flags="$flags -DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache"
     [ -n "$cuda_archs" ] && flags="$flags -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache"

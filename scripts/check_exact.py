@@ -4,9 +4,11 @@ same placement without it (experts in host memory, the rest on the device).
 
     python scripts/check_exact.py -m MODEL [-n 128] [--slots 16] [-t THREADS] [--json FILE]
 
-Prints whether the tokens are identical and the largest |logit difference| (0 when the cached
-experts run the same kernels as the host, as on the loopback RPC device; a GPU's kernels round
-differently). Exit status 0 when the tokens match, 1 when they do not, 2 on bad input.
+Prints whether the tokens are identical, the largest |logit difference| up to the first differing
+token (0 when the cached experts run the same kernels as the host, as on the loopback RPC device;
+a GPU's kernels round differently) and the stock run's smallest margin between its best and
+second-best logit: tokens can only differ by rounding where a margin is below the difference.
+Exit status 0 when the tokens match, 1 when they do not, 2 on bad input.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ def main(argv=None) -> int:
 
     os.environ.pop("LLAMA_MOE_CACHE_SLOTS", None)  # the stock run must not get a cache
     import llama_cpp
+    import numpy as np
 
     from moecache import ggml
     from moecache.activate import attach
@@ -83,16 +86,21 @@ def main(argv=None) -> int:
     cache = attach(llm, slots=args.slots, policy="lru")
     tokens, logits = _greedy(llm, args.n_predict)
     stats = cache.stats()
+    first_difference = next((i for i, (a, b) in enumerate(zip(tokens, stock_tokens)) if a != b), None)
+    compared = slice(0, len(tokens) if first_difference is None else first_difference + 1)
+    top2 = np.sort(stock_logits, axis=1)[:, -2:]
     result = {
         "model": os.path.abspath(args.model), "n_predict": args.n_predict, "slots": args.slots,
         "cache_device": cache.layers[0]["device"], "tokens_identical": tokens == stock_tokens,
-        "first_difference": next((i for i, (a, b) in enumerate(zip(tokens, stock_tokens)) if a != b), None),
-        "max_abs_logit_diff": float(abs(logits - stock_logits).max()),
+        "first_difference": first_difference,
+        "max_abs_logit_diff": float(abs(logits[compared] - stock_logits[compared]).max()),
+        "min_top2_margin": float((top2[:, 1] - top2[:, 0]).min()),
         "hit_rate": stats["hit_rate"], "uploads": stats["totals"]["uploads"],
     }
     print(f"check_exact: {args.n_predict} greedy tokens, cache K={args.slots} on {result['cache_device']}: "
           f"tokens {'identical' if result['tokens_identical'] else 'DIFFER at %d' % result['first_difference']}, "
-          f"max |logit difference| {result['max_abs_logit_diff']:.3g}, "
+          f"max |logit difference| {result['max_abs_logit_diff']:.3g} (smallest stock top-2 margin "
+          f"{result['min_top2_margin']:.3g}), "
           f"hit rate {100 * (stats['hit_rate'] or 0):.1f}%, {result['uploads']} uploads")
     if args.json:
         with open(args.json, "w") as f:

@@ -14,9 +14,12 @@
 #                    already importable is used, with the loopback RPC device as the device), a
 #                    4-layer model and few tokens
 #
-# On a lent machine (10 minutes a command, the machine stays warm between back-to-back calls):
-#   here:        scripts/gpu_bundle.sh
-#   device call: scripts/gpu_check.sh --bundle gpu-bundle --build-only          (carry gpu-bundle)
+# On a lent machine (10 minutes a command, 15 minutes of device time a session), one call:
+#   here:        scripts/gpu_bundle.sh --cuda-wheel               (builds the CUDA wheel here)
+#   device call: scripts/gpu_check.sh --bundle gpu-bundle --wheel gpu-bundle/dist/*.whl
+#                (carry gpu-bundle; about 8 minutes at most)
+# or, should that wheel not load there, building there (the machine stays warm between calls):
+#   device call: scripts/gpu_check.sh --bundle gpu-bundle --build-only
 #   device call: scripts/gpu_check.sh --bundle gpu-bundle --wheel gpu-out/dist/*.whl
 #
 # Phases, each time-boxed with `timeout` (seconds):
@@ -24,12 +27,15 @@
 #               source when given; FlashAttention kernels are left out to fit the time box:
 #               stock and cached runs use the same build)
 #   install 60  the bundle's wheels into OUT/site (PYTHONPATH), the llama-cpp-python wheel and
-#               moecache with pip --no-deps --no-build-isolation --no-index
+#               moecache with pip --no-deps --no-build-isolation --no-index; fails unless ggml
+#               sees a GPU (cuBLAS is put on LD_LIBRARY_PATH, see scripts/cuda_env.sh)
 #   model 150   python -m moecache.synth qwen3-30b-a3b (48 layers, ~17 GB, default locality)
 #   exact 90    scripts/check_exact.py: greedy tokens with a cache of 16 slots identical to the
 #               same placement without a cache over 128 tokens; prints max |logit difference|
-#   bench 180   scripts/bench_decode.py: stock, stock-repack, K=16,32,64, all-device
-# Output: phases.tsv (phase, exit status, seconds), <phase>.log, exact.json, bench.{md,json,png}.
+#   bench 180   scripts/bench_decode.py: stock, stock-repack, K=16,32,64, all-device (its table
+#               and JSON are rewritten after every configuration: a timeout keeps what ran)
+# Output: machine.txt (CPU, memory, GPU, driver, nvcc), phases.tsv (phase, exit status, seconds),
+# <phase>.log, exact.json, bench.{md,json,png}; $OUT gets the same with the logs in logs.tar.gz.
 # Exit status: 0 when every phase passed, 1 otherwise, 2 for bad arguments.
 set -uo pipefail
 
@@ -40,7 +46,7 @@ bundle=""
 build_only=0
 rehearsal=0
 
-usage() { sed -n '2,36p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,/^[^#]/s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"; }
 bad() { echo "gpu_check: error: $*" >&2; exit 2; }
 
 while [ $# -gt 0 ]; do
@@ -91,14 +97,39 @@ phase() {
     return "$rc"
 }
 
-# small results go back through the device tool's result folder
+# small results go back through the device tool's result folder, which takes at most 8 files:
+# the logs travel as one archive
 report() {
     [ -n "${OUT:-}" ] && [ "$OUT" != "$out" ] || return 0
-    mkdir -p "$OUT" && cp "$out"/*.tsv "$out"/*.log "$OUT"/ 2>/dev/null
-    cp "$out"/*.json "$out"/*.md "$out"/*.png "$OUT"/ 2>/dev/null
+    mkdir -p "$OUT" && cp "$out"/*.tsv "$out"/machine.txt "$out"/*.json "$out"/*.md "$out"/*.png "$OUT"/ 2>/dev/null
+    (cd "$out" && tar czf "$OUT/logs.tar.gz" -- *.log) 2>/dev/null
     return 0
 }
 trap report EXIT
+
+# what the figures were measured on
+{
+    date -u +"%Y-%m-%d %H:%M UTC"
+    uname -srm
+    lscpu | grep -E '^(Model name|CPU\(s\)|Thread\(s\) per core|L3 cache|NUMA node\(s\)):'
+    grep MemTotal /proc/meminfo
+    nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.max,pcie.link.width.max \
+        --format=csv 2>&1
+    nvcc --version 2>&1 | tail -n 2
+    python3 --version
+} > "$out/machine.txt" 2>&1
+
+# libggml-cuda loads cuBLAS at run time: from python3's nvidia-cublas when the toolkit has none
+if [ "$rehearsal" = 0 ]; then
+    source "$repo/scripts/cuda_env.sh"
+    if cuda_find_cublas; then
+        cublas_lib=$(dirname "$(ls "${CUBLAS_HOME:-$CUDA_TOP}"/{lib64,lib,targets/*/lib}/libcublas.so.* 2>/dev/null | head -n 1)")
+        export LD_LIBRARY_PATH=$cublas_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+        echo "cuBLAS: $cublas_lib" >> "$out/machine.txt"
+    else
+        echo "cuBLAS: not found beside nvcc (${CUDA_TOP:-no nvcc}) nor in python3's nvidia-cublas" >> "$out/machine.txt"
+    fi
+fi
 
 if [ "$rehearsal" = 0 ]; then
     if [ -n "$bundle" ]; then
@@ -118,7 +149,7 @@ if [ "$rehearsal" = 0 ]; then
     phase install 60 bash -c '{ [ -z "$3" ] || python3 -m pip install -q --no-index --no-deps --upgrade --target "$4" "$3"/wheels/*.whl; } \
         && python3 -m pip install --no-deps --no-build-isolation --no-index --force-reinstall "$1" \
         && python3 -m pip install --no-deps --no-build-isolation --no-index "$2" \
-        && cd / && python3 -c "import llama_cpp, moecache.native as n; print(llama_cpp.__version__, n.patch_version())"' \
+        && cd / && python3 -c "import llama_cpp, moecache.native as n, moecache.ggml as g; print(llama_cpp.__version__, n.patch_version()); g.has_gpu() or exit(\"ggml sees no GPU: the CUDA backend did not start\")"' \
         _ "$wheel" "$repo" "$bundle" "$out/site" || exit 1
 fi
 

@@ -44,6 +44,37 @@ def test_bench_decode_end_to_end(tmp_path, tiny_path):
     assert table.strip() in run.stdout
 
 
+def test_bench_decode_saves_after_every_configuration(tmp_path, tiny_path, monkeypatch):
+    """A run stopped by a time limit leaves the configurations it measured, marked as partial."""
+    import importlib.util
+
+    pytest.importorskip("llama_cpp")
+    spec = importlib.util.spec_from_file_location("bench_decode", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    from moecache import ggml
+
+    monkeypatch.setattr(ggml, "has_gpu", lambda: True)  # no RPC server: _measure is replaced too
+    measured = []
+
+    def measure(args, name, slots, progress):
+        measured.append(name)
+        row = {"config": name, "slots": slots, "status": "ok", "tok_s_runs": [10.0 * len(measured)],
+               "tok_s_median": 10.0 * len(measured), "tok_s_min": 10.0 * len(measured),
+               "tok_s_max": 10.0 * len(measured), "hit_rate": None, "uploads_per_token": None,
+               "step_us_per_token": None, "device_bytes": None, "cache_device": None}
+        return row, {"n_expert": 8, "prompt_tokens": 5}
+
+    monkeypatch.setattr(bench, "_measure", measure)
+    js = tmp_path / "bench.json"
+    args = bench.parse_args(["-m", tiny_path, "--slots", "0,2,4", "--json", str(js)])
+    saved = []
+    bench.run(args, on_row=lambda report: (bench._save(args, report), saved.append(json.loads(js.read_text()))))
+    assert [[r["config"] for r in s["rows"]] for s in saved] == [["stock"], ["stock", "K=2"], ["stock", "K=2", "K=4"]]
+    assert [s["notes"] for s in saved] == [["still to run: K=2, K=4"], ["still to run: K=4"], []]
+    assert [r["ratio"] for r in saved[-1]["rows"]] == [1.0, 2.0, 3.0]
+
+
 @pytest.mark.parametrize("argv,message", [
     ([], "the following arguments are required: -m/--model"),
     (["-m", "/nonexistent.gguf"], "model file not found: /nonexistent.gguf"),
@@ -76,6 +107,12 @@ def test_gpu_check_bad_flags_exit_2(argv, message):
     assert run.stderr.strip() == f"gpu_check: error: {message}"
 
 
+def test_gpu_bundle_bad_flag_exits_2_with_one_line():
+    run = _run(["bash", os.path.join(REPO, "scripts", "gpu_bundle.sh"), "--bogus"])
+    assert run.returncode == 2
+    assert run.stderr.strip() == "gpu_bundle: error: unknown argument '--bogus' (see --help)"
+
+
 def test_gpu_bundle_holds_the_patched_source_and_the_missing_wheels(tmp_path):
     import tarfile
 
@@ -91,3 +128,34 @@ def test_gpu_bundle_holds_the_patched_source_and_the_missing_wheels(tmp_path):
     wheels = sorted(p.name.split("-")[0] for p in (bundle / "wheels").iterdir())
     assert wheels == ["cffi", "diskcache", "gguf", "pycparser"]
     assert os.path.getsize(bundle / "src.tar.gz") < 32 << 20  # carried with the repo: 64 MiB a call
+
+
+@pytest.mark.parametrize("toolkit_has_it,pip_layout,expected", [
+    (True, None, "toolkit"),
+    (False, "cu13", "pip"),
+    (False, None, "none"),
+    (False, "cublas", "none"),  # CUDA 12's layout does not serve nvcc 13
+])
+def test_cuda_env_finds_cublas_beside_nvcc_or_in_the_pip_package(tmp_path, toolkit_has_it, pip_layout, expected):
+    top = tmp_path / "cuda"
+    (top / "bin").mkdir(parents=True)
+    (top / "include").mkdir()
+    nvcc = top / "bin" / "nvcc"  # answers --dryrun (on stderr) and --version as nvcc 13.0 does
+    nvcc.write_text(f'#!/bin/sh\necho "#$ TOP={top}/bin/.." >&2\necho "Cuda compilation tools, release 13.0, V13.0.88"\n')
+    nvcc.chmod(0o755)
+    if toolkit_has_it:
+        (top / "include" / "cublas_v2.h").touch()
+    site = tmp_path / "site"
+    if pip_layout:
+        (site / "nvidia" / pip_layout / "include").mkdir(parents=True)
+        (site / "nvidia" / pip_layout / "include" / "cublas_v2.h").touch()
+    python = tmp_path / "python"  # without site-packages: an installed nvidia-cublas must not answer
+    python.write_text(f'#!/bin/sh\nexec {sys.executable} -S "$@"\n')
+    python.chmod(0o755)
+    env = dict(os.environ, PATH=f"{top / 'bin'}:{os.environ['PATH']}", PYTHONPATH=str(site), PYTHON=str(python))
+    run = subprocess.run(["bash", "-c", 'source scripts/cuda_env.sh; cuda_find_cublas; echo "$?|$CUDA_TOP|$CUBLAS_HOME"'],
+                         capture_output=True, text=True, env=env, cwd=REPO, timeout=60)
+    rc, cuda_top, cublas_home = run.stdout.strip().split("|")
+    assert cuda_top == str(top)
+    assert (rc, cublas_home) == {"toolkit": ("0", ""), "pip": ("0", str(site / "nvidia" / "cu13")),
+                                 "none": ("1", "")}[expected]
