@@ -17,7 +17,7 @@
 # On a lent machine (10 minutes a command, 15 minutes of device time a session), one call:
 #   here:        scripts/gpu_bundle.sh --cuda-wheel               (builds the CUDA wheel here)
 #   device call: scripts/gpu_check.sh --bundle gpu-bundle --wheel gpu-bundle/dist/*.whl
-#                (carry gpu-bundle; about 8 minutes at most)
+#                (carry gpu-bundle, timeout_s 600: the phases take 525 s at most)
 # or, should that wheel not load there, building there (the machine stays warm between calls):
 #   device call: scripts/gpu_check.sh --bundle gpu-bundle --build-only
 #   device call: scripts/gpu_check.sh --bundle gpu-bundle --wheel gpu-out/dist/*.whl
@@ -26,10 +26,11 @@
 #   build 540   build_wheel.sh --cuda 90 --cmake-args -DGGML_CUDA_FA=OFF (from the bundle's
 #               source when given; FlashAttention kernels are left out to fit the time box:
 #               stock and cached runs use the same build)
-#   install 60  the bundle's wheels into OUT/site (PYTHONPATH), the llama-cpp-python wheel and
+#   install 45  the bundle's wheels into OUT/site (PYTHONPATH), the llama-cpp-python wheel and
 #               moecache with pip --no-deps --no-build-isolation --no-index; fails unless ggml
 #               sees a GPU (cuBLAS is put on LD_LIBRARY_PATH, see scripts/cuda_env.sh)
-#   model 150   python -m moecache.synth qwen3-30b-a3b (48 layers, ~17 GB, default locality)
+#   model 210   python -m moecache.synth qwen3-30b-a3b (48 layers, ~17 GB, default locality), in
+#               /dev/shm when it has 40 GiB free, else in OUT/cache (MOECACHE_CACHE_DIR overrides)
 #   exact 90    scripts/check_exact.py: greedy tokens with a cache of 16 slots identical to the
 #               same placement without a cache over 128 tokens; prints max |logit difference|
 #   bench 180   scripts/bench_decode.py: stock, stock-repack, K=16,32,64, all-device (its table
@@ -69,7 +70,15 @@ done
 
 mkdir -p "$out" || bad "cannot create $out"
 out=$(cd "$out" && pwd)
-export MOECACHE_CACHE_DIR=${MOECACHE_CACHE_DIR:-$out/cache}
+# the 17 GB model is written at memory speed to /dev/shm when it has room (the GPU machine's
+# disk speed is not known), else under OUT
+if [ -z "${MOECACHE_CACHE_DIR:-}" ]; then
+    export MOECACHE_CACHE_DIR=$out/cache
+    shm_free_kib=$(df --output=avail /dev/shm 2>/dev/null | tail -n 1)
+    if [ "$rehearsal" = 0 ] && [ "${shm_free_kib:-0}" -gt $((40 << 20)) ] 2>/dev/null; then
+        export MOECACHE_CACHE_DIR=/dev/shm/moecache-gpu-check
+    fi
+fi
 threads=$(nproc)
 if [ "$rehearsal" = 1 ]; then
     export PYTHONPATH=$repo${PYTHONPATH:+:$PYTHONPATH}   # moecache from this checkout
@@ -117,6 +126,7 @@ trap report EXIT
         --format=csv 2>&1
     nvcc --version 2>&1 | tail -n 2
     python3 --version
+    echo "model cache: $MOECACHE_CACHE_DIR"
 } > "$out/machine.txt" 2>&1
 
 # libggml-cuda loads cuBLAS at run time: from python3's nvidia-cublas when the toolkit has none
@@ -146,14 +156,14 @@ if [ "$rehearsal" = 0 ]; then
         wheel=$(ls "$out"/dist/llama_cpp_python-*.whl | head -n 1)
         [ "$build_only" = 0 ] || { echo "gpu_check: built $wheel" >&2; exit 0; }
     fi
-    phase install 60 bash -c '{ [ -z "$3" ] || python3 -m pip install -q --no-index --no-deps --upgrade --target "$4" "$3"/wheels/*.whl; } \
+    phase install 45 bash -c '{ [ -z "$3" ] || python3 -m pip install -q --no-index --no-deps --upgrade --target "$4" "$3"/wheels/*.whl; } \
         && python3 -m pip install --no-deps --no-build-isolation --no-index --force-reinstall "$1" \
         && python3 -m pip install --no-deps --no-build-isolation --no-index "$2" \
         && cd / && python3 -c "import llama_cpp, moecache.native as n, moecache.ggml as g; print(llama_cpp.__version__, n.patch_version()); g.has_gpu() or exit(\"ggml sees no GPU: the CUDA backend did not start\")"' \
         _ "$wheel" "$repo" "$bundle" "$out/site" || exit 1
 fi
 
-phase model 150 python3 -m moecache.synth qwen3-30b-a3b "${model_args[@]}" --threads "$threads" || exit 1
+phase model 210 python3 -m moecache.synth qwen3-30b-a3b "${model_args[@]}" --threads "$threads" || exit 1
 model=$(tail -n 1 "$out/model.log")
 
 phase exact 90 python3 "$repo/scripts/check_exact.py" -m "$model" -n "$exact_tokens" --slots 16 \
