@@ -67,12 +67,17 @@ def test_bench_decode_saves_after_every_configuration(tmp_path, tiny_path, monke
 
     monkeypatch.setattr(bench, "_measure", measure)
     js = tmp_path / "bench.json"
-    args = bench.parse_args(["-m", tiny_path, "--slots", "0,2,4", "--json", str(js)])
+    args = bench.parse_args(["-m", tiny_path, "--slots", "0,2,4", "--stock-repack", "--json", str(js)])
     saved = []
     bench.run(args, on_row=lambda report: (bench._save(args, report), saved.append(json.loads(js.read_text()))))
-    assert [[r["config"] for r in s["rows"]] for s in saved] == [["stock"], ["stock", "K=2"], ["stock", "K=2", "K=4"]]
-    assert [s["notes"] for s in saved] == [["still to run: K=2, K=4"], ["still to run: K=4"], []]
-    assert [r["ratio"] for r in saved[-1]["rows"]] == [1.0, 2.0, 3.0]
+    assert [len(s["rows"]) for s in saved] == [1, 2, 3, 4]
+    assert [s["notes"] for s in saved] == [["still to run: stock-repack, K=2, K=4"], ["still to run: K=2, K=4"],
+                                           ["still to run: K=4"], []]
+    rows = saved[-1]["rows"]
+    assert [r["config"] for r in rows] == ["stock", "stock-repack", "K=2", "K=4"]
+    assert [r["ratio"] for r in rows] == [1.0, 2.0, 3.0, 4.0]
+    assert [r["ratio_repack"] for r in rows] == [0.5, 1.0, 1.5, 2.0]  # llama.cpp's --cpu-moe repacks
+    assert "| K=4 | 40.00 [40.00, 40.00] | 4.00 | 2.00 | - |" in bench.markdown(saved[-1])
 
 
 @pytest.mark.parametrize("argv,message", [
