@@ -10,8 +10,8 @@ Configurations, each in a freshly loaded model (the previous one freed first):
                 device, no cache: the K=0 baseline every ratio is against
   stock-repack  (--stock-repack) the same, with llama.cpp repacking the experts for its faster
                 CPU kernels, as stock --cpu-moe does
-  K=k           the stock placement plus a cache of k experts per layer (--slots; values above
-                the model's expert count are skipped with a note)
+  K=k           the stock placement plus a cache of k experts per layer (--slots, largest first;
+                values above the model's expert count are skipped with a note)
   all-device    (--all-device) n_gpu_layers=-1 without overrides, everything on the device;
                 "did not fit" when loading fails
 The device is the GPU when ggml has one, else a loopback RPC device (a CPU backend in a
@@ -187,7 +187,8 @@ def run(args, on_row=None) -> dict:
     configs = [("stock", 0)]
     if args.stock_repack:
         configs.append(("stock-repack", 0))
-    configs += [(f"K={k}", k) for k in args.slots if k > 0]
+    # largest cache first: it is the row that matters most if a time limit stops the run
+    configs += [(f"K={k}", k) for k in sorted(args.slots, reverse=True) if k > 0]
     if args.all_device:
         configs.append(("all-device", 0))
 
@@ -401,7 +402,8 @@ def plot(report, path):
     import matplotlib.pyplot as plt
 
     measured = [r for r in report["rows"] if r["tok_s_median"] is not None]
-    curve = [r for r in measured if r["config"] == "stock" or r["config"].startswith("K=")]
+    curve = sorted((r for r in measured if r["config"] == "stock" or r["config"].startswith("K=")),
+                   key=lambda r: r["slots"])
     ks = [r["slots"] for r in curve]
     fig, speed_axis = plt.subplots(figsize=(7, 4))
     speed_axis.errorbar(ks, [r["tok_s_median"] for r in curve],

@@ -33,7 +33,7 @@
 #               /dev/shm when it has 40 GiB free, else in OUT/cache (MOECACHE_CACHE_DIR overrides)
 #   exact 90    scripts/check_exact.py: greedy tokens with a cache of 16 slots identical to the
 #               same placement without a cache over 128 tokens; prints max |logit difference|
-#   bench 180   scripts/bench_decode.py: stock, stock-repack, K=16,32,64, all-device (its table
+#   bench 180   scripts/bench_decode.py: stock, stock-repack, K=64,32,16, all-device (its table
 #               and JSON are rewritten after every configuration: a timeout keeps what ran)
 # Output: machine.txt (CPU, memory, GPU, driver, nvcc), phases.tsv (phase, exit status, seconds),
 # <phase>.log, exact.json, bench.{md,json,png}; $OUT gets the same with the logs in logs.tar.gz.

@@ -29,7 +29,7 @@ def test_bench_decode_end_to_end(tmp_path, tiny_path):
     report = json.loads(js.read_text())
     assert "RPC" in report["device"] and report["n_expert"] == 8
     rows = {r["config"]: r for r in report["rows"]}
-    assert list(rows) == ["stock", "K=2", "K=4"]
+    assert list(rows) == ["stock", "K=4", "K=2"]  # the largest cache first
     assert report["notes"] == ["K=9 skipped: the model has 8 experts per layer"]
     for row in rows.values():
         assert row["status"] == "ok" and len(row["tok_s_runs"]) == 2
@@ -71,13 +71,13 @@ def test_bench_decode_saves_after_every_configuration(tmp_path, tiny_path, monke
     saved = []
     bench.run(args, on_row=lambda report: (bench._save(args, report), saved.append(json.loads(js.read_text()))))
     assert [len(s["rows"]) for s in saved] == [1, 2, 3, 4]
-    assert [s["notes"] for s in saved] == [["still to run: stock-repack, K=2, K=4"], ["still to run: K=2, K=4"],
-                                           ["still to run: K=4"], []]
+    assert [s["notes"] for s in saved] == [["still to run: stock-repack, K=4, K=2"], ["still to run: K=4, K=2"],
+                                           ["still to run: K=2"], []]
     rows = saved[-1]["rows"]
-    assert [r["config"] for r in rows] == ["stock", "stock-repack", "K=2", "K=4"]
+    assert [r["config"] for r in rows] == ["stock", "stock-repack", "K=4", "K=2"]
     assert [r["ratio"] for r in rows] == [1.0, 2.0, 3.0, 4.0]
     assert [r["ratio_repack"] for r in rows] == [0.5, 1.0, 1.5, 2.0]  # llama.cpp's --cpu-moe repacks
-    assert "| K=4 | 40.00 [40.00, 40.00] | 4.00 | 2.00 | - |" in bench.markdown(saved[-1])
+    assert "| K=2 | 40.00 [40.00, 40.00] | 4.00 | 2.00 | - |" in bench.markdown(saved[-1])
 
 
 @pytest.mark.parametrize("argv,message", [
