@@ -203,7 +203,8 @@ class CacheEngine:
         publish = self._pending.popleft()
         late = _NO_JOBS
         if ready is not None and ready < len(publish):
-            publish, late = publish[:max(ready, 0)], publish[max(ready, 0):]
+            ready = max(ready, 0)
+            publish, late = publish[:ready], publish[ready:]
             self.counters["late"] += np.bincount(late[:, 0], minlength=L)
         if publish.size:
             l, e, s = publish.T

@@ -267,7 +267,6 @@ def add_tiny_tokenizer(w) -> None:
     w.add_add_bos_token(False)
 
 
-
 def tiny_moe(path: str | os.PathLike[str] | None = None, *, n_layer: int = 2, n_expert: int = 8,
              n_expert_used: int = 2, n_embd: int = 64, seed: int = 0, n_head: int = 4,
              n_head_kv: int = 2, n_ff_exp: int | None = None, expert_type: str = "f32",

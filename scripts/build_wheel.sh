@@ -140,7 +140,7 @@ cuda_toolkit() {
     [ -d "$lib" ] || lib=$toolkit/lib
     if [ -n "$CUBLAS_HOME" ]; then
         cp -a "$CUBLAS_HOME/include/." "$toolkit/include/"
-        for so in "$CUBLAS_HOME"/lib/libcublas*.so.*; do
+        for so in "$CUBLAS_LIB"/libcublas*.so.*; do
             ln -sf "$so" "$lib/"
             ln -sf "${so##*/}" "$lib/$(basename "${so%%.so.*}").so"
         done

@@ -6,14 +6,16 @@
 #   CUDA_TOP      the toolkit nvcc belongs to
 #   CUBLAS_HOME   the directory holding include/cublas_v2.h and lib/libcublas.so.N when cuBLAS is
 #                 not the toolkit's own (empty when it is)
-# and fails when nvcc or cuBLAS cannot be found.
+#   CUBLAS_LIB    the directory of libcublas.so.N (empty if there is none)
+# and fails when nvcc or cuBLAS's headers cannot be found.
 cuda_find_cublas() {
     CUDA_TOP=$(nvcc --dryrun -c -x cu /dev/null -o /dev/null 2>&1 | sed -n 's/^#\$ TOP=//p')
     CUDA_TOP=$(cd "$CUDA_TOP" 2>/dev/null && pwd -P) || return 1
     CUBLAS_HOME=""
+    CUBLAS_LIB=""
     local include
     for include in "$CUDA_TOP/include" "$CUDA_TOP"/targets/*/include; do
-        [ -f "$include/cublas_v2.h" ] && return 0
+        [ -f "$include/cublas_v2.h" ] && { _cuda_cublas_lib; return 0; }
     done
     local major
     major=$(nvcc --version | sed -n 's/.*release \([0-9]*\)\..*/\1/p')
@@ -29,5 +31,14 @@ for root in nvidia.__path__:
             sys.exit()
 EOF
 )
-    [ -n "$CUBLAS_HOME" ]
+    [ -n "$CUBLAS_HOME" ] || return 1
+    _cuda_cublas_lib
+}
+
+_cuda_cublas_lib() {
+    local so
+    for so in "${CUBLAS_HOME:-$CUDA_TOP}"/{lib64,lib,targets/*/lib}/libcublas.so.*; do
+        [ -f "$so" ] && { CUBLAS_LIB=$(dirname "$so"); break; }
+    done
+    return 0
 }

@@ -129,19 +129,15 @@ trap report EXIT
     echo "model cache: $MOECACHE_CACHE_DIR"
 } > "$out/machine.txt" 2>&1
 
-# libggml-cuda loads cuBLAS at run time: from python3's nvidia-cublas when the toolkit has none
 if [ "$rehearsal" = 0 ]; then
+    # libggml-cuda loads cuBLAS at run time: from python3's nvidia-cublas when the toolkit has none
     source "$repo/scripts/cuda_env.sh"
-    if cuda_find_cublas; then
-        cublas_lib=$(dirname "$(ls "${CUBLAS_HOME:-$CUDA_TOP}"/{lib64,lib,targets/*/lib}/libcublas.so.* 2>/dev/null | head -n 1)")
-        export LD_LIBRARY_PATH=$cublas_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-        echo "cuBLAS: $cublas_lib" >> "$out/machine.txt"
+    if cuda_find_cublas && [ -n "$CUBLAS_LIB" ]; then
+        export LD_LIBRARY_PATH=$CUBLAS_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+        echo "cuBLAS: $CUBLAS_LIB" >> "$out/machine.txt"
     else
         echo "cuBLAS: not found beside nvcc (${CUDA_TOP:-no nvcc}) nor in python3's nvidia-cublas" >> "$out/machine.txt"
     fi
-fi
-
-if [ "$rehearsal" = 0 ]; then
     if [ -n "$bundle" ]; then
         export PYTHONPATH=$out/site${PYTHONPATH:+:$PYTHONPATH}
     fi
