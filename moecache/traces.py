@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
@@ -30,6 +31,11 @@ REQUIRED_COLUMNS = ("turn", "phase", "step", "layer", "slot", "expert", "weight"
                     "residency", "expert_bytes")
 OPTIONAL_COLUMNS = ("dropped",)
 PREFILL, DECODE = 0, 1
+
+# The real traces the repository ships (traces/README.md: source, licence): the one place that
+# knows where they are.
+TRACES_DIR = Path(__file__).resolve().parents[1] / "traces"
+SHIPPED_TRACES = (TRACES_DIR / "qwen3-30b-a3b.route.csv", TRACES_DIR / "gpt-oss-120b.route.csv")
 
 
 class TraceError(ValueError):

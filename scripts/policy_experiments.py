@@ -29,10 +29,9 @@ import numpy as np
 from moecache.engine import CacheEngine
 from moecache.policies import DecayedLfu, Policy, make_policy
 from moecache.replay import observations
-from moecache.traces import read_trace, synthetic_routing
+from moecache.traces import SHIPPED_TRACES, read_trace, synthetic_routing
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"  # shared/ beside the repository
-SHARED = [TRACES / "qwen3-30b-a3b.route.csv", TRACES / "gpt-oss-120b.route.csv"]
+SHARED = list(SHIPPED_TRACES)
 SYNTHETIC = [  # (label, layers, experts, top-k, options); seeds 3.. as in replay_table.py
     ("8 of 128, sticky", 24, 128, 8, {}),
     ("2 of 64", 24, 64, 2, {"stickiness": 1.0}),

@@ -19,10 +19,9 @@ from moecache.engine import CacheEngine
 from moecache.policies import DEFAULT_POLICY, POLICIES, Policy, make_policy
 from moecache.profile import UsageProfile
 from moecache.replay import observations, replay_per_layer
-from moecache.traces import DECODE, read_trace, synthetic_routing
+from moecache.traces import DECODE, SHIPPED_TRACES, read_trace, synthetic_routing
 
-SHARED = [Path("/work/shared/traces/qwen3-30b-a3b.route.csv"),
-          Path("/work/shared/traces/gpt-oss-120b.route.csv")]
+SHARED = list(SHIPPED_TRACES)
 
 
 class PopularityOracle(Policy):

@@ -13,8 +13,7 @@ import pytest
 
 N_THREADS = max(1, min(2, os.cpu_count() or 1))
 
-# the real routing traces: shared/ sits beside the repository (MOECACHE_TRACES overrides)
-TRACES = Path(os.environ.get("MOECACHE_TRACES", Path(__file__).resolve().parents[2] / "shared" / "traces"))
+from moecache.traces import TRACES_DIR as TRACES  # noqa: E402  (the shipped real traces)
 
 # every model load() made; the device fixture frees those still alive before stopping the server
 _loaded: weakref.WeakSet = weakref.WeakSet()
