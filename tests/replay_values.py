@@ -5,8 +5,10 @@
 
 Each entry is a run named by what it replays: trace or routing, model, policy, size, inserts;
 its value [hits, lookups, hits incl. prefill, lookups incl. prefill, bytes uploaded (global:
-read) for decode]. The table scripts' own policies (the popularity oracle, the issue-4
-candidates) are included, so every figure of the doc is covered.
+read) for decode] (synthetic routing: 1 byte per expert). The table scripts' own policies
+(the popularity oracle, the issue-4 candidates) are included, so every figure of the doc is
+covered. The values were written by the replay code before moecache.replay.simulate existed;
+this file computes them with simulate.
 """
 
 from __future__ import annotations
@@ -21,13 +23,13 @@ import numpy as np
 from moecache.engine import CacheEngine
 from moecache.policies import make_policy
 from moecache.profile import UsageProfile
-from moecache.replay import MIB, observations, replay_global, replay_per_layer
-from moecache.traces import DECODE, SHIPPED_TRACES, read_trace, synthetic_routing
+from moecache.replay import GLOBAL, MIB, PER_LAYER, simulate
+from moecache.traces import DECODE, SHIPPED_TRACES, RouteTrace, read_trace, synthetic_routing
 
 REPO = Path(__file__).resolve().parents[1]
 STORED = Path(__file__).with_name("replay_values.json")
-PER_LAYER = ["belady", "lru", "lfu", "gdsf", "random", "arc", "sieve", "heat"]
-GLOBAL = ["lru", "lfu", "random", "belady", "layer", "layerlfu"]
+PER_LAYER_POLICIES = ["belady", "lru", "lfu", "gdsf", "random", "arc", "sieve", "heat"]
+GLOBAL_POLICIES = ["lru", "lfu", "random", "belady", "layer", "layerlfu"]
 
 
 def script(name):
@@ -37,75 +39,60 @@ def script(name):
     return module
 
 
-def per_layer_value(r):
-    return [r.hits_decode, r.lookups_decode, r.hits_all, r.lookups_all, r.upload_bytes]
+def value(r):
+    decode, every = r.totals, r.totals_all
+    return [decode["hits"], decode["hits"] + decode["misses"], every["hits"],
+            every["hits"] + every["misses"], decode["upload_bytes"]]
 
 
-def engine_value(obs, n_expert, slots, policy, inserts=2, preload=None, rates=None, expert_bytes=None):
-    """An engine run over decode-only observations: every lookup is a decode lookup; bytes
-    are those of the uploads after the first boundary (not the preload's), 1 per expert
-    when expert_bytes is not given (synthetic routing)."""
-    engine = CacheEngine(obs[0].shape[0], n_expert, slots, policy, inserts=inserts, offline=True)
-    if preload is not None:
-        engine.preload(preload, rates=rates)
-    engine.step(None)
-    warm = engine.counters["uploads"].copy()
-    for ids in obs:
-        engine.step(ids)
-    total = engine.stats()["total"]
-    lookups = total["hits"] + total["misses"]
-    uploads = engine.counters["uploads"] - warm
-    sizes = np.ones(len(uploads), dtype=np.int64) if expert_bytes is None else expert_bytes
-    return [total["hits"], lookups, total["hits"], lookups, int(np.dot(uploads, sizes))]
+def preloaded(trace, slots, profile):
+    """heat preloaded from the profile without its rates (no prior)."""
+    engine = CacheEngine(trace.layers.size, trace.n_expert, slots, make_policy("heat"), offline=True)
+    engine.preload(profile.top(slots))
+    return simulate(trace, PER_LAYER, engine)
 
 
 def trace_values(trace, name, table, experiments):
     values = {}
-    obs = observations(trace)
     k16 = trace.n_expert // 8
-    runs = [(p, k16, i) for p in PER_LAYER for i in (2, None)]
+    runs = [(p, k16, i) for p in PER_LAYER_POLICIES for i in (2, None)]
     if name.startswith("qwen3"):  # the upload-traffic sweep
         runs += [(p, k, 2) for p in ("lru", "lfu", "gdsf", "arc", "belady", "heat")
                  for k in (4, 8, 32, 64, 96)]
     for policy, k, inserts in runs:
-        r = replay_per_layer(trace, policy, k, inserts=inserts, obs=obs)
-        values[f"{name} per-layer {policy} K={k} inserts={inserts}"] = per_layer_value(r)
-    r = replay_per_layer(trace, "lru", k16, include_prefill=True)
-    values[f"{name} per-layer lru K={k16} inserts=2 prefill"] = per_layer_value(r)
-    r = replay_per_layer(trace, "random", k16, seed=7, obs=obs)
-    values[f"{name} per-layer random K={k16} inserts=2 seed=7"] = per_layer_value(r)
+        values[f"{name} per-layer {policy} K={k} inserts={inserts}"] = value(
+            simulate(trace, PER_LAYER, policy, k, inserts=inserts))
+    values[f"{name} per-layer lru K={k16} inserts=2 prefill"] = value(
+        simulate(trace, PER_LAYER, "lru", k16, include_prefill=True))
+    values[f"{name} per-layer random K={k16} inserts=2 seed=7"] = value(
+        simulate(trace, PER_LAYER, "random", k16, seed=7))
     for inserts in (2, None):
-        values[f"{name} per-layer popularity-oracle K={k16} inserts={inserts}"] = engine_value(
-            obs[0], trace.n_expert, k16, table.PopularityOracle(obs[0]), inserts,
-            expert_bytes=trace.expert_bytes)
+        values[f"{name} per-layer popularity-oracle K={k16} inserts={inserts}"] = value(
+            simulate(trace, PER_LAYER, table.PopularityOracle(trace.decode_ids), k16, inserts=inserts))
     for candidate, factory in experiments.CANDIDATES.items():
-        values[f"{name} per-layer candidate-{candidate} K={k16} inserts=2"] = engine_value(
-            obs[0], trace.n_expert, k16, factory(), expert_bytes=trace.expert_bytes)
+        values[f"{name} per-layer candidate-{candidate} K={k16} inserts=2"] = value(
+            simulate(trace, PER_LAYER, factory(), k16))
 
-    decode = trace.ids[trace.phase == DECODE]
+    decode = np.flatnonzero(trace.phase == DECODE)
     half = len(decode) // 2
-    halves = {"first": slice(0, half), "second": slice(half, None)}
+    halves = {"first": decode[:half], "second": decode[half:]}
     for replayed, source in (("second", "first"), ("first", "second")):
-        ids = decode[halves[replayed]]
-        profile = UsageProfile.from_ids(trace.model, trace.layers, trace.n_expert, decode[halves[source]])
-        half_obs = (list(ids), [True] * len(ids))
+        part = trace.select(halves[replayed])
+        profile = UsageProfile.from_ids(trace.model, trace.layers, trace.n_expert, trace.ids[halves[source]])
         for policy in ("lru", "heat", "belady"):
             for warm in (False, True):
-                r = replay_per_layer(trace, policy, k16, obs=half_obs, profile=profile if warm else None)
                 label = f"warm <- {source}" if warm else "cold"
-                values[f"{name} {replayed}-half per-layer {policy} K={k16} inserts=2 {label}"] = \
-                    per_layer_value(r)
+                values[f"{name} {replayed}-half per-layer {policy} K={k16} inserts=2 {label}"] = value(
+                    simulate(part, PER_LAYER, policy, k16, profile=profile if warm else None))
         values[f"{name} {replayed}-half per-layer heat K={k16} inserts=2 preloaded <- {source}"] = \
-            engine_value(half_obs[0], trace.n_expert, k16, make_policy("heat"), preload=profile.top(k16),
-                         expert_bytes=trace.expert_bytes)
+            value(preloaded(part, k16, profile))
 
     budgets = [500, 750, 780, 1000, 3000, 4000]
     working_set = trace.working_set_bytes() / MIB
-    runs = [(p, b) for p in GLOBAL for b in budgets]
+    runs = [(p, b) for p in GLOBAL_POLICIES for b in budgets]
     runs += [("lru", f * working_set) for f in (0.25, 0.5, 0.9, 0.95, 2.0)] + [("belady", 0.5 * working_set)]
     for policy, budget in runs:
-        r = replay_global(trace, policy, budget)
-        values[f"{name} global {policy} MiB={budget:.6g}"] = per_layer_value(r)
+        values[f"{name} global {policy} MiB={budget:.6g}"] = value(simulate(trace, GLOBAL, policy, budget))
     return values
 
 
@@ -113,24 +100,23 @@ def synthetic_values(table, experiments):
     values = {}
     for seed, (label, layers, experts, k, options) in enumerate(experiments.SYNTHETIC, start=3):
         routing = synthetic_routing(300, layers, experts, k, seed=seed, **options)
-        obs = list(routing)
+        trace = RouteTrace.from_routing(routing, experts)
         slots = experts // 8
         name = f"synthetic {label} seed={seed}"
-        values[f"{name} belady K={slots}"] = engine_value(obs, experts, slots, make_policy("belady", future=obs))
-        for policy in ("lru", "lfu", "gdsf", "arc", "sieve", "heat"):
-            values[f"{name} {policy} K={slots}"] = engine_value(obs, experts, slots, make_policy(policy))
+        for policy in ("belady", "lru", "lfu", "gdsf", "arc", "sieve", "heat"):
+            values[f"{name} {policy} K={slots}"] = value(simulate(trace, PER_LAYER, policy, slots))
         for candidate, factory in experiments.CANDIDATES.items():
-            values[f"{name} candidate-{candidate} K={slots}"] = engine_value(obs, experts, slots, factory())
+            values[f"{name} candidate-{candidate} K={slots}"] = value(simulate(trace, PER_LAYER, factory(), slots))
         if label not in {row[0] for row in table.SYNTHETIC}:
             continue
         for replayed, source in ((slice(150, None), slice(0, 150)), (slice(0, 150), slice(150, None))):
-            part = list(routing[replayed])
+            part = RouteTrace.from_routing(routing[replayed], experts)
             profile = UsageProfile.from_ids("synthetic", range(layers), experts, routing[source])
             span = f"{replayed.start or 0}-{(replayed.stop or 300) - 1}"
-            for warm, kwargs in (("cold", {}), ("preloaded", {"preload": profile.top(slots)}),
-                                 ("warm", {"preload": profile.top(slots), "rates": profile.rates(k)})):
-                values[f"{name} steps {span} heat K={slots} {warm}"] = engine_value(
-                    part, experts, slots, make_policy("heat"), **kwargs)
+            values[f"{name} steps {span} heat K={slots} cold"] = value(simulate(part, PER_LAYER, "heat", slots))
+            values[f"{name} steps {span} heat K={slots} preloaded"] = value(preloaded(part, slots, profile))
+            values[f"{name} steps {span} heat K={slots} warm"] = value(
+                simulate(part, PER_LAYER, "heat", slots, profile=profile))
     return values
 
 
