@@ -159,10 +159,6 @@ def _drive(step, totals, segments, step_times, before_step):
     return decode, before, seconds, None if times is None else np.array(times)
 
 
-def _label(name):
-    return name if name != "default" else f"default({resolve_policy(name)})"
-
-
 def _per_layer_cache(trace, policy, slots, inserts, include_prefill, profile, seed):
     """(engine after its first boundary, label, K, inserts)."""
     if isinstance(policy, CacheEngine):
@@ -177,7 +173,7 @@ def _per_layer_cache(trace, policy, slots, inserts, include_prefill, profile, se
         L, E = trace.layers.size, trace.n_expert
         require_memory(ENGINE_BYTES_PER_ENTRY * L * E, f"the cache engine's {L} layers x {E} experts")
         if isinstance(policy, str):
-            label = _label(policy)
+            label = policy if policy != "default" else f"default({resolve_policy(policy)})"
             policy = make_policy(policy, future=_future(trace, PER_LAYER, include_prefill), seed=seed)
         elif isinstance(policy, Policy):
             label = policy.name

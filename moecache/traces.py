@@ -216,7 +216,7 @@ def _read_preamble(path, f) -> _Preamble:
 
 
 def _parse_header(path, preamble):
-    header = [c.strip() for c in next(csv.reader([preamble.header.rstrip("\r\n")]))]
+    header = [c.strip() for c in next(csv.reader([preamble.header], quoting=csv.QUOTE_NONE))]
     missing = [c for c in REQUIRED_COLUMNS if c not in header]
     if missing:
         raise TraceError(f"{path}:{preamble.header_line}: header lacks column(s) {', '.join(missing)}")
@@ -240,7 +240,7 @@ def _read_rows(path, f, header, first_line):
     reader = csv.reader(f, quoting=csv.QUOTE_NONE)
     for row in reader:
         lineno = first_line + reader.line_num - 1
-        if not "".join(row).strip():  # blank: allowed only after the last row
+        if len(row) <= 1 and not (row and row[0].strip()):  # blank: allowed only after the last row
             if blank_line is None:
                 blank_line, blank_fields = lineno, len(row)
             continue
