@@ -38,8 +38,9 @@ import numpy as np
 from .budget import BUDGET_POLICIES, BudgetPolicy, ByteBudgetCache, make_budget_policy
 from .engine import CacheEngine
 from .policies import DEFAULT_POLICY, POLICIES, Policy, make_policy, resolve_policy
-from .profile import ProfileError, UsageProfile
-from .traces import DECODE, PREFILL, RouteTrace, TraceError, read_trace, require_memory
+from .profile import UsageProfile
+from .traces import DECODE, PREFILL, RouteTrace, read_trace, require_memory
+from .util import OneLineParser, Progress, atomic_write, int_arg, int_list_arg
 
 MIB = 1 << 20
 PER_LAYER, GLOBAL = "per-layer", "global"
@@ -283,108 +284,57 @@ def _batches(trace):
 
 # --- command line ----------------------------------------------------------------------
 
-class ReplayUsageError(ValueError):
-    """A bad argument or input: one line, exit 2."""
-
-
-class _Progress:
-    """tqdm on stderr when installed, else a plain bar; silent when stderr is not a tty."""
-
-    def __init__(self, total):
-        self.total, self.done, self.bar = total, 0, None
-        self.enabled = sys.stderr.isatty() and total > 1
-        if self.enabled:
-            try:
-                from tqdm import tqdm
-                self.bar = tqdm(total=total, file=sys.stderr, leave=False, unit="run")
-            except ImportError:
-                pass
-
-    def advance(self, label):
-        self.done += 1
-        if not self.enabled:
-            return
-        if self.bar is not None:
-            self.bar.set_postfix_str(label)
-            self.bar.update()
-        else:
-            filled = 30 * self.done // self.total
-            sys.stderr.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} {label:<24}")
-            sys.stderr.flush()
-
-    def close(self):
-        if self.bar is not None:
-            self.bar.close()
-        elif self.enabled:
-            sys.stderr.write("\r" + " " * 70 + "\r")
-
-
-def _int_list(text, name, minimum):
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise ReplayUsageError(f"--{name} must be comma-separated integers, got {text!r}") from None
-    if not values or min(values) < minimum:
-        raise ReplayUsageError(f"--{name} values must be >= {minimum}, got {text!r}")
-    return values
-
-
-def _float_list(text, name):
+def _budgets_arg(text):
+    """--budget-mib: comma-separated finite numbers > 0."""
     try:
         values = [float(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise ReplayUsageError(f"--{name} must be comma-separated numbers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
     if not values or not all(math.isfinite(v) and v > 0 for v in values):
-        raise ReplayUsageError(f"--{name} values must be finite numbers > 0, got {text!r}")
+        raise argparse.ArgumentTypeError(f"{text!r}: budgets must be finite numbers > 0")
     return values
 
 
-def _check_output(path, flag):
-    """An output file must be writable where it is named, checked before any replay runs."""
-    parent = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path) or path.endswith(os.sep):
-        raise ReplayUsageError(f"{flag} {path}: is a directory, expected a file name")
-    if not os.path.isdir(parent):
-        raise ReplayUsageError(f"{flag} {path}: directory {parent} does not exist")
-    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise ReplayUsageError(f"{flag} {path}: not writable")
+def _inserts_arg(text):
+    """--inserts: an integer >= 1, or 'unlimited' (None)."""
+    return None if text == "unlimited" else int_arg(minimum=1)(text)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    """The options, checked: every problem an argument alone shows is a ReplayUsageError."""
-    ap = argparse.ArgumentParser(prog="python -m moecache.replay",
-                                 description="Replay a routing trace through cache policies.")
+_budgets_arg.__name__, _inserts_arg.__name__ = "budget list", "inserts"
+
+
+def parser() -> OneLineParser:
+    ap = OneLineParser(prog="python -m moecache.replay",
+                       description="Replay a routing trace through cache policies.")
     ap.add_argument("trace")
-    ap.add_argument("--slots", help="per-layer cache sizes K, comma separated (default 8,16,32,64 "
-                                    "unless --budget-mib is given)")
+    ap.add_argument("--slots", type=int_list_arg(minimum=1),
+                    help="per-layer cache sizes K, comma separated (default 8,16,32,64 unless "
+                         "--budget-mib is given)")
     ap.add_argument("--policies", default="lru,belady,default",
                     help=f"comma separated; per-layer: default ({DEFAULT_POLICY}), "
                          f"{', '.join(POLICIES)}; --budget-mib: {', '.join(BUDGET_POLICIES)}")
-    ap.add_argument("--inserts", default="2", help="uploads per layer per step, or 'unlimited'")
-    ap.add_argument("--budget-mib", help="global byte budgets (BigMoeOnEdge model), comma separated")
+    ap.add_argument("--inserts", type=_inserts_arg, default=2,
+                    help="uploads per layer per step, or 'unlimited'")
+    ap.add_argument("--budget-mib", type=_budgets_arg, default=[],
+                    help="global byte budgets (BigMoeOnEdge model), comma separated")
     ap.add_argument("--include-prefill", action="store_true",
                     help="per-layer model: feed each turn's prefill as one batched observation")
     ap.add_argument("--preload-profile", metavar="JSON",
                     help="per-layer model: warm start from a saved usage profile")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the random policies (>= 0)")
+    ap.add_argument("--seed", type=int_arg(minimum=0), default=0, help="seed of the random policies")
     ap.add_argument("--csv", help="also write the results here")
     ap.add_argument("--plot", help="also plot hit%% vs cache size here (needs matplotlib)")
-    args = ap.parse_args(argv)
+    return ap
 
+
+def check_args(args) -> None:
+    """What the flags say together, and where the outputs go: a ValueError (one line, exit 2)
+    before any replay runs."""
     args.policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not args.policies:
-        raise ReplayUsageError("--policies is empty")
-    args.slots = _int_list(args.slots, "slots", 1) if args.slots else ([] if args.budget_mib else [8, 16, 32, 64])
-    args.budget_mib = _float_list(args.budget_mib, "budget-mib") if args.budget_mib else []
-    if args.inserts == "unlimited":
-        args.inserts = None
-    else:
-        inserts = _int_list(args.inserts, "inserts", 1)
-        if len(inserts) != 1:
-            raise ReplayUsageError(f"--inserts takes one value, got {args.inserts!r}")
-        args.inserts = inserts[0]
-    if args.seed < 0:
-        raise ReplayUsageError(f"--seed must be >= 0, got {args.seed}")
+        raise ValueError("--policies is empty")
+    if args.slots is None:
+        args.slots = [] if args.budget_mib else [8, 16, 32, 64]
     # A name runs in every requested model that has it; one that no requested model has is
     # rejected, never tabulated under a policy that did not run.
     models = ([("--slots", policy_names(PER_LAYER))] if args.slots else []) + \
@@ -392,8 +342,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = [p for p in args.policies if not any(p in names for _, names in models)]
     if unknown:
         valid = "; ".join(f"{flag}: {', '.join(names)}" for flag, names in models)
-        raise ReplayUsageError(f"unknown policy {', '.join(unknown)} for "
-                               f"{' and '.join(f for f, _ in models)}; valid {valid}")
+        raise ValueError(f"unknown policy {', '.join(unknown)} for "
+                         f"{' and '.join(f for f, _ in models)}; valid {valid}")
     for flag, path in (("--csv", args.csv), ("--plot", args.plot)):
         if path:
             _check_output(path, flag)
@@ -401,25 +351,29 @@ def parse_args(argv=None) -> argparse.Namespace:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            raise ReplayUsageError("--plot needs matplotlib (pip install matplotlib)") from None
-    return args
+            raise ValueError("--plot needs matplotlib (pip install matplotlib)") from None
+
+
+def _check_output(path, flag):
+    """An output file must be writable where it is named."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) or path.endswith(os.sep):
+        raise ValueError(f"{flag} {path}: is a directory, expected a file name")
+    if not os.path.isdir(parent):
+        raise ValueError(f"{flag} {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ValueError(f"{flag} {path}: not writable")
 
 
 def load_inputs(args):
     """The trace and the warm-start profile (or None), checked against the options."""
-    try:
-        trace = read_trace(args.trace)
-    except TraceError as e:
-        raise ReplayUsageError(str(e)) from None
+    trace = read_trace(args.trace)
     if args.slots and max(args.slots) > trace.n_expert:
-        raise ReplayUsageError(f"--slots {max(args.slots)} exceeds n_expert={trace.n_expert}")
+        raise ValueError(f"--slots {max(args.slots)} exceeds n_expert={trace.n_expert}")
     profile = None
     if args.preload_profile:
-        try:
-            profile = UsageProfile.load(args.preload_profile, layers=trace.layers.tolist(),
-                                        n_expert=trace.n_expert)
-        except ProfileError as e:
-            raise ReplayUsageError(str(e)) from None
+        profile = UsageProfile.load(args.preload_profile, layers=trace.layers.tolist(),
+                                    n_expert=trace.n_expert)
     return trace, profile
 
 
@@ -428,17 +382,12 @@ def run(args, trace, profile) -> list[ReplayResult]:
            [(GLOBAL, p, b) for p in args.policies if p in policy_names(GLOBAL) for b in args.budget_mib]
     per_layer_options = {"inserts": args.inserts, "include_prefill": args.include_prefill,
                          "profile": profile}
-    progress = _Progress(len(runs))
     results = []
-    try:
+    with Progress(len(runs)) as progress:
         for model, policy, size in runs:
             results.append(simulate(trace, model, policy, size, seed=args.seed,
                                     **(per_layer_options if model == PER_LAYER else {})))
             progress.advance(f"{policy} {size}")
-    except ValueError as e:  # e.g. not enough memory for the engine's tables
-        raise ReplayUsageError(str(e)) from None
-    finally:
-        progress.close()
     return results
 
 
@@ -479,6 +428,10 @@ CSV_COLUMNS = ("model", "policy", "slots", "budget_mib", "inserts", "decode_step
 
 def write_csv(path, results) -> None:
     """One row per run; rates are fractions, empty where a run had no lookups."""
+    atomic_write(path, lambda tmp: _write_rows(tmp, results))
+
+
+def _write_rows(path, results):
     with open(path, "w", encoding="utf-8", newline="") as f:
         writer = csv.DictWriter(f, CSV_COLUMNS)
         writer.writeheader()
@@ -515,30 +468,30 @@ def plot(path, trace, results) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format=os.path.splitext(path)[1][1:] or "png"))
+
+
+def replay(args) -> None:
+    """The command: check, load, run, print, write."""
+    check_args(args)
+    trace, profile = load_inputs(args)
+    results = run(args, trace, profile)
+    print_tables(args, trace, results)
+    outputs = [(flag, path, write) for flag, path, write in (
+        ("--csv", args.csv, lambda p: write_csv(p, results)),
+        ("--plot", args.plot, lambda p: plot(p, trace, results))) if path]
+    if outputs:
+        print()
+    for flag, path, write in outputs:
+        try:
+            write(path)
+        except OSError as e:
+            raise ValueError(f"{flag} {path}: {e.strerror}") from None
+        print(f"wrote {path}")
 
 
 def main(argv=None) -> int:
-    try:
-        args = parse_args(argv)
-        trace, profile = load_inputs(args)
-        results = run(args, trace, profile)
-        print_tables(args, trace, results)
-        outputs = [(flag, path, write) for flag, path, write in (
-            ("--csv", args.csv, lambda p: write_csv(p, results)),
-            ("--plot", args.plot, lambda p: plot(p, trace, results))) if path]
-        if outputs:
-            print()
-        for flag, path, write in outputs:
-            try:
-                write(path)
-            except OSError as e:
-                raise ReplayUsageError(f"{flag} {path}: {e.strerror}") from None
-            print(f"wrote {path}")
-    except ReplayUsageError as e:
-        print(f"replay: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return parser().run(replay, argv)
 
 
 if __name__ == "__main__":

@@ -7,28 +7,30 @@
 between two live steps: the step then runs with cold CPU caches.
 """
 
-import argparse
+import sys
 
 import numpy as np
 
 from moecache.replay import PER_LAYER, simulate
 from moecache.traces import RouteTrace, synthetic_routing
+from moecache.util import OneLineParser, int_arg
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=48)
-    ap.add_argument("--experts", type=int, default=128)
-    ap.add_argument("--top-k", type=int, default=8)
-    ap.add_argument("--slots", type=int, default=64)
-    ap.add_argument("--inserts", type=int, default=2)
+def main(argv=None) -> int:
+    ap = OneLineParser(prog="bench_step.py", description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int_arg(minimum=1), default=48)
+    ap.add_argument("--experts", type=int_arg(minimum=1), default=128)
+    ap.add_argument("--top-k", type=int_arg(minimum=1), default=8)
+    ap.add_argument("--slots", type=int_arg(minimum=1), default=64)
+    ap.add_argument("--inserts", type=int_arg(minimum=1), default=2)
     ap.add_argument("--policy", default="lru", help="comma separated policy names")
-    ap.add_argument("--steps", type=int, default=2000)
-    ap.add_argument("--evict-mib", type=int, default=0,
+    ap.add_argument("--steps", type=int_arg(minimum=10), default=2000)
+    ap.add_argument("--evict-mib", type=int_arg(minimum=0), default=0,
                     help="MiB read before each step to evict the CPU caches (0: warm loop)")
-    args = ap.parse_args()
-    if args.evict_mib < 0:
-        ap.error(f"--evict-mib must be >= 0, got {args.evict_mib}")
+    return ap.run(bench, argv)
+
+
+def bench(args):
     streamed = np.ones(args.evict_mib << 17)  # float64: 2**17 per MiB
 
     trace = RouteTrace.from_routing(
@@ -45,4 +47,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -59,6 +59,17 @@ def test_per_layer_replay_is_fast_and_counts_bytes(qwen):
     assert with_prefill.totals["hits"] + with_prefill.totals["misses"] == decode_lookups
 
 
+PROG = "python -m moecache.replay"
+
+
+def cli(*args):
+    """main() in this process; the exit status, also when argparse exits."""
+    try:
+        return main([str(a) for a in args])
+    except SystemExit as e:
+        return e.code
+
+
 def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "moecache.replay", *map(str, args)],
                           capture_output=True, text=True, cwd=REPO, timeout=120)
@@ -87,7 +98,8 @@ def test_cli_table_and_csv(tmp_path):
     (["--budget-mib", "3000", "--policies", "heat"], "unknown policy heat for --budget-mib;"),
     (["--slots", "8", "--budget-mib", "3000", "--policies", "lfu,x"],
      "unknown policy x for --slots and --budget-mib; valid --slots: default"),
-    (["--slots", "8,x"], "--slots must be comma-separated integers"),
+    (["--slots", "8,x"], "argument --slots: 'x' is not an integer"),
+    (["--seed", "1_0"], "argument --seed: '1_0' is not an integer"),
     (["--slots", "1000"], "exceeds n_expert=128"),
 ])
 def test_cli_rejects_bad_arguments_in_one_line(args, message):
@@ -112,7 +124,7 @@ def test_cli_bad_trace_exits_2_with_file_and_line(tmp_path):
 def test_plot_without_matplotlib_is_a_one_line_error(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails, as when not installed
     assert main([str(QWEN), "--slots", "8", "--plot", str(tmp_path / "p.png")]) == 2
-    assert capsys.readouterr().err == "replay: --plot needs matplotlib (pip install matplotlib)\n"
+    assert capsys.readouterr().err == f"{PROG}: error: --plot needs matplotlib (pip install matplotlib)\n"
 
 
 def test_main_returns_2_for_unknown_policy(capsys):
@@ -214,11 +226,11 @@ def test_cli_absurd_trace_is_one_line(tmp_path, edit, message):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--budget-mib", "nan"], "--budget-mib values must be finite numbers > 0, got 'nan'"),
-    (["--budget-mib", "3000,inf"], "--budget-mib values must be finite numbers > 0, got '3000,inf'"),
-    (["--budget-mib", "-1"], "--budget-mib values must be finite numbers > 0"),
-    (["--seed", "-1"], "--seed must be >= 0, got -1"),
-    (["--inserts", "2,3"], "--inserts takes one value"),
+    (["--budget-mib", "nan"], "argument --budget-mib: 'nan': budgets must be finite numbers > 0"),
+    (["--budget-mib", "3000,inf"], "argument --budget-mib: '3000,inf': budgets must be finite numbers > 0"),
+    (["--budget-mib", "-1"], "argument --budget-mib: '-1': budgets must be finite numbers > 0"),
+    (["--seed", "-1"], "argument --seed: -1 must be >= 0"),
+    (["--inserts", "2,3"], "argument --inserts: '2,3' is not an integer"),
     (["--csv", "{tmp}/missing/r.csv"], "--csv {tmp}/missing/r.csv: directory {tmp}/missing does not exist"),
     (["--csv", "{tmp}"], "--csv {tmp}: is a directory"),
     (["--csv", "{tmp}/new/"], "--csv {tmp}/new/: is a directory"),
@@ -226,9 +238,9 @@ def test_cli_absurd_trace_is_one_line(tmp_path, edit, message):
 ])
 def test_cli_bad_flags_are_one_line_before_any_replay(tmp_path, capsys, args, message):
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
-    assert main([str(small_trace(tmp_path)), *args]) == 2
+    assert cli(small_trace(tmp_path), *args) == 2
     out, err = capsys.readouterr()
-    assert out == "" and err.startswith(f"replay: {message.replace('{tmp}', str(tmp_path))}")
+    assert out == "" and err.startswith(f"{PROG}: error: {message.replace('{tmp}', str(tmp_path))}")
     assert err.count("\n") == 1
 
 
@@ -240,7 +252,7 @@ def test_cli_engine_larger_than_memory_is_one_line(tmp_path, monkeypatch, capsys
     monkeypatch.setattr(traces, "available_memory", lambda: 500)
     assert main([str(path), "--slots", "2"]) == 2
     assert capsys.readouterr().err == \
-        "replay: the cache engine's 2 layers x 8 experts need 768 bytes, 500 bytes available\n"
+        f"{PROG}: error: the cache engine's 2 layers x 8 experts need 768 bytes, 500 bytes available\n"
 
 
 def test_cli_csv_uses_fractions_and_the_stats_names(tmp_path):
