@@ -48,11 +48,10 @@ def test_global_lru_falls_to_zero_below_one_tokens_working_set(qwen):
     assert simulate(qwen, GLOBAL, "belady", 0.5 * working_set_mib).hit_rate > 0.3
 
 
-def test_per_layer_replay_is_fast_and_counts_bytes(qwen):
+def test_per_layer_replay_counts_lookups_and_bytes(qwen):
     result = simulate(qwen, PER_LAYER, "lru", 16, inserts=2)
     decode_lookups = result.totals["hits"] + result.totals["misses"]
     assert decode_lookups == result.lookups == 128 * 48 * 6
-    assert result.lookups_per_s > 1e6 / 4  # loose: shared CI cores; the figure is in docs
     assert 0 < result.upload_bytes_per_token <= 2 * 48 * qwen.expert_bytes.max()
     with_prefill = simulate(qwen, PER_LAYER, "lru", 16, inserts=2, include_prefill=True)
     assert with_prefill.lookups > decode_lookups
