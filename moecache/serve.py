@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 import sys
 
+from .util import OneLineParser
+
 PROG = "python -m moecache.serve"
 
 
@@ -34,49 +36,43 @@ def main(argv=None) -> int:
         print(f"{PROG}: error: {e} (the server needs: pip install uvicorn fastapi pydantic-settings "
               f"sse-starlette 'starlette-context<0.4')", file=sys.stderr)
         return 2
-    from .cli import _OneLineParser
 
     # the stock server's flags, with one-line errors
-    parser = _OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])
     add_args_from_model(parser, Settings)
     parser.add_argument("--config_file", type=str, help="Path to a config file to load.")
-    args = parser.parse_args(argv)
-    if args.config_file is None:
-        if args.n_gpu_layers is None:
-            argv += ["--n_gpu_layers", "-1"]
-            args.n_gpu_layers = -1
-        try:
-            model = parse_model_from_args(ModelSettings, args)
-            port = parse_model_from_args(ServerSettings, args).port
-        except ValidationError as e:
-            parser.error(_settings_error(e))
-        if not 0 < port < 65536:  # uvicorn would listen on another port
-            parser.error(f"--port {port}: not a TCP port (1-65535)")
-        if not os.path.isfile(model.model):
-            parser.error(f"--model {model.model}: no such file")
-    elif not os.path.isfile(args.config_file):
-        parser.error(f"--config_file {args.config_file}: no such file")
 
-    from . import ggml
+    def serve(args) -> None:
+        server_argv = list(argv)
+        if args.config_file is None:
+            if args.n_gpu_layers is None:
+                server_argv += ["--n_gpu_layers", "-1"]
+            try:
+                model = parse_model_from_args(ModelSettings, args)
+                port = parse_model_from_args(ServerSettings, args).port
+            except ValidationError as e:
+                raise ValueError(_settings_error(e)) from None
+            if not 0 < port < 65536:  # uvicorn would listen on another port
+                raise ValueError(f"--port {port}: not a TCP port (1-65535)")
+            if not os.path.isfile(model.model):
+                raise ValueError(f"--model {model.model}: no such file")
+        elif not os.path.isfile(args.config_file):
+            raise ValueError(f"--config_file {args.config_file}: no such file")
 
-    if not ggml.has_gpu():
-        from .rpc import RpcDevice
+        from . import ggml
 
-        device = RpcDevice()  # noqa: F841  (serves until this process exits)
-        print(f"{PROG}: no GPU: the layers go to the loopback RPC device {device.endpoint} "
-              f"(a CPU backend: exact, not faster)", file=sys.stderr)
-    if not os.environ.get("LLAMA_MOE_CACHE_SLOTS"):
-        print(f"{PROG}: LLAMA_MOE_CACHE_SLOTS is not set: the expert cache is off", file=sys.stderr)
+        if not ggml.has_gpu():
+            from .rpc import RpcDevice
 
-    sys.argv = [PROG, *argv]
-    try:
-        server.main()
-    except (ValueError, OSError, RuntimeError) as e:  # e.g. a model llama.cpp cannot load
-        print(f"{PROG}: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:  # while the model loads; uvicorn handles it once serving
-        return 130
-    return 0
+            device = RpcDevice()  # noqa: F841  (serves until this process exits)
+            print(f"{PROG}: no GPU: the layers go to the loopback RPC device {device.endpoint} "
+                  f"(a CPU backend: exact, not faster)", file=sys.stderr)
+        if not os.environ.get("LLAMA_MOE_CACHE_SLOTS"):
+            print(f"{PROG}: LLAMA_MOE_CACHE_SLOTS is not set: the expert cache is off", file=sys.stderr)
+        sys.argv = [PROG, *server_argv]
+        server.main()  # a model llama.cpp cannot load raises ValueError: one line, status 2
+
+    return parser.run(serve, argv)
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ def test_bad_arguments_are_one_line(args, message):
 def test_a_model_llama_cpp_cannot_load_is_one_error_line():
     server = _serve(["--model", __file__, "--verbose", "false"], {}, stdout=subprocess.DEVNULL)
     _, err = server.communicate(timeout=120)
-    assert server.returncode == 1
+    assert server.returncode == 2
     assert [line for line in err.splitlines() if "error" in line.lower()] == [
         f"python -m moecache.serve: error: Failed to load model from file: {__file__}"]
 
