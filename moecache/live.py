@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -27,6 +26,7 @@ from .engine import COUNTERS, CacheEngine
 from .policies import make_policy
 from .profile import ProfileError, UsageProfile
 from .traces import TraceWriter
+from .util import atomic_write
 
 log = logging.getLogger("moecache")
 
@@ -170,10 +170,8 @@ class LiveCache:
     # --- reporting ------------------------------------------------------------------------
 
     def stats(self) -> dict:
-        counters = {name: self.engine.counters[name].tolist() for name in COUNTERS}
-        totals = {name: int(sum(values)) for name, values in counters.items()}
-        lookups = totals["hits"] + totals["misses"]
-        bytes_per_expert = [layer["expert_bytes"] for layer in self.layers]
+        engine = self.engine.stats([layer["expert_bytes"] for layer in self.layers])
+        counters = engine["layers"]
         return {
             "slots": self.config.slots,
             "inserts": self.config.inserts,
@@ -181,9 +179,8 @@ class LiveCache:
             "device_bytes": self.device_bytes,
             "steps": self.steps,
             "decode_steps": self.decode_steps,
-            "hit_rate": totals["hits"] / lookups if lookups else None,
-            "totals": {**totals,
-                       "upload_bytes": int(np.dot(counters["uploads"], bytes_per_expert))},
+            "hit_rate": engine["hit_rate"],
+            "totals": engine["totals"],
             "step_us_mean": self.step_ns / self.steps / 1e3 if self.steps else None,
             "step_us_max": self.step_ns_max / 1e3,
             "upload_wait_us": int(self.wait_us),
@@ -211,7 +208,7 @@ class LiveCache:
             self.trace.close()
         try:
             if self.config.stats:
-                _write_atomic(self.config.stats, json.dumps(self.stats(), indent=1))
+                atomic_write(self.config.stats, json.dumps(self.stats(), indent=1))
             if self.config.profile and self.decode_steps:
                 profile = UsageProfile(self._profile_base, [layer["il"] for layer in self.layers],
                                        self.engine.usage)
@@ -244,14 +241,3 @@ def _check(ok: bool, what: str, layer: int, expert: int, slot: int) -> None:
     if not ok:
         raise RuntimeError(f"libllama refused {what} (layer {layer}, expert {expert}, slot {slot})")
 
-
-def _write_atomic(path: str, text: str) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".moecache-", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
