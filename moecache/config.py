@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, fields
 
 from .policies import DEFAULT_POLICY, POLICIES
+from .util import parse_int
 
 
 class ConfigError(ValueError):
@@ -67,15 +68,12 @@ class CacheConfig:
         return cls(**values)
 
 
-def _parse_int(name: str, text: str) -> int:
+def _parse_int(name: str, value, minimum: int | None = None) -> int:
     try:
-        return int(text.strip())
-    except ValueError:
-        raise ConfigError(f"{name}={text!r} is not an integer") from None
+        return parse_int(value, name, minimum=minimum)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _require_int(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{ENV_PREFIX}{name}={value!r} is not an integer")
-    if value < minimum:
-        raise ConfigError(f"{ENV_PREFIX}{name}={value} must be >= {minimum}")
+    _parse_int(ENV_PREFIX + name, value, minimum)
