@@ -46,16 +46,20 @@ class Handover:
     budget: np.ndarray         # (L,) int64
 
 
+_FINITE = np.finfo(np.float64).max
+
+
 def build_handover(free, evictable, priority, worth, budget) -> Handover:
     """free, evictable: (L, K) bool slots (an empty slot not being loaded; a resident the
     policy may evict); priority: (L, K) the residents' priority (read where evictable);
     worth: (L, E); budget: (L,) or a number. Ties go to the lowest slot."""
-    rank = np.where(free, -np.inf, np.where(evictable, priority, np.inf))
-    group = np.where(free, 0, np.where(evictable, 1, 2))  # free slots, then victims, then none
-    slot = np.broadcast_to(np.arange(free.shape[1]), free.shape)
-    victims = np.lexsort((slot, rank, group), axis=1).astype(np.int32)
-    victim_worth = np.take_along_axis(rank, victims, axis=1)
-    victims[np.take_along_axis(group, victims, axis=1) == 2] = -1
+    keep = np.where(free, -np.inf, np.where(evictable, priority, np.inf))
+    # free slots sort first and unlisted ones last even against infinite priorities
+    order_key = np.where(free, -np.inf, np.where(evictable, np.clip(priority, -_FINITE, _FINITE), np.inf))
+    victims = np.argsort(order_key, axis=1, kind="stable").astype(np.int32)
+    rows = np.arange(free.shape[0])[:, None]
+    victim_worth = keep[rows, victims]
+    victims[~(free | evictable)[rows, victims]] = -1
     budget = np.broadcast_to(np.asarray(budget, dtype=np.int64), (free.shape[0],)).copy()
     return Handover(victims, victim_worth, np.asarray(worth, dtype=np.float64), budget)
 
@@ -67,40 +71,39 @@ def admissions(handover: Handover, ids: np.ndarray, slot_expert: np.ndarray) -> 
     in the order C starts them (layer by layer, rank order within a layer)."""
     ids = np.asarray(ids)
     L, n = ids.shape
-    rows = np.arange(L)
-    victims = handover.victims
+    E = handover.worth.shape[1]
+    rows = np.arange(L)[:, None]
+    col = np.where(ids >= 0, ids, E)                       # -1 lands in a spare column
+    selected = np.zeros((L, E + 1), dtype=bool)
+    selected[rows, col] = True
+    selected[:, E] = False
+    # candidates: the first selection of an expert that misses (not held, not on its way)
+    in_slot = np.zeros((L, E + 1), dtype=bool)
+    in_slot[rows, np.where(slot_expert >= 0, slot_expert, E)] = True
+    candidate = (ids >= 0) & ~in_slot[rows, col]
+    ordered = np.sort(col, axis=1)
+    if n > 1 and (ordered[:, 1:] == ordered[:, :-1]).any():  # a multi-token step repeats ids
+        candidate &= ~((ids[:, :, None] == ids[:, None, :]) & np.tri(n, k=-1, dtype=bool)).any(axis=2)
     # the running graph reads the slots of the experts it selects: those victims are skipped
-    held = np.where(victims >= 0, slot_expert[rows[:, None], np.maximum(victims, 0)], -1)
-    selected = (held[:, :, None] == ids[:, None, :]).any(axis=2) & (held >= 0)
-    usable = (victims >= 0) & ~selected
-    order = np.argsort(~usable, axis=1, kind="stable")     # usable victims first, in order
-    slots = np.take_along_axis(victims, order, axis=1)
-    keep = np.take_along_axis(handover.victim_worth, order, axis=1)
-    n_usable = usable.sum(axis=1)
+    victims = handover.victims
+    held = slot_expert[rows, victims]
+    usable = (victims >= 0) & ~selected[rows, np.where((victims >= 0) & (held >= 0), held, E)]
+    usable_row, usable_at = np.nonzero(usable)             # row-major: each row's in list order
+    first_usable = np.searchsorted(usable_row, np.arange(L))
+    limit = np.minimum(np.bincount(usable_row, minlength=L), handover.budget)
+    worth = handover.worth[rows, np.maximum(ids, 0)]
 
-    next_victim = np.zeros(L, dtype=np.int64)
     started = np.zeros(L, dtype=np.int64)
-    seen = np.zeros((L, n), dtype=bool)                     # the id repeats an earlier one
-    if n > 1:
-        seen = np.tril(ids[:, :, None] == ids[:, None, :], k=-1).any(axis=2)
-    out_layer, out_expert, out_slot = [], [], []
+    go = np.zeros((L, n), dtype=bool)
+    victim_at = np.zeros((L, n), dtype=np.int64)           # the list position each one took
     for j in range(n):
-        e = ids[:, j]
-        held_now = (slot_expert == e[:, None]).any(axis=1)  # a hit, or already on its way
-        can = (e >= 0) & ~held_now & ~seen[:, j] & (started < handover.budget) & (next_victim < n_usable)
-        at = np.minimum(next_victim, slots.shape[1] - 1)
-        worth = handover.worth[rows, np.maximum(e, 0)]
-        go = can & (worth > keep[rows, at])
-        layers = np.flatnonzero(go)
-        out_layer.append(layers)
-        out_expert.append(e[layers])
-        out_slot.append(slots[layers, at[layers]])
-        next_victim += go
-        started += go
-    layer = np.concatenate(out_layer)
+        can = candidate[:, j] & (started < limit)
+        at = usable_at[np.minimum(first_usable + started, max(usable_at.size - 1, 0))] if usable_at.size \
+            else np.zeros(L, dtype=np.int64)
+        go[:, j] = can & (worth[:, j] > handover.victim_worth[rows[:, 0], at])
+        victim_at[:, j] = at
+        started += go[:, j]
+    layer, rank = np.nonzero(go)                           # layer by layer, rank order within
     jobs = np.empty((layer.size, 3), dtype=np.int32)
-    order = np.argsort(layer, kind="stable")                # layer by layer, rank order within
-    jobs[:, 0] = layer[order]
-    jobs[:, 1] = np.concatenate(out_expert)[order]
-    jobs[:, 2] = np.concatenate(out_slot)[order]
+    jobs[:, 0], jobs[:, 1], jobs[:, 2] = layer, ids[layer, rank], victims[layer, victim_at[layer, rank]]
     return jobs

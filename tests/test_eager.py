@@ -1,8 +1,12 @@
 """The eager-admission rule libllama follows during a graph, modelled in moecache.eager."""
 
 import numpy as np
+import pytest
 
 from moecache.eager import Handover, admissions, build_handover
+from moecache.engine import CacheEngine
+from moecache.policies import Lru, make_policy
+from moecache.traces import synthetic_routing
 
 INF = np.inf
 
@@ -92,3 +96,159 @@ def test_no_upload_ever_targets_a_slot_the_running_graph_reads():
         targets = [tuple(j) for j in jobs[:, [0, 2]].tolist()]
         assert len(targets) == len(set(targets))                         # one upload per slot
         assert (np.bincount(jobs[:, 0], minlength=L) <= h.budget).all()
+
+
+# --- the engine's eager timing ------------------------------------------------------------
+
+class ReferenceEagerLru:
+    """Eager LRU written out plainly, one layer and one expert at a time: hits against what was
+    published while the graph ran; during the graph each miss, in router-rank order, while
+    the layer's budget lasts, takes a free slot (lowest first) or the least recently used
+    resident (ties: lowest slot) that the graph did not select; published at the next
+    boundary."""
+
+    def __init__(self, n_layers, n_slots, inserts):
+        self.inserts = inserts
+        self.slots = [[None] * n_slots for _ in range(n_layers)]
+        self.published = [set() for _ in range(n_layers)]
+        self.last_use = [{} for _ in range(n_layers)]
+
+    def step(self, t, ids):
+        hits = []
+        for layer, row in enumerate(ids):
+            slots, published = self.slots[layer], self.published[layer]
+            hits.append([e in published for e in row])
+            started = 0
+            for e in dict.fromkeys(row):
+                if e in slots or (self.inserts is not None and started == self.inserts):
+                    continue
+                free = [s for s, old in enumerate(slots) if old is None]
+                victims = sorted((self.last_use[layer].get(old, -1), s) for s, old in enumerate(slots)
+                                 if old is not None and old not in row)
+                if not free and not victims:
+                    break
+                slot = free[0] if free else victims[0][1]
+                published.discard(slots[slot])
+                slots[slot] = e
+                started += 1
+            for e in row:
+                self.last_use[layer][e] = t
+            published.update(e for e in slots if e is not None)  # the next boundary publishes
+        return hits
+
+
+@pytest.mark.parametrize("inserts", [1, 2, None])
+@pytest.mark.parametrize("n_slots", [1, 3, 6])
+def test_eager_lru_engine_equals_brute_force_reference(inserts, n_slots):
+    L, E, k = 4, 24, 3
+    routing = synthetic_routing(120, L, E, k, seed=n_slots, stickiness=1.0)
+    engine = CacheEngine(L, E, n_slots, Lru(), inserts=inserts, admission="eager")
+    reference = ReferenceEagerLru(L, n_slots, inserts)
+    engine.step(None)
+    for t, ids in enumerate(routing, start=1):
+        plan = engine.step(ids)
+        assert plan.hit_mask.tolist() == reference.step(t, ids.tolist()), f"step {t}"
+        for layer in range(L):
+            assert engine.slot_expert[layer].tolist() == [-1 if e is None else e
+                                                           for e in reference.slots[layer]]
+
+
+def test_a_miss_is_usable_from_the_next_graph():
+    engine = CacheEngine(1, 8, 4, Lru(), inserts=2, admission="eager")
+    engine.step(None)
+    assert engine.handover.victims.tolist() == [[0, 1, 2, 3]]
+    plan = engine.step(np.array([[5, 6]]))          # graph 0 missed both and uploaded them
+    assert plan.hit_mask.tolist() == [[False, False]]
+    assert plan.admitted.tolist() == [[0, 5, 0], [0, 6, 1]]
+    assert plan.publish.tolist() == [[0, 5, 0], [0, 6, 1]] and plan.upload.size == 0
+    assert engine.handover.worth[0, [5, 6]].tolist() == [-np.inf, -np.inf]  # resident now
+    plan = engine.step(np.array([[5, 7]]))          # graph 1 hits 5
+    assert plan.hit_mask.tolist() == [[True, False]]
+
+
+def test_victims_are_unpublished_and_reported_to_the_policy():
+    class Recording(Lru):
+        def bind(self, *shape):
+            super().bind(*shape)
+            self.events = []
+
+        def inserted(self, step, layers, experts, prefetch):
+            self.events.append(("inserted", experts.tolist()))
+
+        def evicted(self, step, layers, experts):
+            self.events.append(("evicted", experts.tolist()))
+
+    policy = Recording()
+    engine = CacheEngine(1, 8, 2, policy, inserts=2, admission="eager")
+    engine.step(None)
+    engine.step(np.array([[1, 2]]))
+    plan = engine.step(np.array([[2, 3]]))          # 3 replaces 1, the only one not selected
+    assert plan.admitted.tolist() == [[0, 3, 0]]
+    assert plan.evict.tolist() == [[0, 1, 0]] and plan.publish.tolist() == [[0, 3, 0]]
+    assert engine.expert_slot[0, 1] == -1 and engine.expert_slot[0, 3] == 0
+    assert policy.events == [("inserted", [1, 2]), ("evicted", [1]), ("inserted", [3])]
+
+
+def test_late_admissions_stay_in_flight_and_are_never_victims():
+    engine = CacheEngine(1, 8, 2, Lru(), inserts=2, admission="eager")
+    engine.step(None)
+    plan = engine.step(np.array([[1, 2]]), ready=1)  # 2's copy is not done
+    assert plan.publish.tolist() == [[0, 1, 0]]
+    assert engine.expert_slot[0, 2] == -1
+    assert engine.handover.victims.tolist() == [[0, -1]]  # slot 1 is still being written
+    plan = engine.step(np.array([[3, 4]]))              # 3 takes slot 0; 4 has no victim
+    assert plan.admitted.tolist() == [[0, 3, 0]]
+    assert plan.publish.tolist() == [[0, 2, 1], [0, 3, 0]]  # the late one first
+
+
+def test_heat_hands_over_the_worth_its_boundary_admission_would_compare():
+    # eager: worth_if_used(t) == admit() once the use is observed at t + 1 (the boundary
+    # timing's comparison), against the victims' priorities at t, which that use leaves alone
+    heat = make_policy("heat")
+    heat.bind(1, 8, 4)
+    used = np.zeros((1, 8), dtype=bool)
+    for t, experts in enumerate([[1, 2], [1, 3], [1]]):
+        used[:] = False
+        used[0, experts] = True
+        heat.observe(t, np.array([experts]), None, used)
+    keys = np.arange(8)
+    worth = heat.worth_if_used(2, keys)
+    priority = heat.priority(2, keys)
+    used[:] = True
+    heat.observe(3, np.array([list(range(8))]), None, used)
+    assert np.allclose(worth, heat.admit(3, keys))
+    assert (worth > priority).all()
+
+
+def test_eager_admission_refuses_queue_policies_and_other_delays():
+    with pytest.raises(ValueError, match="picks its victims itself"):
+        CacheEngine(2, 8, 2, make_policy("sieve"), admission="eager")
+    with pytest.raises(ValueError, match="publish_delay must be 1"):
+        CacheEngine(2, 8, 2, Lru(), publish_delay=2, admission="eager")
+    with pytest.raises(ValueError, match="admission must be one of boundary, eager"):
+        CacheEngine(2, 8, 2, Lru(), admission="early")
+
+
+@pytest.mark.parametrize("n_slots", [1, 2, 3])
+@pytest.mark.parametrize("policy", ["lru", "heat", "gdsf"])
+def test_no_upload_targets_a_slot_the_running_graph_reads_even_when_uploads_are_slow(n_slots, policy):
+    L, E, k = 3, 12, 2
+    rng = np.random.default_rng(n_slots)
+    routing = synthetic_routing(150, L, E, k, seed=n_slots)
+    engine = CacheEngine(L, E, n_slots, make_policy(policy), inserts=2, admission="eager")
+    engine.step(None)
+    for ids in routing:
+        held_before = engine.slot_expert.copy()
+        in_flight_before = engine._in_flight.copy()
+        due = engine.uploads_due
+        plan = engine.step(ids, ready=int(rng.integers(0, 4)))  # a slow upload worker
+        for layer, expert, slot in plan.admitted.tolist():
+            assert held_before[layer, slot] not in ids[layer]   # the graph never reads it
+            assert not in_flight_before[layer, slot]            # nor is it still being written
+            assert expert in ids[layer]
+        published = engine.expert_slot
+        for layer in range(L):  # a published expert's slot holds it and is not being written
+            for e in np.flatnonzero(published[layer] >= 0):
+                assert engine.slot_expert[layer, published[layer, e]] == e
+                assert not engine._in_flight[layer, published[layer, e]]
+        assert plan.publish.shape[0] <= due + plan.admitted.shape[0]
