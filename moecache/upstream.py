@@ -30,8 +30,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .traces import DECODE, PREFILL, RouteTrace
-
 MAX_BATCH = 32          # upstream's max_batch: larger ubatches bypass the cache
 CUDA_ALIGNMENT = 128    # ggml's CUDA buffer alignment, the pad of each bank
 DEFAULT_UBATCH = 512    # llama.cpp's default n_ubatch: how prompts are split
@@ -79,6 +77,7 @@ class SlotLru:
         self.order = OrderedDict.fromkeys(range(n_slots))  # first = least recently used
         self.key_of = [-1] * n_slots                        # layer * n_expert + expert, -1 empty
         self.slot_of = np.full((n_layers, n_expert), -1, dtype=np.int64)
+        self.evictions = 0
 
     @property
     def n_slots(self) -> int:
@@ -104,6 +103,7 @@ class SlotLru:
             victim = self.key_of[s]
             if victim >= 0:
                 self.slot_of[victim // self.n_expert, victim % self.n_expert] = -1
+                self.evictions += 1
             self.key_of[s] = layer * self.n_expert + e
             slots[e] = s
             self.order.move_to_end(s)
@@ -112,7 +112,9 @@ class SlotLru:
 
 
 class UpstreamCache:
-    """All groups of one model under one byte budget; `ubatch()` runs one (ubatch, layer)."""
+    """All groups of one model under one byte budget, run one (layer, ubatch) per step().
+    stats() reports in CacheEngine.stats()'s names: misses include the lookups the cache
+    bypassed (read on the host), uploads only the experts copied to the device."""
 
     def __init__(self, expert_bytes, n_expert: int, n_expert_used: int, budget_bytes: int,
                  alignment: int = CUDA_ALIGNMENT):
@@ -125,6 +127,9 @@ class UpstreamCache:
                 lru = SlotLru(group.n_slots, len(self.expert_bytes), n_expert)
                 for layer in group.layers:
                     self._lru_of[layer] = lru
+        self.counters = dict.fromkeys(("hits", "misses", "uploads", "evictions", "upload_bytes",
+                                       "miss_bytes", "lookup_bytes"), 0)
+        self.step_index = 0
 
     def lru(self, layer: int) -> SlotLru | None:
         return self._lru_of[layer]
@@ -133,68 +138,35 @@ class UpstreamCache:
         """Bytes of the banks as sized (spare slot included)."""
         return sum(g.expert_bytes * (g.n_slots + 1) for g in self.groups if g.n_slots)
 
-    def ubatch(self, layer: int, experts, n_tokens: int) -> tuple[int, int, int]:
-        """One layer of one ubatch of n_tokens: (hits, uploaded experts, experts run on the host
-        without the cache), counted per distinct expert."""
+    def step(self, ubatch) -> None:
+        """ubatch: (layer, the expert ids its n_tokens tokens selected (-1 = none), n_tokens)."""
+        layer, experts, n_tokens = ubatch
+        self.step_index += 1
         lru = self._lru_of[layer]
-        distinct = len(set(int(e) for e in experts if e >= 0))
+        distinct = [int(e) for e in dict.fromkeys(experts) if e >= 0]
+        size = self.expert_bytes[layer]
+        counters = self.counters
         if lru is None or n_tokens == 0 or n_tokens > MAX_BATCH \
                 or min(n_tokens * self.n_expert_used, self.n_expert) > lru.n_slots:
-            return 0, 0, distinct
-        n_hit, fills = lru.plan(layer, experts)
-        return n_hit, len(fills), 0
+            hits, uploads, evictions = 0, 0, 0
+        else:
+            before = lru.evictions
+            hits, fills = lru.plan(layer, distinct)
+            uploads, evictions = len(fills), lru.evictions - before
+        misses = len(distinct) - hits
+        counters["hits"] += hits
+        counters["misses"] += misses
+        counters["uploads"] += uploads
+        counters["evictions"] += evictions
+        counters["upload_bytes"] += uploads * size
+        counters["miss_bytes"] += misses * size
+        counters["lookup_bytes"] += len(distinct) * size
 
-
-@dataclass
-class UpstreamReplay:
-    """Decode totals of one replay; per token figures divide by decode_tokens."""
-    budget_bytes: int
-    device_bytes: int           # the banks as sized
-    hits_decode: int
-    lookups_decode: int         # distinct experts per (token, layer), all of decode
-    upload_bytes: int           # decode misses copied over the link
-    host_bytes: int             # decode experts read on the host (bypass or uncached layers)
-    lookup_bytes: int           # every decode lookup's expert bytes (stock reads them all)
-    hits_prefill: int
-    lookups_prefill: int        # prefill ubatches the cache served
-    decode_tokens: int
-
-    @property
-    def hit_pct_decode(self) -> float:
-        return 100.0 * self.hits_decode / self.lookups_decode if self.lookups_decode else 0.0
-
-
-def replay_upstream(trace: RouteTrace, budget_bytes: int, *, n_ubatch: int = DEFAULT_UBATCH,
-                    alignment: int = CUDA_ALIGNMENT) -> UpstreamReplay:
-    """Replay the trace's turns in order: each prompt in ubatches of n_ubatch tokens (all of its
-    layers, one ubatch after the other), then one single-token ubatch per decode token."""
-    if n_ubatch < 1:
-        raise ValueError(f"n_ubatch must be >= 1, got {n_ubatch}")
-    cache = UpstreamCache(trace.expert_bytes, trace.n_expert, trace.n_expert_used, budget_bytes, alignment)
-    size = [int(b) for b in trace.expert_bytes]
-    n_layers = len(size)
-    totals = dict(hits_decode=0, lookups_decode=0, upload_bytes=0, host_bytes=0, lookup_bytes=0,
-                  hits_prefill=0, lookups_prefill=0)
-    decode_tokens = 0
-    for turn in np.unique(trace.turn):
-        in_turn = trace.turn == turn
-        prompt = trace.ids[in_turn & (trace.phase == PREFILL)]       # (tokens, L, k)
-        for start in range(0, len(prompt), n_ubatch):
-            ubatch = prompt[start:start + n_ubatch]
-            for layer in range(n_layers):
-                hits, fills, _ = cache.ubatch(layer, ubatch[:, layer, :].ravel(), len(ubatch))
-                totals["hits_prefill"] += hits
-                totals["lookups_prefill"] += hits + fills
-        for token in trace.ids[in_turn & (trace.phase == DECODE)]:    # (L, k)
-            decode_tokens += 1
-            for layer in range(n_layers):
-                hits, fills, host = cache.ubatch(layer, token[layer], 1)
-                totals["hits_decode"] += hits
-                totals["lookups_decode"] += hits + fills + host
-                totals["upload_bytes"] += fills * size[layer]
-                totals["host_bytes"] += host * size[layer]
-                totals["lookup_bytes"] += (hits + fills + host) * size[layer]
-    return UpstreamReplay(budget_bytes, cache.device_bytes(), decode_tokens=decode_tokens, **totals)
+    def stats(self) -> dict:
+        totals = dict(self.counters)
+        lookups = totals["hits"] + totals["misses"]
+        return {"steps": self.step_index, "hit_rate": totals["hits"] / lookups if lookups else None,
+                "totals": totals}
 
 
 def equal_bytes(expert_bytes, slots_per_layer: int) -> int:

@@ -34,3 +34,20 @@ def test_defaults_and_bad_bandwidths():
             Bandwidth(link_gbps=bad)
         with pytest.raises(ValueError, match="host_gbps"):
             Bandwidth(host_gbps=bad)
+
+
+def test_each_replay_model_gets_its_formula():
+    from moecache.replay import ReplayResult
+
+    totals = {"hits": 6, "misses": 4, "uploads": 1, "upload_bytes": 0.1 * GB,
+              "miss_bytes": 0.4 * GB, "lookup_bytes": 1 * GB}
+    bw = Bandwidth(host_gbps=50, link_gbps=25)
+
+    def result(model):  # 2 decode tokens: per token, half of each total
+        return ReplayResult(model, "p", 16, None, 2, 2, totals, totals, 1.0)
+
+    assert result("per-layer").modelled_ms(bw) == pytest.approx(bw.moecache_ms(0.2 * GB, 0.05 * GB))
+    # upstream: the uploaded misses over the link, the others (bypassed) on the host
+    assert result("upstream").modelled_ms(bw) == pytest.approx(bw.upstream_ms(0.05 * GB, 0.15 * GB))
+    assert result("per-layer").stock_ms(bw) == pytest.approx(10.0)
+    assert result("global").modelled_ms(bw) is None
