@@ -41,13 +41,13 @@ def main(argv=None) -> int:
 
 
 def _run(args) -> int:
-    from . import fixtures
+    from .models import smol_moe
     from .config import CacheConfig
 
     # validate the cache settings before anything slow happens
     config = CacheConfig.from_env(inserts=args.inserts, policy=args.policy)
     if args.model is None:
-        model = str(fixtures.smol_moe())
+        model = str(smol_moe())
     elif not os.path.isfile(args.model):
         raise ValueError(f"model file not found: {args.model}")
     else:

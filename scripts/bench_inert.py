@@ -64,7 +64,7 @@ def main(argv=None) -> int:
         return 2
     model = args.model
     if model is None:
-        from moecache.fixtures import smol_moe
+        from moecache.models import smol_moe
 
         model = str(smol_moe())
 

@@ -29,7 +29,7 @@
 #   install 45  the bundle's wheels into OUT/site (PYTHONPATH), the llama-cpp-python wheel and
 #               moecache with pip --no-deps --no-build-isolation --no-index; fails unless ggml
 #               sees a GPU (cuBLAS is put on LD_LIBRARY_PATH, see scripts/cuda_env.sh)
-#   model 210   python -m moecache.synth qwen3-30b-a3b (48 layers, ~17 GB, default locality), in
+#   model 210   python -m moecache.models synth qwen3-30b-a3b (48 layers, ~17 GB, default locality), in
 #               /dev/shm when it has 40 GiB free, else in OUT/cache (MOECACHE_CACHE_DIR overrides)
 #   exact 90    scripts/check_exact.py: greedy tokens with a cache of 16 slots identical to the
 #               same placement without a cache over 128 tokens; prints max |logit difference|
@@ -159,7 +159,7 @@ if [ "$rehearsal" = 0 ]; then
         _ "$wheel" "$repo" "$bundle" "$out/site" || exit 1
 fi
 
-phase model 210 python3 -m moecache.synth qwen3-30b-a3b "${model_args[@]}" --threads "$threads" || exit 1
+phase model 210 python3 -m moecache.models synth qwen3-30b-a3b "${model_args[@]}" --threads "$threads" || exit 1
 model=$(tail -n 1 "$out/model.log")
 
 phase exact 90 python3 "$repo/scripts/check_exact.py" -m "$model" -n "$exact_tokens" --slots 16 \

@@ -35,14 +35,14 @@ def rpc_device():
 
 @pytest.fixture(scope="session")
 def smol_path():
-    from moecache.fixtures import smol_moe
+    from moecache.models import smol_moe
 
     return str(smol_moe())
 
 
 @pytest.fixture(scope="session")
 def tiny_path():
-    from moecache.fixtures import tiny_moe
+    from moecache.models import tiny_moe
 
     return str(tiny_moe(n_layer=2, n_expert=8))
 

@@ -163,7 +163,7 @@ def test_a_bad_profile_releases_the_cache(tmp_path, rpc_device, tiny_path, conte
 
 
 def test_repacked_experts_are_refused_and_decode_stays_stock(rpc_device):
-    from moecache.fixtures import tiny_moe
+    from moecache.models import tiny_moe
 
     path = str(tiny_moe(n_layer=2, n_expert=8, expert_type="q4_0"))
     stock = greedy(load(path, repack=True), PROMPT, 16)
@@ -366,7 +366,7 @@ def test_unsupported_architecture_is_refused_and_stock(capfd, rpc_device):
     libllama logs one line naming it, and decoding stays stock."""
     import logging
 
-    from moecache.fixtures import tiny_moe
+    from moecache.models import tiny_moe
 
     path = str(tiny_moe(n_layer=2, n_expert=8, arch="granitemoe"))
     stock = greedy(load(path), PROMPT, 16)
