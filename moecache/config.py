@@ -29,10 +29,10 @@ class CacheConfig:
     profile: str | None = None     # usage profile: load at start to warm the cache, save at exit
 
     def __post_init__(self):
-        _require_int("SLOTS", self.slots, minimum=0)
-        _require_int("INSERTS", self.inserts, minimum=1)
-        _require_int("DEBUG", self.debug, minimum=0)
-        _require_int("WAIT", self.wait, minimum=0)
+        _parse_int(ENV_PREFIX + "SLOTS", self.slots, minimum=0)
+        _parse_int(ENV_PREFIX + "INSERTS", self.inserts, minimum=1)
+        _parse_int(ENV_PREFIX + "DEBUG", self.debug, minimum=0)
+        _parse_int(ENV_PREFIX + "WAIT", self.wait, minimum=0)
         if self.wait > 1:
             raise ConfigError(f"{ENV_PREFIX}WAIT={self.wait} must be 0 or 1")
         if self.policy == "default":
@@ -69,11 +69,8 @@ class CacheConfig:
 
 
 def _parse_int(name: str, value, minimum: int | None = None) -> int:
+    """util.parse_int, failing with a ConfigError."""
     try:
         return parse_int(value, name, minimum=minimum)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-
-
-def _require_int(name: str, value, minimum: int) -> None:
-    _parse_int(ENV_PREFIX + name, value, minimum)

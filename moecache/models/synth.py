@@ -52,7 +52,7 @@ import numpy as np
 
 from ..util import parse_int
 from .store import MAX_SEED, build_gguf
-from .tiny import add_tiny_tokenizer, tiny_vocab
+from .tiny import add_moe_hparams, add_tiny_tokenizer, tiny_vocab
 
 __all__ = ["DEFAULT_LOCALITY", "MAX_LOCALITY", "PRESETS", "Shape", "file_bytes", "synth_moe"]
 
@@ -244,45 +244,44 @@ def _fill(w, preset: str, shape: Shape, *, locality: float, seed: int, threads: 
     import gguf
 
     s = shape
+    w.add_string("moecache.synth.preset", preset)
+    w.add_float32("moecache.synth.locality", locality)
+    w.add_name(f"moecache synth {preset}")
+    w.add_file_type(int(gguf.LlamaFileType.MOSTLY_Q4_0))
+    add_moe_hparams(w, context_length=s.context_length, n_embd=s.n_embd, n_layer=s.n_layer,
+                    n_ff=s.n_ff, n_ff_exp=s.n_ff_exp, n_expert=s.n_expert,
+                    n_expert_used=s.n_expert_used, n_head=s.n_head, n_head_kv=s.n_head_kv,
+                    head_dim=s.head_dim)
+    add_tiny_tokenizer(w)
+    return _generate(_tensor_jobs(w, s, _embeddings(s, locality, seed), seed), threads)
+
+
+def _embeddings(shape: Shape, locality: float, seed: int) -> dict[str, np.ndarray]:
+    """The token embedding and the output head of the routing geometry."""
     tokens, types, _ = tiny_vocab()
     n_vocab = len(tokens)
     normal = np.flatnonzero(np.asarray(types) == 1)
     rng = np.random.default_rng([seed, 0x5E7, 0])
     cycle = rng.permutation(normal)
-    directions, z = _token_directions(rng, n_vocab, cycle, s.n_embd, locality)
+    directions, z = _token_directions(rng, n_vocab, cycle, shape.n_embd, locality)
     # large embeddings: the layers' unit-gain noise stays ~10% of the residual stream
-    embd_rms = 10.0 * math.sqrt(s.n_layer)
-    token_embd = (directions * embd_rms * math.sqrt(s.n_embd)).astype(np.float32)
+    embd_rms = 10.0 * math.sqrt(shape.n_layer)
+    token_embd = (directions * embd_rms * math.sqrt(shape.n_embd)).astype(np.float32)
     # output head: logit(j) = <z of j's cycle predecessor, hidden>, so greedy follows the cycle;
     # special tokens get zero logits and are never picked
-    output = np.zeros((n_vocab, s.n_embd), dtype=np.float32)
-    output[np.roll(cycle, -1)] = z[cycle] * (8.0 / math.sqrt(s.n_embd))
+    output = np.zeros((n_vocab, shape.n_embd), dtype=np.float32)
+    output[np.roll(cycle, -1)] = z[cycle] * (8.0 / math.sqrt(shape.n_embd))
+    return {"token_embd.weight": token_embd, "output.weight": output}
+
+
+def _tensor_jobs(w, shape: Shape, dense: dict[str, np.ndarray],
+                 seed: int) -> list[Callable[[], np.ndarray]]:
+    """Every tensor's info into w; returns a function per tensor that makes its data."""
+    import gguf
 
     Q4_0 = gguf.GGMLQuantizationType.Q4_0
-    w.add_string("moecache.synth.preset", preset)
-    w.add_float32("moecache.synth.locality", locality)
-    w.add_name(f"moecache synth {preset}")
-    w.add_file_type(int(gguf.LlamaFileType.MOSTLY_Q4_0))
-    w.add_context_length(s.context_length)
-    w.add_embedding_length(s.n_embd)
-    w.add_block_count(s.n_layer)
-    w.add_feed_forward_length(s.n_ff)
-    w.add_expert_feed_forward_length(s.n_ff_exp)
-    w.add_expert_count(s.n_expert)
-    w.add_expert_used_count(s.n_expert_used)
-    w.add_head_count(s.n_head)
-    w.add_head_count_kv(s.n_head_kv)
-    w.add_key_length(s.head_dim)
-    w.add_value_length(s.head_dim)
-    w.add_rope_dimension_count(s.head_dim)
-    w.add_rope_freq_base(1_000_000.0)
-    w.add_layer_norm_rms_eps(1e-6)
-    add_tiny_tokenizer(w)
-
-    plan = _tensor_plan(s, n_vocab)
-    dense = {"token_embd.weight": token_embd, "output.weight": output}
     jobs: list[Callable[[], np.ndarray]] = []
-    for index, (name, kind, dims, n_in) in enumerate(plan):
+    for index, (name, kind, dims, n_in) in enumerate(_tensor_plan(shape, len(tiny_vocab()[0]))):
         if kind == "q4_0":
             byte_dims = dims[:-1] + (n_in // Q4_0_BLOCK * Q4_0_BLOCK_BYTES,)
             w.add_tensor_info(name, byte_dims, np.dtype(np.uint8), _nbytes(kind, dims), raw_dtype=Q4_0)
@@ -297,8 +296,7 @@ def _fill(w, preset: str, shape: Shape, *, locality: float, seed: int, threads: 
                             .standard_normal(d, dtype=np.float32) / np.float32(math.sqrt(d[-1])))
             else:  # norms
                 jobs.append(lambda d=dims: np.ones(d, dtype=np.float32))
-
-    return _generate(jobs, threads)
+    return jobs
 
 
 def _generate(jobs: list[Callable[[], np.ndarray]], threads: int):

@@ -68,6 +68,21 @@ def add_tiny_tokenizer(w) -> None:
     w.add_add_bos_token(False)
 
 
+def add_moe_hparams(w, *, context_length: int, n_embd: int, n_layer: int, n_ff: int, n_ff_exp: int,
+                    n_expert: int, n_expert_used: int, n_head: int, n_head_kv: int,
+                    head_dim: int) -> None:
+    """The hyperparameters of a qwen3moe-style MoE (rope base 1e6, RMS norm eps 1e-6) into a
+    GGUFWriter, in the order the tiny and the synthetic builders write them."""
+    for setter, value in ((w.add_context_length, context_length), (w.add_embedding_length, n_embd),
+                          (w.add_block_count, n_layer), (w.add_feed_forward_length, n_ff),
+                          (w.add_expert_feed_forward_length, n_ff_exp), (w.add_expert_count, n_expert),
+                          (w.add_expert_used_count, n_expert_used), (w.add_head_count, n_head),
+                          (w.add_head_count_kv, n_head_kv), (w.add_key_length, head_dim),
+                          (w.add_value_length, head_dim), (w.add_rope_dimension_count, head_dim),
+                          (w.add_rope_freq_base, 1_000_000.0), (w.add_layer_norm_rms_eps, 1e-6)):
+        setter(value)
+
+
 def tiny_moe(path: str | os.PathLike[str] | None = None, *, n_layer: int = 2, n_expert: int = 8,
              n_expert_used: int = 2, n_embd: int = 64, seed: int = 0, n_head: int = 4,
              n_head_kv: int = 2, n_ff_exp: int | None = None, expert_type: str = "f32",
@@ -132,6 +147,29 @@ def _fill(w, *, n_layer: int, n_expert: int, n_expert_used: int, n_embd: int, n_
           arch: str) -> list[np.ndarray]:
     import gguf
 
+    ftype = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+             "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+             "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[expert_type]
+    w.add_name(f"moecache tiny {arch}")
+    w.add_file_type(int(ftype))
+    # granitemoe's loader sizes the experts by feed_forward_length
+    add_moe_hparams(w, context_length=context_length, n_embd=n_embd, n_layer=n_layer,
+                    n_ff=n_ff if arch == "granitemoe" else n_ff * n_expert_used, n_ff_exp=n_ff,
+                    n_expert=n_expert, n_expert_used=n_expert_used, n_head=n_head,
+                    n_head_kv=n_head_kv, head_dim=n_embd // n_head)
+    if arch == "granitemoe":
+        w.add_logit_scale(1.0)  # required; the other granite scales are optional
+    add_tiny_tokenizer(w)
+    return _add_tensors(w, n_layer=n_layer, n_expert=n_expert, n_embd=n_embd, n_head=n_head,
+                        n_head_kv=n_head_kv, n_ff=n_ff, expert_type=expert_type, seed=seed,
+                        q_k_norms=arch == "qwen3moe")
+
+
+def _add_tensors(w, *, n_layer: int, n_expert: int, n_embd: int, n_head: int, n_head_kv: int,
+                 n_ff: int, expert_type: str, seed: int, q_k_norms: bool) -> list[np.ndarray]:
+    """Random weights of sensible scale: every tensor's info into w; returns their data."""
+    import gguf
+
     head_dim = n_embd // n_head
     tokens, types, _ = tiny_vocab()
     n_vocab = len(tokens)
@@ -142,33 +180,6 @@ def _fill(w, *, n_layer: int, n_expert: int, n_expert_used: int, n_embd: int, n_
 
     qtype = {"f32": None, "f16": None, "q8_0": gguf.GGMLQuantizationType.Q8_0,
              "q4_0": gguf.GGMLQuantizationType.Q4_0}[expert_type]
-    ftype = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-             "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
-             "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[expert_type]
-
-    w.add_name(f"moecache tiny {arch}")
-    w.add_file_type(int(ftype))
-    w.add_context_length(context_length)
-    w.add_embedding_length(n_embd)
-    w.add_block_count(n_layer)
-    if arch == "granitemoe":  # its loader sizes the experts by feed_forward_length
-        w.add_feed_forward_length(n_ff)
-    else:
-        w.add_feed_forward_length(n_ff * n_expert_used)
-    w.add_expert_feed_forward_length(n_ff)
-    w.add_expert_count(n_expert)
-    w.add_expert_used_count(n_expert_used)
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_head_kv)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(1_000_000.0)
-    w.add_layer_norm_rms_eps(1e-6)
-    if arch == "granitemoe":
-        w.add_logit_scale(1.0)  # required; the other granite scales are optional
-    add_tiny_tokenizer(w)
-
     data: list[np.ndarray] = []
 
     def add(name: str, arr: np.ndarray, raw_dtype=None) -> None:
@@ -199,7 +210,7 @@ def _fill(w, *, n_layer: int, n_expert: int, n_expert_used: int, n_embd: int, n_
         add(p + "attn_v.weight", normal(n_head_kv * head_dim, n_embd, std=s_in))
         add(p + "attn_output.weight", normal(n_embd, n_head * head_dim,
                                              std=1.0 / np.sqrt(n_head * head_dim)))
-        if arch == "qwen3moe":
+        if q_k_norms:
             add(p + "attn_q_norm.weight", ones(head_dim, dtype=np.float32))
             add(p + "attn_k_norm.weight", ones(head_dim, dtype=np.float32))
         add(p + "ffn_norm.weight", ones(n_embd, dtype=np.float32))
