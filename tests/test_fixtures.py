@@ -30,9 +30,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def tmp_cache(tmp_path, monkeypatch):
-    d = tmp_path / "cache"
-    monkeypatch.setenv("MOECACHE_CACHE_DIR", str(d))
-    return d
+    """The models directory of an empty cache."""
+    monkeypatch.setenv("MOECACHE_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "models"
 
 
 def _sha256(path):
@@ -53,7 +53,7 @@ def _tensors(reader):
 
 def test_cache_dir_env(monkeypatch, tmp_path):
     monkeypatch.setenv("MOECACHE_CACHE_DIR", str(tmp_path / "x"))
-    assert models.cache_dir() == tmp_path / "x"
+    assert models.cache_dir() == tmp_path / "x" / "models"
     monkeypatch.delenv("MOECACHE_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert models.cache_dir() == tmp_path / "xdg" / "moecache" / "models"
@@ -334,7 +334,7 @@ def test_cli_tiny(tmp_path):
     assert f["qwen3moe.expert_count"] == 16
     r = _cli("tiny", env={"MOECACHE_CACHE_DIR": str(tmp_path / "c")})
     assert r.returncode == 0, r.stderr
-    assert Path(r.stdout.strip()).parent == tmp_path / "c"
+    assert Path(r.stdout.strip()).parent == tmp_path / "c" / "models"
 
 
 @pytest.mark.parametrize("args, word", [

@@ -12,7 +12,8 @@ repository.
   model; every shape field can be shrunk) with tunable routing locality, for benchmarks.
 
 Every model is written by one path (:func:`build_gguf`): into :func:`cache_dir`
-(``$MOECACHE_CACHE_DIR``, else ``${XDG_CACHE_HOME:-~/.cache}/moecache/models``) under a name
+(``models/`` in ``$MOECACHE_CACHE_DIR``, default ``${XDG_CACHE_HOME:-~/.cache}/moecache``, the
+directory scripts/build_wheel.sh builds in) under a name
 derived from its parameters and its builder's version, atomically (an interrupted build
 leaves no file), with its build key in its metadata (``moecache.fixture_key``); a file whose
 key does not match is rebuilt, an unchanged request reuses the file. Building needs the

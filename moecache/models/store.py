@@ -21,14 +21,13 @@ MAX_SEED = 2**32 - 1
 
 
 def cache_dir() -> Path:
-    """Directory holding built models: $MOECACHE_CACHE_DIR, else
-    ${XDG_CACHE_HOME:-~/.cache}/moecache/models (created on demand by the builders)."""
-    env = os.environ.get("MOECACHE_CACHE_DIR")
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "moecache" / "models"
+    """Directory holding built models: models/ in moecache's cache, $MOECACHE_CACHE_DIR, else
+    ${XDG_CACHE_HOME:-~/.cache}/moecache, the one scripts/build_wheel.sh builds in (created on
+    demand by the builders)."""
+    base = os.environ.get("MOECACHE_CACHE_DIR")
+    if not base:
+        base = os.path.join(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "moecache")
+    return Path(base).expanduser() / "models"
 
 
 def read_fixture_key(path: str | os.PathLike[str]) -> str | None:
