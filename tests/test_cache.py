@@ -309,7 +309,7 @@ def test_cache_off_builds_the_stock_graph(rpc_device, tiny_path):
 
 @pytest.mark.parametrize("policy", ["lru", "default"])
 def test_live_trace_replays_to_the_live_hit_count(tmp_path, rpc_device, smol_path, policy):
-    from moecache.replay import replay_per_layer
+    from moecache.replay import PER_LAYER, simulate
     from moecache.traces import read_trace
 
     trace_path = tmp_path / "live.route.csv"
@@ -321,8 +321,8 @@ def test_live_trace_replays_to_the_live_hit_count(tmp_path, rpc_device, smol_pat
 
     trace = read_trace(str(trace_path))
     assert int((trace.residency[trace.phase == 1] > 0).sum()) == live["hits"]
-    replayed = replay_per_layer(trace, cache.config.policy, 2, inserts=1)
-    assert (replayed.hits_decode, replayed.lookups_decode) == (live["hits"], live["hits"] + live["misses"])
+    replayed = simulate(trace, PER_LAYER, cache.config.policy, 2, inserts=1).totals
+    assert (replayed["hits"], replayed["misses"]) == (live["hits"], live["misses"])
 
 
 def test_debug_stats_go_to_stderr(capfd, rpc_device, tiny_path):
