@@ -234,6 +234,11 @@ def test_cli_absurd_trace_is_one_line(tmp_path, edit, message):
     (["--csv", "{tmp}"], "--csv {tmp}: is a directory"),
     (["--csv", "{tmp}/new/"], "--csv {tmp}/new/: is a directory"),
     (["--plot", "{tmp}/missing/p.png"], "--plot {tmp}/missing/p.png: directory {tmp}/missing does not exist"),
+    (["--admission", "early"], "argument --admission: 'early': each must be one of boundary, eager"),
+    (["--admission", ","], "argument --admission: ',': each must be one of boundary, eager"),
+    (["--link-gbps", "0"], "argument --link-gbps: '0': a bandwidth must be a finite number of GB/s > 0"),
+    (["--host-gbps", "nan"], "argument --host-gbps: 'nan': a bandwidth must be a finite number"),
+    (["--host-gbps", "60,70"], "argument --host-gbps: '60,70' is not a number"),
 ])
 def test_cli_bad_flags_are_one_line_before_any_replay(tmp_path, capsys, args, message):
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
