@@ -172,3 +172,21 @@ def test_binary_or_directory_is_a_trace_error(tmp_path):
         read_trace(str(binary))
     with pytest.raises(TraceError, match="Is a directory"):
         read_trace(str(tmp_path))
+
+
+@pytest.mark.parametrize("name, recorded", [
+    ("SmolLM2 135M Instruct", "SmolLM2_135M_Instruct"),
+    (" Qwen3-30B-A3B\tInstruct 2507\n", "Qwen3-30B-A3B_Instruct_2507"),
+    ("a=b,c # d", "a_b_c_d"),
+    ("Модель 7B", "Модель_7B"),
+    ("", "unknown"),
+])
+def test_writer_records_any_model_name_readably(tmp_path, name, recorded):
+    """general.name of real models has spaces; the preamble splits words on whitespace."""
+    path = str(tmp_path / "w.csv")
+    with TraceWriter(path, model=name, arch=name, n_layer=1, n_expert=4, n_expert_used=2,
+                     layers=[(0, 10, 0)]) as writer:
+        writer.write_step(0, DECODE, 0, np.array([[1, 2]]), None, np.zeros((1, 2), int))
+    trace = read_trace(path)
+    assert (trace.model, trace.arch) == (recorded, recorded)
+    assert trace.ids.tolist() == [[[1, 2]]]

@@ -1,0 +1,57 @@
+"""The package declares every third-party module it imports: `pip install .` (README, Install)
+must be enough for run.py, which builds its default model with gguf."""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# installed by the README's first Install step (the patched wheel), not by pip install .
+SEPARATELY_INSTALLED = {"llama_cpp"}
+
+
+def _required_imports(path: Path) -> set[str]:
+    """Top-level modules `path` imports, except those guarded by `except ImportError`."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    optional = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Try) and any(
+                isinstance(h.type, ast.Name) and h.type.id in ("ImportError", "ModuleNotFoundError")
+                for h in node.handlers):
+            optional.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    modules = set()
+    for node in ast.walk(tree):
+        if id(node) in optional:
+            continue
+        if isinstance(node, ast.Import):
+            modules.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            modules.add(node.module.split(".")[0])
+    return modules
+
+
+def _declared() -> set[str]:
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    return {re.split(r"[<>=!~\[; ]", req, maxsplit=1)[0].lower().replace("_", "-")
+            for req in project["dependencies"]}
+
+
+def test_every_runtime_import_is_a_declared_dependency():
+    declared = _declared()
+    distributions = importlib.metadata.packages_distributions()
+    missing = {}
+    for path in sorted((REPO / "moecache").glob("*.py")):
+        for module in _required_imports(path):
+            if module in sys.stdlib_module_names or module in SEPARATELY_INSTALLED or module == "moecache":
+                continue
+            names = {d.lower().replace("_", "-") for d in distributions.get(module, [module])}
+            if not names & declared:
+                missing.setdefault(module, []).append(path.name)
+    assert not missing, f"imported but not in pyproject.toml's dependencies: {missing}"
