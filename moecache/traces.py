@@ -371,6 +371,12 @@ class TraceWriter:
                                f"{float(weights[li, j]):.6g},{res},{0 if res else size}\n")
         self._write("".join(out))
 
+    def flush(self) -> None:
+        """To the disk: the steps are in the file already (one write each), this survives a
+        crash of the machine too."""
+        if self._fd is not None:
+            os.fsync(self._fd)
+
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)

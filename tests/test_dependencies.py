@@ -36,22 +36,34 @@ def _required_imports(path: Path) -> set[str]:
     return modules
 
 
-def _declared() -> set[str]:
+def _pyproject() -> dict:
     tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
-    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    return tomllib.loads((REPO / "pyproject.toml").read_text())
+
+
+def _declared() -> set[str]:
     return {re.split(r"[<>=!~\[; ]", req, maxsplit=1)[0].lower().replace("_", "-")
-            for req in project["dependencies"]}
+            for req in _pyproject()["project"]["dependencies"]}
 
 
 def test_every_runtime_import_is_a_declared_dependency():
     declared = _declared()
     distributions = importlib.metadata.packages_distributions()
     missing = {}
-    for path in sorted((REPO / "moecache").glob("*.py")):
+    for path in sorted((REPO / "moecache").rglob("*.py")):
         for module in _required_imports(path):
             if module in sys.stdlib_module_names or module in SEPARATELY_INSTALLED or module == "moecache":
                 continue
             names = {d.lower().replace("_", "-") for d in distributions.get(module, [module])}
             if not names & declared:
-                missing.setdefault(module, []).append(path.name)
+                missing.setdefault(module, []).append(str(path.relative_to(REPO)))
     assert not missing, f"imported but not in pyproject.toml's dependencies: {missing}"
+
+
+def test_every_package_is_installed_by_pip_install():
+    """pip install . (not -e) copies only the packages pyproject.toml names."""
+    setuptools = pytest.importorskip("setuptools")
+    find = _pyproject()["tool"]["setuptools"]["packages"]["find"]
+    packaged = set(setuptools.find_packages(str(REPO), include=find["include"]))
+    present = {".".join(init.parent.relative_to(REPO).parts) for init in (REPO / "moecache").rglob("__init__.py")}
+    assert present and present <= packaged, present - packaged
