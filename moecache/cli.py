@@ -11,46 +11,23 @@ import os
 import sys
 import time
 
+from .util import OneLineParser, int_arg
 
-def _positive(text: str) -> int:
-    value = _integer(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _non_negative(text: str) -> int:
-    value = _integer(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _integer(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message):  # one line, not usage + error
-        print(f"{self.prog}: error: {message}", file=sys.stderr)
-        sys.exit(2)
+GGML_MAX_N_THREADS = 512  # ggml.h: more threads overrun ggml's per-thread arrays (a segfault)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = _OneLineParser(prog="run.py", description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="run.py", description=__doc__.split("\n\n")[0])
     p.add_argument("-m", "--model", help="GGUF path (default: smol-moe, built on first use)")
     p.add_argument("-p", "--prompt", default="Explain how a mixture-of-experts model decides which experts handle each token.")
-    p.add_argument("-n", "--n-predict", type=_positive, default=128, help="tokens to generate (default 128)")
-    p.add_argument("-ngl", "--n-gpu-layers", type=_integer, default=-1, help="layers on the device (default -1: all)")
-    p.add_argument("-c", "--ctx-size", type=_positive, default=2048)
-    p.add_argument("-t", "--threads", type=_positive, default=None)
-    p.add_argument("--seed", type=_non_negative, default=0)
-    p.add_argument("--slots", type=_non_negative, default=None,
+    p.add_argument("-n", "--n-predict", type=int_arg(minimum=1), default=128, help="tokens to generate (default 128)")
+    p.add_argument("-ngl", "--n-gpu-layers", type=int_arg(), default=-1, help="layers on the device (default -1: all)")
+    p.add_argument("-c", "--ctx-size", type=int_arg(minimum=1), default=2048)
+    p.add_argument("-t", "--threads", type=int_arg(minimum=1, maximum=GGML_MAX_N_THREADS), default=None)
+    p.add_argument("--seed", type=int_arg(minimum=0), default=0)
+    p.add_argument("--slots", type=int_arg(minimum=0), default=None,
                    help="experts cached per layer (default LLAMA_MOE_CACHE_SLOTS, else a quarter of the experts; 0 = off)")
-    p.add_argument("--inserts", type=_positive, default=None, help="uploads per layer per step (default 2)")
+    p.add_argument("--inserts", type=int_arg(minimum=1), default=None, help="uploads per layer per step (default 2)")
     p.add_argument("--policy", default=None, help="cache policy (default: the shipped default)")
     p.add_argument("--no-chat", action="store_true", help="raw completion instead of the chat template")
     args = p.parse_args(argv)

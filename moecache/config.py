@@ -7,6 +7,7 @@ import tempfile
 from dataclasses import dataclass, fields
 
 from .policies import DEFAULT_POLICY, POLICIES
+from .util import parse_int
 
 
 class ConfigError(ValueError):
@@ -31,13 +32,11 @@ class CacheConfig:
                                    # they survive a crash; 0 = only when the cache closes
 
     def __post_init__(self):
-        _require_int("SLOTS", self.slots, minimum=0)
-        _require_int("INSERTS", self.inserts, minimum=1)
-        _require_int("DEBUG", self.debug, minimum=0)
-        _require_int("WAIT", self.wait, minimum=0)
-        _require_int("FLUSH_STEPS", self.flush_steps, minimum=0)
-        if self.wait > 1:
-            raise ConfigError(f"{ENV_PREFIX}WAIT={self.wait} must be 0 or 1")
+        for name, minimum, maximum in (("slots", 0, None), ("inserts", 1, None), ("debug", 0, None),
+                                       ("wait", 0, 1), ("flush_steps", 0, None)):
+            # keyword values too (attach(slots=...)): ints, or text parse_int reads, kept as int
+            object.__setattr__(self, name, _parse_int(ENV_PREFIX + name.upper(), getattr(self, name),
+                                                      minimum, maximum))
         if self.policy == "default":
             object.__setattr__(self, "policy", DEFAULT_POLICY)
         if self.policy not in POLICIES:
@@ -72,7 +71,7 @@ class CacheConfig:
             text = environ.get(name)
             if text is None or text == "":
                 continue
-            values[field.name] = _parse_int(name, text) if field.type == "int" else text
+            values[field.name] = text  # __post_init__ parses the integers
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 
@@ -100,15 +99,8 @@ def _unwritable(path: str) -> str | None:
     return None
 
 
-def _parse_int(name: str, text: str) -> int:
+def _parse_int(name: str, value, minimum: int | None = None, maximum: int | None = None) -> int:
     try:
-        return int(text.strip())
-    except ValueError:
-        raise ConfigError(f"{name}={text!r} is not an integer") from None
-
-
-def _require_int(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{ENV_PREFIX}{name}={value!r} is not an integer")
-    if value < minimum:
-        raise ConfigError(f"{ENV_PREFIX}{name}={value} must be >= {minimum}")
+        return parse_int(value, name, minimum=minimum, maximum=maximum)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None

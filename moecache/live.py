@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -27,6 +26,7 @@ from .engine import COUNTERS, CacheEngine
 from .policies import make_policy
 from .profile import ProfileError, UsageProfile
 from .traces import TraceWriter
+from .util import atomic_write
 
 log = logging.getLogger("moecache")
 
@@ -229,7 +229,7 @@ class LiveCache:
         its own (one that fails does not keep the other from being written). Runs every
         FLUSH_STEPS decode steps, so that a crash loses at most that many, and at close."""
         if self.config.stats:
-            self._report("STATS", lambda: _write_atomic(self.config.stats, json.dumps(self.stats(), indent=1)))
+            self._report("STATS", lambda: atomic_write(self.config.stats, json.dumps(self.stats(), indent=1)))
         if self.config.profile:
             self._report("PROFILE", self._save_profile)
         if self.trace:
@@ -286,14 +286,3 @@ def _check(ok: bool, what: str, layer: int, expert: int, slot: int) -> None:
     if not ok:
         raise RuntimeError(f"libllama refused {what} (layer {layer}, expert {expert}, slot {slot})")
 
-
-def _write_atomic(path: str, text: str) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".moecache-", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise

@@ -13,10 +13,11 @@ File: JSON {"format": "moecache-profile", "version": 1, "model": str, "n_expert"
 from __future__ import annotations
 
 import json
-import os
 import reprlib
 
 import numpy as np
+
+from .util import atomic_write
 
 FORMAT, VERSION = "moecache-profile", 1
 # counts are decode steps: 2**53 keeps every sum of them exact in int64 and in JSON's doubles
@@ -83,12 +84,7 @@ class UsageProfile:
     def save(self, path: str) -> None:
         data = {"format": FORMAT, "version": VERSION, "model": self.model,
                 "n_expert": self.n_expert, "layers": self.layers, "counts": self.counts.tolist()}
-        tmp = f"{path}.tmp.{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(data, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        atomic_write(path, json.dumps(data))
 
     @classmethod
     def load(cls, path: str, *, layers=None, n_expert=None) -> "UsageProfile":

@@ -45,7 +45,6 @@ prints the path. Bad arguments print ``error: <message>`` on one line and exit w
 
 from __future__ import annotations
 
-import argparse
 import collections
 import dataclasses
 import math
@@ -58,8 +57,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .fixtures import (KEY_FIXTURE, KEY_FIXTURE_KEY, CliParser, _atomic_build, _check_int, _check_seed,
-                       _is_current, _key_digest, _resolve_out, add_tiny_tokenizer, run_cli, tiny_vocab)
+from .fixtures import (KEY_FIXTURE, KEY_FIXTURE_KEY, _check_seed, _is_current, _key_digest, _resolve_out,
+                       add_tiny_tokenizer, run_cli, tiny_vocab)
+from .util import OneLineParser, atomic_write, int_arg, parse_int
 
 __all__ = ["PRESETS", "Shape", "file_bytes", "synth_moe", "main"]
 
@@ -90,20 +90,20 @@ class Shape:
     context_length: int = 4096
 
     def __post_init__(self):
-        _check_int("n_layer", self.n_layer, 1, 512)
-        _check_int("n_expert", self.n_expert, 2, 4096)
-        _check_int("n_expert_used", self.n_expert_used, 1, self.n_expert)
-        _check_int("n_head", self.n_head, 1, 1024)
-        _check_int("n_head_kv", self.n_head_kv, 1, self.n_head)
+        parse_int(self.n_layer, "n_layer", minimum=1, maximum=512)
+        parse_int(self.n_expert, "n_expert", minimum=2, maximum=4096)
+        parse_int(self.n_expert_used, "n_expert_used", minimum=1, maximum=self.n_expert)
+        parse_int(self.n_head, "n_head", minimum=1, maximum=1024)
+        parse_int(self.n_head_kv, "n_head_kv", minimum=1, maximum=self.n_head)
         if self.n_head % self.n_head_kv:
             raise ValueError(f"n_head ({self.n_head}) must be a multiple of n_head_kv ({self.n_head_kv})")
-        _check_int("head_dim", self.head_dim, 2, 1024)
+        parse_int(self.head_dim, "head_dim", minimum=2, maximum=1024)
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rope, got {self.head_dim}")
-        _check_int("n_ff", self.n_ff, 1, 1 << 20)
-        _check_int("context_length", self.context_length, 8, 1 << 20)
+        parse_int(self.n_ff, "n_ff", minimum=1, maximum=1 << 20)
+        parse_int(self.context_length, "context_length", minimum=8, maximum=1 << 20)
         for name in ("n_embd", "n_ff_exp"):
-            value = _check_int(name, getattr(self, name), Q4_0_BLOCK, 1 << 16)
+            value = parse_int(getattr(self, name), name, minimum=Q4_0_BLOCK, maximum=1 << 16)
             if value % Q4_0_BLOCK:
                 raise ValueError(f"{name} must be a multiple of {Q4_0_BLOCK} (Q4_0 rows), got {value}")
         if (self.n_head * self.head_dim) % Q4_0_BLOCK:
@@ -188,7 +188,8 @@ def synth_moe(preset: str, path: str | os.PathLike[str] | None = None, *,
     shape = dataclasses.replace(PRESETS[preset], **shape_overrides)
     locality = _check_locality(locality)
     seed = _check_seed(seed)
-    threads = _check_int("threads", threads if threads is not None else (os.cpu_count() or 1), 1, 1024)
+    threads = parse_int(threads if threads is not None else (os.cpu_count() or 1), "threads",
+                        minimum=1, maximum=1024)
 
     params = "-".join(f"{f.name}{getattr(shape, f.name)}" for f in dataclasses.fields(Shape))
     key = f"synth:v{SYNTH_VERSION}:{preset}:{params}:loc{locality:g}:s{seed}"
@@ -206,7 +207,7 @@ def synth_moe(preset: str, path: str | os.PathLike[str] | None = None, *,
     def build(tmp: Path) -> None:
         _write(tmp, key, preset, shape, locality=locality, seed=seed, threads=threads)
 
-    _atomic_build(out, build)
+    atomic_write(out, build)
     return out
 
 
@@ -340,24 +341,24 @@ def _write(tmp: Path, key: str, preset: str, shape: Shape, *, locality: float, s
 
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = CliParser(prog="python -m moecache.synth",
+def _parser() -> OneLineParser:
+    p = OneLineParser(prog="python -m moecache.synth",
                 description="Build (or reuse) a shape-realistic random MoE GGUF and print its path.")
     p.add_argument("preset", help=" | ".join(PRESETS))
-    p.add_argument("--layers", type=int, metavar="N", help="number of layers (shrinks the model)")
-    p.add_argument("--experts", type=int, metavar="E", help="experts per layer")
-    p.add_argument("--top-k", type=int, metavar="K", help="experts used per token")
-    p.add_argument("--embd", type=int, metavar="D", help="n_embd (a multiple of 32)")
-    p.add_argument("--expert-ff", type=int, metavar="F", help="expert FFN width (a multiple of 32)")
+    p.add_argument("--layers", type=int_arg(), metavar="N", help="number of layers (shrinks the model)")
+    p.add_argument("--experts", type=int_arg(), metavar="E", help="experts per layer")
+    p.add_argument("--top-k", type=int_arg(), metavar="K", help="experts used per token")
+    p.add_argument("--embd", type=int_arg(), metavar="D", help="n_embd (a multiple of 32)")
+    p.add_argument("--expert-ff", type=int_arg(), metavar="F", help="expert FFN width (a multiple of 32)")
     p.add_argument("--locality", type=float, default=DEFAULT_LOCALITY, metavar="S",
                    help=f"routing locality in [0, {MAX_LOCALITY}] (default {DEFAULT_LOCALITY}; 0 = random routing)")
-    p.add_argument("--seed", type=int, default=0, metavar="S")
-    p.add_argument("--threads", type=int, default=None, metavar="T", help="generator threads (default: all cores)")
+    p.add_argument("--seed", type=int_arg(), default=0, metavar="S")
+    p.add_argument("--threads", type=int_arg(), default=None, metavar="T", help="generator threads (default: all cores)")
     p.add_argument("--out", default=None, metavar="PATH", help="output file (default: the fixture cache)")
     return p
 
 
-def _build(args: argparse.Namespace) -> Path:
+def _build(args) -> Path:
     overrides = {field: getattr(args, flag) for flag, field in SHAPE_FLAGS.items()
                  if getattr(args, flag) is not None}
     return synth_moe(args.preset, args.out, locality=args.locality, seed=args.seed,

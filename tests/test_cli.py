@@ -20,13 +20,18 @@ def run_py(*args, env=None):
 
 @pytest.mark.parametrize("args,env,message", [
     (["--bogus"], {}, "unrecognized arguments: --bogus"),
-    (["-n", "abc"], {}, "argument -n/--n-predict: not an integer: 'abc'"),
-    (["-n", "0"], {}, "argument -n/--n-predict: must be >= 1, got 0"),
-    (["--slots", "-2"], {}, "argument --slots: must be >= 0, got -2"),
+    (["-n", "abc"], {}, "argument -n/--n-predict: 'abc' is not an integer"),
+    (["-n", "0"], {}, "argument -n/--n-predict: 0 must be >= 1"),
+    (["--slots", "-2"], {}, "argument --slots: -2 must be >= 0"),
+    (["-t", "１"], {}, "argument -t/--threads: '１' is not an integer"),
+    ([], {"LLAMA_MOE_CACHE_SLOTS": "2 "}, "LLAMA_MOE_CACHE_SLOTS='2 ' is not an integer"),
     (["-m", "/nonexistent/model.gguf"], {}, "model file not found: /nonexistent/model.gguf"),
     ([], {"LLAMA_MOE_CACHE_INSERTS": "0"}, "LLAMA_MOE_CACHE_INSERTS=0 must be >= 1"),
     (["--policy", "lur"], {}, "LLAMA_MOE_CACHE_POLICY='lur' is not a policy"),
     (["-p", "", "--no-chat"], {}, "argument -p/--prompt: empty"),
+    (["-t", "100000"], {}, "argument -t/--threads: 100000 must be in [1, 512]"),
+    ([], {"LLAMA_MOE_CACHE_SLOTS": "1_0"}, "LLAMA_MOE_CACHE_SLOTS='1_0' is not an integer"),
+    ([], {"LLAMA_MOE_CACHE_FLUSH_STEPS": "\uff18"}, "LLAMA_MOE_CACHE_FLUSH_STEPS='\uff18' is not an integer"),
 ])
 def test_run_py_bad_input_is_one_line(args, env, message):
     out = run_py(*args, env=env)

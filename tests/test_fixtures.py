@@ -251,7 +251,7 @@ def test_tiny_vocab_is_byte_level():
     (dict(seed=-1), "seed"),
     (dict(seed=1.5), "seed"),
     (dict(n_expert=True), "n_expert"),
-    (dict(n_expert="8"), "n_expert"),
+    (dict(n_expert="eight"), "n_expert"),
     (dict(expert_type="q5_k"), "expert_type"),
     (dict(n_embd=48, n_head=4, expert_type="q4_0"), "multiples of 32"),
     (dict(arch="olmoe"), "arch"),
@@ -349,7 +349,7 @@ def test_cli_errors(tmp_path, args, word):
     r = _cli(*args, env={"MOECACHE_CACHE_DIR": str(tmp_path / "c")})
     assert r.returncode == 2, (r.stdout, r.stderr)
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    assert len(lines) == 1 and lines[0].startswith("python -m moecache.fixtures: error: "), r.stderr
     assert word in lines[0] and "Traceback" not in r.stderr
     assert r.stdout == ""
 
@@ -360,7 +360,7 @@ def test_main_in_process(tmp_path, capsys, monkeypatch):
     assert Path(capsys.readouterr().out.strip()).is_file()
     assert fixtures.main(["tiny", "--expert-type", "bf3"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: expert_type") and err.count("\n") == 1
+    assert err.startswith("python -m moecache.fixtures: error: expert_type") and err.count("\n") == 1
 
 
 # --------------------------------------------------------------------------------------------

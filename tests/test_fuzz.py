@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 
 import pytest
@@ -96,3 +97,95 @@ def test_profile_reader_on_mutated_profiles(scratch, data):
         else:
             profile[key] = value
     _check_profile(_write(scratch, json.dumps(profile)))
+
+
+# --- LLAMA_MOE_CACHE_* variables ----------------------------------------------------------
+
+from moecache.config import ENV_PREFIX, CacheConfig, ConfigError  # noqa: E402
+
+INT_VARIABLES = ("SLOTS", "INSERTS", "WAIT", "DEBUG", "FLUSH_STEPS")
+PATH_VARIABLES = ("STATS", "TRACE", "PROFILE")
+VARIABLES = INT_VARIABLES + PATH_VARIABLES + ("POLICY",)
+
+INT_TEXT = st.one_of(
+    st.integers(min_value=-2**70, max_value=2**70).map(str),
+    st.sampled_from(["2 ", " 2", "+2", "1_0", "\uff12", "\u0663", "0x10", "1e3", "2.0", "1\n",
+                     "9" * 5000, "-0", "00", "\x00", "\u00b2", "inf", "nan", "true", ""]),
+    st.text(max_size=8),
+)
+PATH_TEXT = st.one_of(
+    st.sampled_from(["/", "/proc/stats.json", "/proc/self/x", "/sys/x", "/dev/null", "/nonexistent/x",
+                     "dir/", ".", "..", "~", "a\x00b", "out.json", "\udcff.json", " ", ""]),
+    st.text(alphabet=st.characters(blacklist_characters="/", blacklist_categories=("Cs",)), max_size=12),
+)
+POLICY_TEXT = st.one_of(st.sampled_from(["lru", "heat", "default", "belady", "LRU", " lru", ""]),
+                        st.text(max_size=8))
+VALUE = {**{name: INT_TEXT for name in INT_VARIABLES}, **{name: PATH_TEXT for name in PATH_VARIABLES},
+         "POLICY": POLICY_TEXT}
+ENVIRONMENT = st.fixed_dictionaries({}, optional={
+    **{ENV_PREFIX + name: VALUE[name] for name in VARIABLES},
+    ENV_PREFIX + "SLOT": INT_TEXT, ENV_PREFIX + "slots": INT_TEXT})  # typos
+
+
+def _check_config(environ: dict) -> CacheConfig | None:
+    try:
+        config = CacheConfig.from_env(environ)
+    except ConfigError as e:
+        _one_line(e)
+        named = re.match(ENV_PREFIX + r"\w+", str(e))
+        assert named and named.group() in environ, (str(e), environ)  # names the culprit variable
+        return None
+    for name in INT_VARIABLES:  # a value taken is exactly the text: ASCII decimal digits only
+        text = environ.get(ENV_PREFIX + name)
+        if text:
+            assert re.fullmatch(r"-?[0-9]+", text) and int(text) == getattr(config, name.lower()), (name, text)
+    return config
+
+
+@FUZZ
+@given(ENVIRONMENT)
+def test_every_variable_through_cache_config(tmp_path_factory, environ):
+    folder = tmp_path_factory.getbasetemp()
+    cwd = os.getcwd()
+    os.chdir(folder)  # relative paths land in a scratch folder
+    try:
+        _check_config(environ)
+    finally:
+        os.chdir(cwd)
+
+
+@FUZZ
+@given(ENVIRONMENT.filter(lambda env: all("\x00" not in v and not any("\udc00" <= c <= "\udfff" for c in v)
+                                          for v in env.values())))
+def test_every_variable_through_zero_code_activation(tmp_path_factory, environ):
+    """moecache.activate.install, what the patched llama_cpp runs at import: it never raises;
+    a bad value is one logged line naming the variable, and the cache stays off."""
+    import logging
+    from unittest import mock
+
+    activate = pytest.importorskip("moecache.activate")
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log = logging.getLogger("moecache")
+    folder = tmp_path_factory.getbasetemp()
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
+    cwd = os.getcwd()
+    os.chdir(folder)
+    # a registered context callback stands in for an earlier install: no process-wide change here
+    with mock.patch.dict(os.environ, {**clean, **environ}, clear=True), \
+            mock.patch.object(activate, "_context_callback", object()):
+        log.addHandler(handler)
+        try:
+            installed = activate.install()
+            expected = _check_config(environ)
+        finally:
+            log.removeHandler(handler)
+            os.chdir(cwd)
+    errors = [r.getMessage() for r in records if r.levelno >= logging.ERROR]
+    if expected is None:
+        assert installed is False and len(errors) == 1, errors
+        _one_line(Exception(errors[0]))
+        assert errors[0].startswith("moecache: error: " + ENV_PREFIX), errors
+    else:
+        assert installed is True and errors == [], errors

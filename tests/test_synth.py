@@ -77,9 +77,9 @@ def test_cached_file_is_reused_and_arguments_change_the_key(tmp_path, monkeypatc
     (dict(locality=0.99), "locality must be in [0, 0.95]"),
     (dict(locality="high"), "locality must be a number"),
     (dict(n_embd=100), "n_embd must be a multiple of 32"),
-    (dict(n_expert_used=200), "n_expert_used must be in [1, 128]"),
+    (dict(n_expert_used=200), "n_expert_used=200 must be in [1, 128]"),
     (dict(n_heads=4), "unknown shape field 'n_heads'"),
-    (dict(seed=-1), "seed must be non-negative"),
+    (dict(seed=-1), "seed=-1 must be in [0, 4294967295]"),
 ])
 def test_bad_arguments_are_one_line_value_errors(tmp_path, kwargs, message):
     kwargs = {"preset": "qwen3-30b-a3b", **kwargs}
@@ -89,15 +89,17 @@ def test_bad_arguments_are_one_line_value_errors(tmp_path, kwargs, message):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["nope"], "error: unknown preset 'nope'"),
-    (["qwen3-30b-a3b", "--layers", "0"], "error: n_layer must be in [1, 512], got 0"),
-    (["qwen3-30b-a3b", "--locality", "x"], "error: argument --locality: invalid float value: 'x'"),
-    (["qwen3-30b-a3b", "--bogus"], "error: unrecognized arguments: --bogus"),
+    (["nope"], "unknown preset 'nope'"),
+    (["qwen3-30b-a3b", "--layers", "0"], "n_layer=0 must be in [1, 512]"),
+    (["qwen3-30b-a3b", "--layers", "1_0"], "argument --layers: '1_0' is not an integer"),
+    (["qwen3-30b-a3b", "--locality", "x"], "argument --locality: invalid float value: 'x'"),
+    (["qwen3-30b-a3b", "--bogus"], "unrecognized arguments: --bogus"),
 ])
 def test_cli_bad_arguments_exit_2_with_one_line(argv, message):
     run = subprocess.run([sys.executable, "-m", "moecache.synth", *argv], capture_output=True, text=True)
     assert run.returncode == 2
-    assert run.stderr.startswith(message) and run.stderr.count("\n") == 1 and run.stdout == ""
+    assert run.stderr.startswith(f"python -m moecache.synth: error: {message}")
+    assert run.stderr.count("\n") == 1 and run.stdout == ""
 
 
 def test_cli_prints_the_path(tmp_path):

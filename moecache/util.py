@@ -1,0 +1,206 @@
+"""The one of each small thing every tool needs: the argument parser, integer parsing, the
+atomic file writer and the progress display."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable, Sequence
+
+__all__ = ["IntegerError", "OneLineParser", "Progress", "atomic_write", "int_arg", "int_list_arg",
+           "one_line", "parse_int", "parse_int_list"]
+
+
+def one_line(message) -> str:
+    """message with its whitespace (newlines included) collapsed to single spaces."""
+    return " ".join(str(message).split())
+
+
+# --- integers -----------------------------------------------------------------------------------
+
+_DECIMAL = re.compile(r"-?[0-9]+")  # [0-9] is ASCII only: no other scripts' digits
+
+
+class IntegerError(ValueError):
+    """A value that is not an integer or is out of range. str(): '<name>=<value> <problem>';
+    .detail: '<value> <problem>' (for argparse, which names the flag itself)."""
+
+    def __init__(self, name: str, detail: str):
+        super().__init__(f"{name}={detail}")
+        self.name, self.detail = name, detail
+
+
+def parse_int(value, name: str, *, minimum: int | None = None, maximum: int | None = None) -> int:
+    """value as an int, checked against [minimum, maximum]. Text must be ASCII decimal digits
+    with an optional leading '-' and nothing else (no whitespace, '_', '+' or other scripts'
+    digits, all of which Python's int() accepts and C's strtol does not); an int (numpy's too,
+    not bool) is range-checked only. Raises IntegerError naming `name` and the value."""
+    if isinstance(value, str):
+        if not _DECIMAL.fullmatch(value):
+            raise IntegerError(name, f"{value!r} is not an integer")
+        number = int(value)
+    elif not isinstance(value, bool) and hasattr(value, "__index__"):
+        number = value.__index__()
+    else:
+        raise IntegerError(name, f"{value!r} is not an integer")
+    if (minimum is not None and number < minimum) or (maximum is not None and number > maximum):
+        if maximum is None:
+            bound = f">= {minimum}"
+        elif minimum is None:
+            bound = f"<= {maximum}"
+        else:
+            bound = f"in [{minimum}, {maximum}]"
+        raise IntegerError(name, f"{number} must be {bound}")
+    return number
+
+
+def parse_int_list(text: str, name: str, *, minimum: int | None = None,
+                   maximum: int | None = None) -> list[int]:
+    """Comma-separated integers ('8,16,32'), each checked by parse_int; at least one."""
+    if not isinstance(text, str) or not text.strip(","):
+        raise IntegerError(name, f"{text!r} is not a comma-separated list of integers")
+    return [parse_int(part, name, minimum=minimum, maximum=maximum) for part in text.split(",")]
+
+
+def int_arg(minimum: int | None = None, maximum: int | None = None) -> Callable[[str], int]:
+    """An argparse type: parse_int with these bounds; argparse names the flag in the error."""
+    def parse(text: str) -> int:
+        try:
+            return parse_int(text, "", minimum=minimum, maximum=maximum)
+        except IntegerError as e:
+            raise argparse.ArgumentTypeError(e.detail) from None
+    parse.__name__ = "integer"
+    return parse
+
+
+def int_list_arg(minimum: int | None = None, maximum: int | None = None) -> Callable[[str], list]:
+    """An argparse type: parse_int_list with these bounds, sorted without repeats."""
+    def parse(text: str) -> list[int]:
+        try:
+            return sorted(set(parse_int_list(text, "", minimum=minimum, maximum=maximum)))
+        except IntegerError as e:
+            raise argparse.ArgumentTypeError(e.detail) from None
+    parse.__name__ = "integer list"
+    return parse
+
+
+# --- command lines ------------------------------------------------------------------------------
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with errors on one line, 'prog: error: message', exit status 2 (not usage text
+    plus the error). run() extends that to the errors of the command's own work."""
+
+    def error(self, message):
+        self.exit(2, self.error_line(message))
+
+    def error_line(self, message) -> str:
+        return f"{self.prog}: error: {one_line(message) or 'failed'}\n"
+
+    def run(self, action: Callable[[argparse.Namespace], int | None],
+            argv: Sequence[str] | None = None) -> int:
+        """Parse argv (exit 2 on bad flags), call action(args) and return its status (None = 0).
+        Never a traceback: a ValueError (bad input) returns 2, another Exception 1, Ctrl-C 130,
+        each after one line 'prog: error: message' on stderr."""
+        args = self.parse_args(argv)
+        try:
+            return action(args) or 0
+        except ValueError as e:
+            message, status = e, 2
+        except KeyboardInterrupt:
+            message, status = "interrupted", 130
+        except Exception as e:  # noqa: BLE001 - a command line reports, never tracebacks
+            message, status = one_line(e) or type(e).__name__, 1
+        self._print_message(self.error_line(message), sys.stderr)
+        return status
+
+
+# --- files --------------------------------------------------------------------------------------
+
+def atomic_write(path, data: str | bytes | Callable[[Path], None]) -> Path:
+    """Write data to path so that readers see the old file or the whole new one, never a part:
+    it goes to a temporary file in the same directory, is flushed to disk and renamed over path.
+    data: text (UTF-8), bytes, or a function that writes the file whose Path it is given. On
+    any failure the temporary file is removed and the error raised; path is untouched."""
+    if not isinstance(data, (str, bytes, bytearray, memoryview)) and not callable(data):
+        raise TypeError(f"atomic_write needs text, bytes or a writer function, got {type(data).__name__}")
+    out = Path(os.fspath(path))
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    tmp = Path(tmp_name)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if isinstance(data, str):
+                f.write(data.encode("utf-8"))
+            elif not callable(data):
+                f.write(data)
+        if callable(data):
+            data(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    try:  # make the rename itself durable; best effort (not every file system allows it)
+        dir_fd = os.open(out.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError:
+        pass
+    return out
+
+
+# --- progress -----------------------------------------------------------------------------------
+
+class Progress:
+    """Progress of `total` units on stderr: tqdm when installed, else a plain bar, on a terminal
+    only (silent when stderr is redirected, unless log_lines: then one line per step, for
+    logs of long runs). Use advance(label) after each unit and close() at the end (or `with`)."""
+
+    WIDTH = 30
+
+    def __init__(self, total: int, *, unit: str = "run", log_lines: bool = False):
+        self.total, self.done, self.bar = total, 0, None
+        self.tty = sys.stderr.isatty()
+        self.enabled = total > 1 and (self.tty or log_lines)
+        if self.enabled and self.tty:
+            try:
+                from tqdm import tqdm
+                self.bar = tqdm(total=total, file=sys.stderr, leave=False, unit=unit)
+            except ImportError:
+                pass
+
+    def advance(self, label: str = "", steps: int = 1) -> None:
+        self.done += steps
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.set_postfix_str(label)
+            self.bar.update(steps)
+            return
+        filled = self.WIDTH * min(self.done, self.total) // self.total
+        line = f"[{'#' * filled}{'.' * (self.WIDTH - filled)}] {self.done}/{self.total} {label}"
+        if self.tty:
+            sys.stderr.write("\r" + line.ljust(78))
+        else:
+            sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        elif self.enabled and self.tty:
+            sys.stderr.write("\r" + " " * 78 + "\r")
+            sys.stderr.flush()
+
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

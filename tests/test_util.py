@@ -1,0 +1,184 @@
+"""moecache.util: the integer validator, the one-line parser, the atomic writer, the progress
+display."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from moecache.util import (IntegerError, OneLineParser, Progress, atomic_write, int_arg,
+                           int_list_arg, parse_int, parse_int_list)
+
+
+@pytest.mark.parametrize("value,expected", [
+    ("0", 0), ("7", 7), ("-3", -3), ("0012", 12), ("-0", 0), (str(2**70), 2**70),
+    (5, 5), (-5, -5), (np.int64(9), 9), (np.uint8(3), 3),
+])
+def test_parse_int_accepts_ascii_decimals_and_ints(value, expected):
+    got = parse_int(value, "X")
+    assert got == expected and type(got) is int
+
+
+@pytest.mark.parametrize("value", [
+    "", " ", "2 ", " 2", "\t2", "2\n", "1_0", "+1", "--1", "- 1", "1.0", "1e3", "0x10", "abc",
+    "１２", "٣", "²", "1\x00", True, False, 1.0, None, [1], b"1",
+])
+def test_parse_int_rejects_what_strtol_would_not_read_whole(value):
+    with pytest.raises(IntegerError) as err:
+        parse_int(value, "LLAMA_MOE_CACHE_SLOTS")
+    message = str(err.value)
+    assert isinstance(err.value, ValueError)
+    assert message == f"LLAMA_MOE_CACHE_SLOTS={value!r} is not an integer" and "\n" not in message
+
+
+@pytest.mark.parametrize("value,limits,message", [
+    ("0", dict(minimum=1), "n=0 must be >= 1"),
+    (-2, dict(minimum=0), "n=-2 must be >= 0"),
+    ("9", dict(maximum=8), "n=9 must be <= 8"),
+    (1, dict(minimum=2, maximum=4), "n=1 must be in [2, 4]"),
+    ("5", dict(minimum=2, maximum=4), "n=5 must be in [2, 4]"),
+])
+def test_parse_int_range_errors_name_the_value(value, limits, message):
+    with pytest.raises(IntegerError, match=r"^" + message.replace("[", r"\[") + "$"):
+        parse_int(value, "n", **limits)
+    assert parse_int(limits.get("minimum", limits.get("maximum")), "n", **limits) is not None
+
+
+def test_parse_int_list():
+    assert parse_int_list("8,16,8", "--slots", minimum=0) == [8, 16, 8]
+    for text, message in [("", "'' is not a comma-separated list"), (",", "',' is not a comma"),
+                          ("4,x", "'x' is not an integer"), ("4, 8", "' 8' is not an integer"),
+                          ("4,-1", "-1 must be >= 0")]:
+        with pytest.raises(IntegerError, match=message):
+            parse_int_list(text, "--slots", minimum=0)
+
+
+def _parser():
+    p = OneLineParser(prog="tool")
+    p.add_argument("-n", type=int_arg(minimum=1), default=1)
+    p.add_argument("--slots", type=int_list_arg(minimum=0), default=[0])
+    return p
+
+
+def test_argparse_types():
+    args = _parser().parse_args(["-n", "3", "--slots", "16,0,8,16"])
+    assert args.n == 3 and args.slots == [0, 8, 16]
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["-n", "0"], "tool: error: argument -n: 0 must be >= 1"),
+    (["-n", "1_0"], "tool: error: argument -n: '1_0' is not an integer"),
+    (["--slots", "4,x"], "tool: error: argument --slots: 'x' is not an integer"),
+    (["--bogus"], "tool: error: unrecognized arguments: --bogus"),
+])
+def test_one_line_parser_errors(capsys, argv, line):
+    with pytest.raises(SystemExit) as exit_:
+        _parser().parse_args(argv)
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == line + "\n"
+
+
+@pytest.mark.parametrize("error,status,line", [
+    (ValueError("bad\ninput"), 2, "tool: error: bad input"),
+    (RuntimeError("download failed"), 1, "tool: error: download failed"),
+    (KeyError(), 1, "tool: error: KeyError"),
+    (KeyboardInterrupt(), 130, "tool: error: interrupted"),
+])
+def test_run_reports_the_action_errors_on_one_line(capsys, error, status, line):
+    def action(args):
+        raise error
+
+    assert _parser().run(action, []) == status
+    assert capsys.readouterr().err == line + "\n"
+    assert _parser().run(lambda args: None, []) == 0
+    assert _parser().run(lambda args: args.n + 4, ["-n", "3"]) == 7
+
+
+def test_run_in_a_subprocess_prints_no_traceback():
+    code = textwrap.dedent("""
+        from moecache.util import OneLineParser
+        def action(args):
+            raise OSError(28, "No space left on device")
+        raise SystemExit(OneLineParser(prog="tool").run(action, []))
+    """)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 1 and run.stderr == "tool: error: [Errno 28] No space left on device\n"
+
+
+@pytest.mark.parametrize("data,expected", [("héllo\n", "héllo\n".encode()), (b"\x00\xff", b"\x00\xff")])
+def test_atomic_write_text_and_bytes(tmp_path, data, expected):
+    path = tmp_path / "out"
+    path.write_text("old")
+    assert atomic_write(str(path), data) == path
+    assert path.read_bytes() == expected and os.listdir(tmp_path) == ["out"]
+    assert path.stat().st_mode & 0o777 == 0o644
+
+
+def test_atomic_write_with_a_writer_function(tmp_path):
+    atomic_write(tmp_path / "m.bin", lambda tmp: tmp.write_bytes(b"built"))
+    assert (tmp_path / "m.bin").read_bytes() == b"built" and os.listdir(tmp_path) == ["m.bin"]
+
+
+def test_atomic_write_failure_leaves_the_old_file_and_no_temporary(tmp_path):
+    path = tmp_path / "out"
+    path.write_text("old")
+
+    def half_written(tmp):
+        tmp.write_bytes(b"partial")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        atomic_write(path, half_written)
+    with pytest.raises(TypeError):
+        atomic_write(path, 12)  # neither text, bytes nor a function
+    assert path.read_text() == "old" and os.listdir(tmp_path) == ["out"]
+
+
+def test_atomic_write_into_a_missing_directory_raises_oserror(tmp_path):
+    with pytest.raises(OSError):
+        atomic_write(tmp_path / "no" / "out", "x")
+    assert os.listdir(tmp_path) == []
+
+
+class _Stderr(io.StringIO):
+    def __init__(self, tty):
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self):
+        return self.tty
+
+
+def test_progress_silent_when_redirected(monkeypatch):
+    err = _Stderr(tty=False)
+    monkeypatch.setattr(sys, "stderr", err)
+    with Progress(3) as progress:
+        for i in range(3):
+            progress.advance(f"run {i}")
+    assert err.getvalue() == "" and progress.done == 3
+
+
+def test_progress_log_lines_when_redirected(monkeypatch):
+    err = _Stderr(tty=False)
+    monkeypatch.setattr(sys, "stderr", err)
+    with Progress(2, log_lines=True) as progress:
+        progress.advance("a")
+        progress.advance("b")
+    assert err.getvalue().splitlines() == [f"[{'#' * 15}{'.' * 15}] 1/2 a", f"[{'#' * 30}] 2/2 b"]
+
+
+def test_progress_bar_on_a_terminal(monkeypatch):
+    err = _Stderr(tty=True)
+    monkeypatch.setattr(sys, "stderr", err)
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # the plain bar, not tqdm
+    with Progress(4) as progress:
+        progress.advance("lru 8")
+    out = err.getvalue()
+    assert out.startswith("\r[#######") and "1/4 lru 8" in out and out.endswith("\r")
+    assert "\n" not in out
