@@ -286,6 +286,21 @@ def test_zero_code_trace_of_a_model_whose_name_has_spaces(tmp_path, tiny_path):
     assert trace.model == "moecache_tiny_qwen3moe" and (trace.phase == 1).sum() > 0
 
 
+def test_zero_code_trace_of_a_long_non_ascii_model_name(tmp_path, tiny_path):
+    """general.name is read into 255 bytes: a long UTF-8 name is cut mid-character."""
+    from moecache.traces import read_trace
+
+    model = tmp_path / "named.gguf"
+    subprocess.run([sys.executable, "-m", "gguf.scripts.gguf_new_metadata", "--force", "--general-name",
+                    "x" + "模型" * 100, tiny_path, str(model)], check=True, capture_output=True)
+    trace_path = tmp_path / "live.route.csv"
+    run = _run_python(UNMODIFIED_PROGRAM.format(path=str(model)),
+                      {"LLAMA_MOE_CACHE_SLOTS": "2", "LLAMA_MOE_CACHE_TRACE": str(trace_path)})
+    assert run.returncode == 0, run.stderr
+    assert "LAYERS=2" in run.stdout, run.stderr
+    assert read_trace(str(trace_path)).model == "x" + ("模型" * 42)[:84]
+
+
 @pytest.mark.parametrize("broken", ["stats", "profile"])
 def test_a_failing_report_write_keeps_the_other(tmp_path, caplog, rpc_device, tiny_path, broken):
     """The stats and the profile are written independently: one that cannot be written (its
