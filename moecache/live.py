@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 
 import numpy as np
@@ -70,6 +71,7 @@ class LiveCache:
         self._observed = None
         self._n_used_max = self.ffi.new("int32_t *")  # out-parameter, reused every step
         self._closed = False
+        self._flusher = None  # the thread writing the last periodic snapshot
         self.detached = False
         self._callback = self.ffi.callback("llama_moe_cache_step_callback", self._on_step)
         self.lib.llama_moe_cache_set_step_callback(self.ctx, self._callback, self.ffi.NULL)
@@ -158,7 +160,7 @@ class LiveCache:
                 self._write_trace(ids, plan.hit_mask.astype(np.int8))
             self.decode_steps += 1
             if self.config.flush_steps and self.decode_steps % self.config.flush_steps == 0:
-                self.write_reports()
+                self._flush_in_background()
 
     def _write_trace(self, ids, residency):
         try:
@@ -220,20 +222,40 @@ class LiveCache:
         self._closed = True
         if self.config.debug:
             print(self.summary(), file=sys.stderr)
+        if self._flusher is not None:
+            self._flusher.join()  # its older snapshot must not land after the final one
         if self.trace:
             self.trace.close()
         self.write_reports()
 
     def write_reports(self):
         """Write the stats and add this run's new usage to the profile, each atomically and on
-        its own (one that fails does not keep the other from being written). Runs every
-        FLUSH_STEPS decode steps, so that a crash loses at most that many, and at close."""
-        if self.config.stats:
-            self._report("STATS", lambda: atomic_write(self.config.stats, json.dumps(self.stats(), indent=1)))
-        if self.config.profile:
-            self._report("PROFILE", self._save_profile)
-        if self.trace:
-            self._report("TRACE", self.trace.flush)
+        its own (one that fails does not keep the other from being written)."""
+        self._write_snapshot(self._snapshot())
+
+    def _flush_in_background(self):
+        """Every FLUSH_STEPS decode steps, so that a crash loses at most that many: the decode
+        thread only takes a snapshot, a thread writes it (the writes wait for the disk, tens of
+        ms). Skipped while the previous one still writes."""
+        if self._flusher is not None and self._flusher.is_alive():
+            return
+        self._flusher = threading.Thread(target=self._write_snapshot, args=(self._snapshot(),),
+                                         name="moecache-flush", daemon=True)
+        self._flusher.start()
+
+    def _snapshot(self):
+        return (json.dumps(self.stats(), indent=1) if self.config.stats else None,
+                self.engine.usage.copy() if self.config.profile else None)
+
+    def _write_snapshot(self, snapshot) -> None:
+        stats_text, usage = snapshot
+        if stats_text is not None:
+            self._report("STATS", lambda: atomic_write(self.config.stats, stats_text))
+        if usage is not None:
+            self._report("PROFILE", lambda: self._save_profile(usage))
+        trace = self.trace  # the decode thread drops it if a write fails
+        if trace:
+            self._report("TRACE", trace.flush)
 
     def _report(self, name: str, write) -> None:
         try:
@@ -245,8 +267,7 @@ class LiveCache:
                 self._report_errors.add(message)
                 log.error("%s", message)
 
-    def _save_profile(self) -> None:
-        usage = self.engine.usage.copy()
+    def _save_profile(self, usage) -> None:
         new = usage - self._profile_saved  # what the file does not have yet
         if not new.any():
             return

@@ -374,8 +374,9 @@ class TraceWriter:
     def flush(self) -> None:
         """To the disk: the steps are in the file already (one write each), this survives a
         crash of the machine too."""
-        if self._fd is not None:
-            os.fsync(self._fd)
+        fd = self._fd
+        if fd is not None:
+            os.fsync(fd)
 
     def close(self) -> None:
         if self._fd is not None:

@@ -359,6 +359,10 @@ DECODING_FOREVER = """
 """
 
 
+def _flushed_steps(stats_path) -> int:
+    return json.loads(stats_path.read_text())["decode_steps"] if stats_path.exists() else 0
+
+
 @pytest.mark.parametrize("killed", ["client", "device"])
 def test_stats_profile_and_trace_survive_a_crash(tmp_path, tiny_path, killed):
     """SIGKILL of the decoding process, or of its device (the client then aborts in ggml-rpc):
@@ -377,8 +381,9 @@ def test_stats_profile_and_trace_survive_a_crash(tmp_path, tiny_path, killed):
     proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(DECODING_FOREVER.format(path=tiny_path))],
                             env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
+        # killed mid-decode once a flush of at least 8 steps is on disk (a thread writes them)
         device, step, deadline = None, -1, time.monotonic() + 120
-        while step < 21:
+        while step < 8 or _flushed_steps(files["stats.json"]) < 8 or not files["profile.json"].exists():
             ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
             line = proc.stdout.readline() if ready else ""
             assert line, f"no progress: {proc.poll()} {proc.stderr.read() if proc.poll() is not None else ''}"
@@ -396,11 +401,11 @@ def test_stats_profile_and_trace_survive_a_crash(tmp_path, tiny_path, killed):
 
     stats = json.loads(files["stats.json"].read_text())
     steps = stats["decode_steps"]
-    assert steps >= 16 and steps % 4 == 0, steps
+    assert steps >= 8 and steps % 4 == 0, steps
     assert stats["totals"]["hits"] + stats["totals"]["misses"] == steps * 2 * 2  # layers x top-k
     profile = UsageProfile.load(str(files["profile.json"]))
     profile_steps = profile.counts.sum(axis=1) // 2  # each step uses 2 distinct experts per layer
-    assert (profile_steps == profile_steps[0]).all() and profile_steps[0] % 4 == 0 and profile_steps[0] >= 16
+    assert (profile_steps == profile_steps[0]).all() and profile_steps[0] % 4 == 0 and profile_steps[0] >= 4
     trace = read_trace(str(files["trace.csv"]))
     assert (trace.phase == 1).sum() >= steps
 
