@@ -189,3 +189,38 @@ def test_every_variable_through_zero_code_activation(tmp_path_factory, environ):
         assert errors[0].startswith("moecache: error: " + ENV_PREFIX), errors
     else:
         assert installed is True and errors == [], errors
+
+
+FLAG_VALUE = st.one_of(INT_TEXT, POLICY_TEXT)
+
+
+@FUZZ
+@given(ENVIRONMENT, st.lists(st.tuples(st.sampled_from(["-n", "-ngl", "-c", "-t", "--seed", "--slots",
+                                                         "--inserts", "--policy", "-p"]), FLAG_VALUE),
+                             max_size=4))
+def test_run_py_flags_and_variables(tmp_path_factory, environ, flags):
+    """run.py's command line with any flag values and variables (and a missing model, so that it
+    stops after validating them): exit status 2 and one line, never a traceback."""
+    import contextlib
+    import io
+    from unittest import mock
+
+    from moecache import cli
+
+    argv = [part for flag in flags for part in flag] + ["-m", "/nonexistent/model.gguf"]
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
+    environ = {k: v for k, v in environ.items()
+               if "\x00" not in v and not any("\udc00" <= c <= "\udfff" for c in v)}
+    err = io.StringIO()
+    cwd = os.getcwd()
+    os.chdir(tmp_path_factory.getbasetemp())
+    try:
+        with mock.patch.dict(os.environ, {**clean, **environ}, clear=True), contextlib.redirect_stderr(err):
+            try:
+                status = cli.main(argv)
+            except SystemExit as e:  # argparse
+                status = e.code
+    finally:
+        os.chdir(cwd)
+    lines = err.getvalue().splitlines()
+    assert status == 2 and len(lines) == 1 and lines[0].startswith("run.py: error: "), (argv, environ, lines)
