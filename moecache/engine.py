@@ -164,61 +164,84 @@ class CacheEngine:
         None: all of them (offline replay, or a glue that waited)."""
         t = self.step_index
         self.step_index += 1
-        L = self.n_layers
-        hit_mask, used, valid = None, None, None
         if ids is None:
-            hits = misses = np.zeros(L, dtype=np.int64)
+            hit_mask, hits, misses, seen = None, np.zeros(self.n_layers, dtype=np.int64), \
+                np.zeros(self.n_layers, dtype=np.int64), None
         else:
-            ids = np.asarray(ids)
-            if ids.ndim != 2 or ids.shape[0] != L or ids.dtype.kind not in "iu":
-                raise ValueError(f"ids must be an integer array ({L}, n_used), got {ids.dtype} {ids.shape}")
-            lowest, highest = (int(ids.min()), int(ids.max())) if ids.size else (0, 0)
-            if lowest < -1 or highest >= self.n_expert:  # a flat key would hit another layer
-                raise ValueError(f"expert ids must be in [-1, {self.n_expert}), got "
-                                 f"{lowest if lowest < -1 else highest}")
-            # flat (layer, expert) keys: one take per table instead of 2-d fancy indexing
-            keys = ids + self._key_base  # junk where ids is -1: masked with `valid`
-            hit_mask = self.expert_slot.take(keys) >= 0
-            used = np.zeros(L * self.n_expert, dtype=bool)
-            if lowest >= 0:
-                used[keys] = True
-                looked_up = ids.shape[1]
-            else:
-                valid = ids >= 0
-                hit_mask &= valid
-                used[keys[valid]] = True
-                looked_up = valid.sum(axis=1)
-            used = used.reshape(L, self.n_expert)
-            hits = hit_mask.sum(axis=1)
-            misses = looked_up - hits
-            self.counters["hits"] += hits
-            self.counters["misses"] += misses
-            self.usage += used
-            if self._predict is not None:
-                used_prefetch = used & self._prefetched & (self.expert_slot >= 0)
-                self.counters["prefetch_hits"] += used_prefetch.sum(axis=1)
-                self._prefetched &= ~used_prefetch
-            self.policy.observe(t, ids, hit_mask, used)
+            hit_mask, hits, misses, seen = self._observe(t, np.asarray(ids))
+        publish, late = self._publish(ready)
+        evict, upload = self._plan(t, seen, late.size > 0)
+        self._pending.append(upload)
+        if late.size:  # issued first, so completed first: ahead of the next due uploads
+            self._pending[0] = _join([late, self._pending[0]])
+        return StepPlan(t, hit_mask, hits, misses, publish, evict, upload)
 
+    def _observe(self, t, ids):
+        """Count the observed step's hits and uses and hand it to the policy. Returns the hit
+        mask, hits and misses per layer, and (ids, flat keys, valid mask or None, used (L, E))
+        for planning."""
+        L = self.n_layers
+        if ids.ndim != 2 or ids.shape[0] != L or ids.dtype.kind not in "iu":
+            raise ValueError(f"ids must be an integer array ({L}, n_used), got {ids.dtype} {ids.shape}")
+        lowest, highest = (int(ids.min()), int(ids.max())) if ids.size else (0, 0)
+        if lowest < -1 or highest >= self.n_expert:  # a flat key would hit another layer
+            raise ValueError(f"expert ids must be in [-1, {self.n_expert}), got "
+                             f"{lowest if lowest < -1 else highest}")
+        # flat (layer, expert) keys: one take per table instead of 2-d fancy indexing
+        keys = ids + self._key_base  # junk where ids is -1: masked with `valid`
+        hit_mask = self.expert_slot.take(keys) >= 0
+        used = np.zeros(L * self.n_expert, dtype=bool)
+        valid = None
+        if lowest >= 0:
+            used[keys] = True
+            looked_up = ids.shape[1]
+        else:
+            valid = ids >= 0
+            hit_mask &= valid
+            used[keys[valid]] = True
+            looked_up = valid.sum(axis=1)
+        used = used.reshape(L, self.n_expert)
+        hits = hit_mask.sum(axis=1)
+        misses = looked_up - hits
+        self.counters["hits"] += hits
+        self.counters["misses"] += misses
+        self.usage += used
+        if self._predict is not None:
+            used_prefetch = used & self._prefetched & (self.expert_slot >= 0)
+            self.counters["prefetch_hits"] += used_prefetch.sum(axis=1)
+            self._prefetched &= ~used_prefetch
+        self.policy.observe(t, ids, hit_mask, used)
+        return hit_mask, hits, misses, (ids, keys, valid, used)
+
+    def _publish(self, ready):
+        """Make the uploads due now visible (the first `ready` of them); returns them and the
+        late ones, which stay in flight."""
         publish = self._pending.popleft()
         late = _NO_JOBS
         if ready is not None and ready < len(publish):
             ready = max(ready, 0)
             publish, late = publish[:ready], publish[ready:]
-            self.counters["late"] += np.bincount(late[:, 0], minlength=L)
+            self.counters["late"] += np.bincount(late[:, 0], minlength=self.n_layers)
         if publish.size:
             l, e, s = publish.T
             self.expert_slot[l, e] = s
             self._in_flight[l, s] = False
+        return publish, late
 
-        self._late = late.size > 0
+    def _plan(self, t, seen, late):
+        """Warm-start uploads, then the observed misses, then prefetch: the (evict, upload)
+        job tables of this boundary."""
+        L = self.n_layers
+        self._late = late
         evict_parts, upload_parts = [], []
         if self._warm:
             self._upload_warm(t, evict_parts, upload_parts)
         budget = self.inserts if self.inserts is not None else self.n_slots
+        used = None if seen is None else seen[3]
         blocked = self._pinned if used is None else (used | self._pinned if self._any_pinned else used)
         uploaded = _NO_LAYERS
-        if ids is not None:
+        if seen is not None:
+            ids, keys, valid, _ = seen
             wanted = self._assigned.take(keys) < 0
             if valid is not None:
                 wanted &= valid
@@ -233,13 +256,7 @@ class CacheEngine:
                 wanted &= self._assigned[self._rows_col, np.maximum(predicted, 0)] < 0
                 wanted &= ~self._repeats(predicted)
                 self._fill(t, predicted, wanted, left, blocked, True, evict_parts, upload_parts)
-
-        evict = _join(evict_parts)
-        upload = _join(upload_parts)
-        self._pending.append(upload)
-        if late.size:  # issued first, so completed first: ahead of the next due uploads
-            self._pending[0] = _join([late, self._pending[0]])
-        return StepPlan(t, hit_mask, hits, misses, publish, evict, upload)
+        return _join(evict_parts), _join(upload_parts)
 
     @staticmethod
     def _repeats(ids):
@@ -382,12 +399,17 @@ class CacheEngine:
 
     # --- reporting ----------------------------------------------------------------------
 
-    def stats(self) -> dict:
-        total = {name: int(v.sum()) for name, v in self.counters.items()}
-        lookups = total["hits"] + total["misses"]
-        return {
-            "steps": self.step_index,
-            "layers": {name: v.tolist() for name, v in self.counters.items()},
-            "total": total,
-            "hit_pct": 100.0 * total["hits"] / lookups if lookups else 0.0,
-        }
+    def stats(self, expert_bytes=None) -> dict:
+        """The totals every report uses (live stats, replay results): "totals", the counters
+        summed over layers; "hit_rate", hits / lookups as a FRACTION (None before any lookup);
+        "layers", each counter per layer. With expert_bytes (per layer), totals also carry
+        "upload_bytes" (exact: Python integers)."""
+        layers = {name: v.tolist() for name, v in self.counters.items()}
+        totals = {name: sum(values) for name, values in layers.items()}
+        if expert_bytes is not None:
+            if len(expert_bytes) != self.n_layers:
+                raise ValueError(f"expert_bytes has {len(expert_bytes)} layers, expected {self.n_layers}")
+            totals["upload_bytes"] = sum(n * int(size) for n, size in zip(layers["uploads"], expert_bytes))
+        lookups = totals["hits"] + totals["misses"]
+        return {"steps": self.step_index, "hit_rate": totals["hits"] / lookups if lookups else None,
+                "totals": totals, "layers": layers}

@@ -185,10 +185,8 @@ class LiveCache:
     # --- reporting ------------------------------------------------------------------------
 
     def stats(self) -> dict:
-        counters = {name: self.engine.counters[name].tolist() for name in COUNTERS}
-        totals = {name: int(sum(values)) for name, values in counters.items()}
-        lookups = totals["hits"] + totals["misses"]
-        bytes_per_expert = [layer["expert_bytes"] for layer in self.layers]
+        engine = self.engine.stats([layer["expert_bytes"] for layer in self.layers])
+        counters = engine["layers"]
         return {
             "slots": self.config.slots,
             "inserts": self.config.inserts,
@@ -196,9 +194,8 @@ class LiveCache:
             "device_bytes": self.device_bytes,
             "steps": self.steps,
             "decode_steps": self.decode_steps,
-            "hit_rate": totals["hits"] / lookups if lookups else None,
-            "totals": {**totals,
-                       "upload_bytes": int(np.dot(counters["uploads"], bytes_per_expert))},
+            "hit_rate": engine["hit_rate"],
+            "totals": engine["totals"],
             "step_us_mean": self.step_ns / self.steps / 1e3 if self.steps else None,
             "step_us_max": self.step_ns_max / 1e3,
             "upload_wait_us": int(self.wait_us),

@@ -38,7 +38,8 @@ import numpy as np
 
 class Policy:
     name = "policy"
-    offline_only = False
+    offline_only = False  # needs the future observations (make_policy's future=)
+    seeded = False        # takes make_policy's seed=
 
     def bind(self, n_layers: int, n_expert: int, n_slots: int) -> None:
         self.n_layers, self.n_expert, self.n_slots = n_layers, n_expert, n_slots
@@ -150,6 +151,7 @@ class Gdsf(Policy):
 class RandomEviction(Policy):
     """Evict a uniformly random evictable resident (seeded, reproducible)."""
     name = "random"
+    seeded = True
 
     def __init__(self, seed: int = 0):
         self.rng = np.random.default_rng(seed)
@@ -339,12 +341,23 @@ POLICIES: dict[str, Callable[..., Policy]] = {
 DEFAULT_POLICY = "heat"
 
 
-def make_policy(name: str, **kwargs) -> Policy:
-    """Build a policy by registry name ("default" is DEFAULT_POLICY). Belady needs future=."""
-    if name == "default":
-        name = DEFAULT_POLICY
+def resolve_policy(name: str) -> str:
+    """The registry name a policy name stands for: "default" is DEFAULT_POLICY."""
+    return DEFAULT_POLICY if name == "default" else name
+
+
+def make_policy(name: str, *, future=None, seed: int = 0, **params) -> Policy:
+    """Build a policy by name (see resolve_policy). future: the observations an offline policy
+    (belady) needs; seed: the random policy's; each goes only to the policies that use it.
+    params: the policy's own (e.g. half_life)."""
+    name = resolve_policy(name)
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r}; valid: {', '.join(['default', *POLICIES])}")
-    if POLICIES[name] is Belady and "future" not in kwargs:
-        raise ValueError("policy 'belady' needs the future routing: offline replay only")
-    return POLICIES[name](**kwargs)
+    factory = POLICIES[name]
+    if factory.offline_only:
+        if future is None:
+            raise ValueError(f"policy {name!r} needs the future routing: offline replay only")
+        params["future"] = future
+    if factory.seeded:
+        params["seed"] = seed
+    return factory(**params)

@@ -1,450 +1,412 @@
-"""Replay a routing trace through cache models, offline.
+"""Replay a routing trace through cache models, offline: simulate() is the one driver that
+the command line, the scripts and the tests run.
 
     python -m moecache.replay TRACE [--slots 8,16,32,64] [--policies lru,belady,default]
                               [--inserts 2] [--budget-mib 3000,4000] [--csv FILE] [--plot PNG]
 
-Two models:
+Two models (MODELS, each with its policy registry):
 
 per-layer (--slots): our live cache. K slots per layer, at most --inserts uploads per layer
     per step, one-step publication delay, experts of the step just observed protected. It
     runs moecache.engine.CacheEngine itself, the code the live glue calls. Prefill is NOT fed
     by default, as live prefill graphs are stock and do not feed the policy
     (--include-prefill feeds each turn's prefill as one batched observation).
-global (--budget-mib): BigMoeOnEdge's route-replay model. One cache over (layer, expert)
-    entries budgeted in bytes (expert sizes from the preamble), immediate admission, no insert
-    limit; batches are one per layer for a turn's whole prefill, then one per layer per decode
-    token; one lookup per distinct expert per batch; eviction after each batch, sparing the
-    batch's own experts. Its cumulative hit% includes prefill, as that project reports.
+global (--budget-mib): BigMoeOnEdge's route-replay model (moecache.budget). One cache over
+    (layer, expert) entries budgeted in bytes (expert sizes from the preamble), immediate
+    admission, no insert limit; batches are one per layer for a turn's whole prefill, then one
+    per layer per decode token; one lookup per distinct expert per batch; eviction after each
+    batch, sparing the batch's own experts. Its cumulative hit rate includes prefill, as that
+    project reports.
+
+Rates are fractions (hit_rate 0.578) in results and CSV, as in engine.stats() and the live
+stats; the printed tables show them as percent (hit% 57.8).
 """
 
 from __future__ import annotations
 
 import argparse
-import heapq
-import random
+import csv
+import math
+import os
 import sys
 import time
-from collections import OrderedDict
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
 
+from .budget import BUDGET_POLICIES, BudgetPolicy, ByteBudgetCache, make_budget_policy
 from .engine import CacheEngine
-from .policies import DEFAULT_POLICY, POLICIES, make_policy
-from .profile import ProfileError, UsageProfile
-from .traces import DECODE, PREFILL, RouteTrace, TraceError, read_trace
+from .policies import DEFAULT_POLICY, POLICIES, Policy, make_policy, resolve_policy
+from .profile import UsageProfile
+from .traces import DECODE, PREFILL, RouteTrace, read_trace, require_memory
+from .util import OneLineParser, Progress, atomic_write, int_arg, int_list_arg
 
 MIB = 1 << 20
-GLOBAL_POLICIES = ("lru", "lfu", "random", "belady", "layer", "layerlfu")
+PER_LAYER, GLOBAL = "per-layer", "global"
+MODELS = {PER_LAYER: POLICIES, GLOBAL: BUDGET_POLICIES}
+ENGINE_BYTES_PER_ENTRY = 48  # the engine's and a policy's (layer, expert) tables, per entry
+
+
+def policy_names(model: str) -> list[str]:
+    """The names a model accepts: its registry's, and "default" for the per-layer model."""
+    return (["default"] if model == PER_LAYER else []) + list(MODELS[model])
 
 
 @dataclass
 class ReplayResult:
-    model: str                  # "per-layer" or "global"
+    """One replay. totals: the decode observations' counters (CacheEngine.stats() names,
+    upload_bytes included); totals_all: every observation's (prefill when fed, and the
+    warm start's uploads). Rates are fractions, None without lookups."""
+
+    model: str
     policy: str
     slots: int | None           # per-layer K
     budget_mib: float | None    # global budget
-    inserts: int | None
-    hits_decode: int
-    lookups_decode: int
-    hits_all: int
-    lookups_all: int
-    upload_bytes: int           # uploaded (global: read) for decode tokens
-    decode_tokens: int
+    inserts: int | None         # per-layer; None: unlimited (and for the global model)
+    decode_steps: int
+    totals: dict
+    totals_all: dict
     seconds: float
+    step_seconds: np.ndarray | None = None  # with simulate(step_times=True)
 
     @property
-    def hit_pct_decode(self) -> float:
-        return 100.0 * self.hits_decode / self.lookups_decode if self.lookups_decode else 0.0
+    def hit_rate(self) -> float | None:
+        return _rate(self.totals)
 
     @property
-    def hit_pct_cum(self) -> float:
-        return 100.0 * self.hits_all / self.lookups_all if self.lookups_all else 0.0
+    def hit_rate_all(self) -> float | None:
+        return _rate(self.totals_all)
 
     @property
-    def upload_bytes_per_token(self) -> float:
-        return self.upload_bytes / self.decode_tokens if self.decode_tokens else 0.0
+    def lookups(self) -> int:
+        return self.totals_all["hits"] + self.totals_all["misses"]
+
+    @property
+    def upload_bytes_per_token(self) -> float | None:
+        return self.totals["upload_bytes"] / self.decode_steps if self.decode_steps else None
 
     @property
     def lookups_per_s(self) -> float:
-        return self.lookups_all / self.seconds if self.seconds > 0 else float("inf")
+        return self.lookups / self.seconds if self.seconds > 0 else float("inf")
 
 
-# --- per-layer model (the engine) ------------------------------------------------------
-
-def observations(trace: RouteTrace, include_prefill: bool = False):
-    """What the live cache would observe, in order: a list of (n_layers, n) id arrays and a
-    parallel list of is-decode flags. A turn's prefill is one batched observation."""
-    obs, is_decode = [], []
-    for turn in np.unique(trace.turn):
-        in_turn = trace.turn == turn
-        if include_prefill:
-            prefill = trace.ids[in_turn & (trace.phase == PREFILL)]
-            if prefill.size:
-                obs.append(np.ascontiguousarray(prefill.transpose(1, 0, 2)).reshape(prefill.shape[1], -1))
-                is_decode.append(False)
-        decode = trace.ids[in_turn & (trace.phase == DECODE)]
-        obs.extend(decode)
-        is_decode.extend([True] * len(decode))
-    return obs, is_decode
+def _rate(totals):
+    lookups = totals["hits"] + totals["misses"]
+    return totals["hits"] / lookups if lookups else None
 
 
-def replay_per_layer(trace: RouteTrace, policy: str, slots: int, *, inserts: int | None = 2,
-                     include_prefill: bool = False, profile: UsageProfile | None = None,
-                     seed: int = 0, obs=None) -> ReplayResult:
-    """Replay through CacheEngine. profile: warm start as the live cache does it (its top
-    experts uploaded at the first boundary, its rates as the policy's prior). obs: a
-    precomputed observations() result to share across runs."""
-    obs, is_decode = obs if obs is not None else observations(trace, include_prefill)
-    engine = CacheEngine(trace.layers.size, trace.n_expert, slots, _make(policy, obs, seed),
-                         inserts=inserts, offline=True)
-    if profile is not None:
-        engine.preload(profile.top(slots), rates=profile.rates(trace.n_expert_used))
+# --- the driver --------------------------------------------------------------------------
+
+def simulate(trace: RouteTrace, model: str, policy, size=None, *, inserts: int | None = 2,
+             include_prefill: bool = False, profile: UsageProfile | None = None, seed: int = 0,
+             step_times: bool = False, before_step=None) -> ReplayResult:
+    """Replay `trace` (RouteTrace.from_routing makes one of bare routing) through one model.
+
+    model: "per-layer" (size: K slots per layer) or "global" (size: the budget in MiB).
+    policy: a name of that model's registry ("default": DEFAULT_POLICY), a policy object of
+    it, or (per-layer) a prepared CacheEngine not stepped yet, which brings its own size,
+    inserts and warm start. inserts, include_prefill, profile (warm start as the live cache
+    does it: the profile's top experts preloaded, its rates the policy's prior): per-layer
+    only. seed: the random policies'. step_times: keep each step's duration;
+    before_step: called before each step (a benchmark evicting the CPU caches)."""
+    if model == PER_LAYER:
+        cache, label, slots, inserts = _per_layer_cache(trace, policy, size, inserts,
+                                                        include_prefill, profile, seed)
+        segments = _segments(trace, PER_LAYER, include_prefill)
+        totals = lambda: cache.stats(trace.expert_bytes)["totals"]  # noqa: E731
+        budget = None
+    elif model == GLOBAL:
+        if include_prefill or profile is not None:
+            raise ValueError("include_prefill and profile are per-layer model options")
+        cache, label = _global_cache(trace, policy, size, seed)
+        segments = _segments(trace, GLOBAL)
+        totals = lambda: cache.stats()["totals"]  # noqa: E731
+        slots, inserts, budget = None, None, size
+    else:
+        raise ValueError(f"unknown model {model!r}; valid: {', '.join(MODELS)}")
+    decode, final, seconds, times = _drive(cache.step, totals, segments, step_times, before_step)
+    return ReplayResult(model, label, slots, budget, inserts, int((trace.phase == DECODE).sum()),
+                        decode, final, seconds, times)
+
+
+def _drive(step, totals, segments, step_times, before_step):
+    """Step through the segments; the decode totals are the sum of the decode segments'
+    differences of totals(), the cache's own counters."""
+    times = [] if step_times else None
+    decode = None
     start = time.perf_counter()
+    before = totals()
+    for is_decode, items in segments:
+        if times is None and before_step is None:
+            for item in items:
+                step(item)
+        else:
+            for item in items:
+                if before_step is not None:
+                    before_step()
+                t0 = time.perf_counter()
+                step(item)
+                if times is not None:
+                    times.append(time.perf_counter() - t0)
+        after = totals()
+        if is_decode:
+            delta = {name: after[name] - before[name] for name in after}
+            decode = delta if decode is None else {name: decode[name] + delta[name] for name in delta}
+        before = after
+    seconds = time.perf_counter() - start
+    if decode is None:
+        decode = dict.fromkeys(before, 0)
+    return decode, before, seconds, None if times is None else np.array(times)
+
+
+def _per_layer_cache(trace, policy, slots, inserts, include_prefill, profile, seed):
+    """(engine after its first boundary, label, K, inserts)."""
+    if isinstance(policy, CacheEngine):
+        if slots is not None or profile is not None or policy.step_index:
+            raise ValueError("a prepared engine brings its own size and warm start, and must not "
+                             "have been stepped")
+        engine = policy
+        label = engine.policy.name
+    else:
+        if not isinstance(slots, (int, np.integer)) or not 1 <= slots <= trace.n_expert:
+            raise ValueError(f"slots must be an integer in [1, n_expert={trace.n_expert}], got {slots!r}")
+        L, E = trace.layers.size, trace.n_expert
+        require_memory(ENGINE_BYTES_PER_ENTRY * L * E, f"the cache engine's {L} layers x {E} experts")
+        if isinstance(policy, str):
+            label = policy if policy != "default" else f"default({resolve_policy(policy)})"
+            policy = make_policy(policy, future=_future(trace, PER_LAYER, include_prefill), seed=seed)
+        elif isinstance(policy, Policy):
+            label = policy.name
+        else:
+            raise ValueError(f"policy must be a name, a Policy or a CacheEngine, got {policy!r}")
+        engine = CacheEngine(L, E, int(slots), policy, inserts=inserts, offline=True)
+        if profile is not None:
+            engine.preload(profile.top(slots), rates=profile.rates(trace.n_expert_used))
     engine.step(None)
-    warm_uploads = engine.counters["uploads"].copy()  # the preload's: not a decode token's
-    # the engine's counters total every step; only the few prefill steps are tallied here
-    hits_prefill = lookups_prefill = 0
-    uploads_prefill = np.zeros_like(warm_uploads)
-    for ids, decode in zip(obs, is_decode):
-        plan = engine.step(ids)
-        if not decode:
-            hits_prefill += int(plan.hits.sum())
-            lookups_prefill += int(plan.hits.sum() + plan.misses.sum())
-            uploads_prefill += np.bincount(plan.upload[:, 0], minlength=uploads_prefill.size)
-    seconds = time.perf_counter() - start
-    hits_all = int(engine.counters["hits"].sum())
-    lookups_all = hits_all + int(engine.counters["misses"].sum())
-    decode_uploads = engine.counters["uploads"] - warm_uploads - uploads_prefill
-    return ReplayResult("per-layer", policy, slots, None, inserts, hits_all - hits_prefill,
-                        lookups_all - lookups_prefill, hits_all, lookups_all,
-                        int(np.dot(decode_uploads, trace.expert_bytes)), int(sum(is_decode)), seconds)
+    return engine, label, engine.n_slots, engine.inserts
 
 
-def _make(policy, obs, seed):
-    if policy == "belady":
-        return make_policy("belady", future=obs)
-    if policy == "random":
-        return make_policy("random", seed=seed)
-    return make_policy(policy)
+def _global_cache(trace, policy, budget_mib, seed):
+    if isinstance(budget_mib, bool) or not isinstance(budget_mib, (int, float, np.number)) \
+            or not math.isfinite(budget_mib) or budget_mib <= 0:
+        raise ValueError(f"the global model's size is a finite budget in MiB > 0, got {budget_mib!r}")
+    if isinstance(policy, str):
+        label, policy = policy, make_budget_policy(policy, seed=seed)
+    elif isinstance(policy, BudgetPolicy):
+        label = policy.name
+    else:
+        raise ValueError(f"policy must be a name or a BudgetPolicy, got {policy!r}")
+    cache = ByteBudgetCache(policy, int(budget_mib * MIB), trace.expert_bytes, trace.n_expert,
+                            _future(trace, GLOBAL))
+    return cache, label
 
 
-# --- global byte-budget model (BigMoeOnEdge's) -----------------------------------------
+# --- a trace as each model's steps --------------------------------------------------------
 
-def global_batches(trace: RouteTrace):
-    """[(layer index, expert ids, is_decode)] in the order that engine's load_layer calls run."""
-    batches = []
-    for turn in np.unique(trace.turn):
-        in_turn = trace.turn == turn
-        prefill = trace.ids[in_turn & (trace.phase == PREFILL)]  # (tokens, L, k)
+_prepared: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # trace -> {key: steps}
+
+
+def _memo(trace, key, build):
+    """Sweeps replay one trace many times: its steps are prepared once."""
+    memo = _prepared.setdefault(trace, {})
+    if key not in memo:
+        memo[key] = build()
+    return memo[key]
+
+
+def _segments(trace, model, include_prefill=False):
+    """[(is_decode, [step input, ...])], adjacent steps of one phase together."""
+    build = (lambda: _observations(trace, include_prefill)) if model == PER_LAYER else (lambda: _batches(trace))
+    return _memo(trace, (model, include_prefill), build)
+
+
+def _future(trace, model, include_prefill=False):
+    """Every step input of a model, in order: what the offline policies read ahead."""
+    segments = _segments(trace, model, include_prefill)
+    return _memo(trace, ("future", model, include_prefill),
+                 lambda: [item for _, items in segments for item in items])
+
+
+def _turns(trace):
+    """Each turn's step range (steps are in (turn, step) order)."""
+    bounds = [0, *(np.flatnonzero(np.diff(trace.turn)) + 1).tolist(), len(trace.turn)]
+    return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def _merged(segments):
+    out = []
+    for is_decode, items in segments:
+        if items and out and out[-1][0] == is_decode:
+            out[-1][1].extend(items)
+        elif items:
+            out.append((is_decode, list(items)))
+    return out
+
+
+def _observations(trace, include_prefill):
+    """The per-layer model's steps: (n_layers, n) ids, what the live cache would observe, in
+    order. A turn's prefill is one batched observation."""
+    segments = []
+    for turn in _turns(trace):
+        ids, phase = trace.ids[turn], trace.phase[turn]
+        if include_prefill:
+            prefill = ids[phase == PREFILL]
+            if prefill.size:
+                segments.append((False, [np.ascontiguousarray(prefill.transpose(1, 0, 2))
+                                         .reshape(prefill.shape[1], -1)]))
+        segments.append((True, list(ids[phase == DECODE])))
+    return _merged(segments)
+
+
+def _batches(trace):
+    """The global model's steps: (layer index, keys) with keys layer * n_expert + expert, in
+    the order that engine's load_layer calls run."""
+    base = np.arange(trace.layers.size)[:, None] * trace.n_expert
+    segments = []
+    for turn in _turns(trace):
+        ids, phase = trace.ids[turn], trace.phase[turn]
+        prefill = ids[phase == PREFILL]  # (tokens, L, k)
+        batches = []
         for li in range(trace.layers.size):
-            ids = prefill[:, li, :].ravel()  # token-major: the prompt tail's experts end hottest
-            ids = ids[ids >= 0]
-            if ids.size:
-                batches.append((li, ids.tolist(), False))
-        for step_ids in trace.ids[in_turn & (trace.phase == DECODE)]:
-            batches.extend((li, row, True) for li, row in enumerate(step_ids.tolist()))
-    return batches
-
-
-class _ByteBudgetCache:
-    """Resident (layer, expert) keys under a byte budget. Partitioned policies (layer,
-    layerlfu) give each layer an equal share and evict only within the staging layer."""
-
-    def __init__(self, policy, budget_bytes, expert_bytes, n_expert, n_layers, batches, seed):
-        self.policy = policy
-        self.partitioned = policy in ("layer", "layerlfu")
-        self.budget = budget_bytes // n_layers if self.partitioned else budget_bytes
-        self.expert_bytes = [int(b) for b in expert_bytes]
-        self.n_expert = n_expert
-        n_parts = n_layers if self.partitioned else 1
-        self.used_bytes = [0] * n_parts
-        self.resident = {}          # key -> admission sequence
-        self.recency = [OrderedDict() for _ in range(n_parts)]  # lru/layer: oldest first
-        self.heaps = [[] for _ in range(n_parts)]               # lfu/belady: lazy entries
-        self.freq, self.last = {}, {}
-        self.current_next = {}      # belady: key -> next batch using it, as of its last touch
-        self.clock = self.admitted = 0
-        self.rng = random.Random(seed)
-        self.members = []           # random: resident keys
-        self.member_pos = {}
-        self.next_use = self._next_uses(batches) if policy == "belady" else None
-
-    def _next_uses(self, batches):
-        """For each batch, {key: index of the next batch using key (inf if none)}."""
-        upcoming, table = {}, [None] * len(batches)
-        for b in range(len(batches) - 1, -1, -1):
-            layer, ids, _ = batches[b]
-            keys = {layer * self.n_expert + e for e in ids}
-            table[b] = {key: upcoming.get(key, float("inf")) for key in keys}
-            for key in keys:
-                upcoming[key] = b
-        return table
-
-    def run_batch(self, b, layer, ids):
-        """Returns (lookups, hits, bytes read)."""
-        part = layer if self.partitioned else 0
-        recency = self.recency[part]
-        touched = {}
-        hits = read = 0
-        for e in ids:
-            key = layer * self.n_expert + e
-            self.clock += 1
-            if key not in touched:
-                touched[key] = True
-                if key in self.resident:
-                    hits += 1
-                else:
-                    size = self.expert_bytes[layer]
-                    self.used_bytes[part] += size
-                    read += size
-                    self.resident[key] = self.admitted
-                    self.admitted += 1
-                    if self.policy == "random":
-                        self.member_pos[key] = len(self.members)
-                        self.members.append(key)
-                self.freq[key] = self.freq.get(key, 0) + 1
-            self.last[key] = self.clock
-            if self.policy in ("lru", "layer"):
-                recency[key] = None
-                recency.move_to_end(key)
-        if self.policy in ("lfu", "layerlfu"):
-            for key in touched:
-                heapq.heappush(self.heaps[part], (self.freq[key], self.last[key], key))
-        elif self.policy == "belady":
-            upcoming = self.next_use[b]
-            for key in touched:
-                self.current_next[key] = upcoming[key]
-                heapq.heappush(self.heaps[part], (-upcoming[key], self.resident[key], key))
-        self._evict(part, touched)
-        return len(touched), hits, read
-
-    def _evict(self, part, touched):
-        spared = []
-        while self.used_bytes[part] > self.budget:
-            victim = self._victim(part, touched, spared)
-            if victim is None:
-                break
-            self._drop(part, victim)
-        for entry in spared:
-            heapq.heappush(self.heaps[part], entry)
-
-    def _victim(self, part, touched, spared):
-        if self.policy in ("lru", "layer"):
-            for key in self.recency[part]:  # the batch's own keys sit at the young end
-                if key not in touched:
-                    return key
-            return None
-        if self.policy == "random":
-            if len(touched) * 2 < len(self.members):  # mostly untouched: rejection sampling
-                while True:
-                    key = self.members[self.rng.randrange(len(self.members))]
-                    if key not in touched:
-                        return key
-            candidates = [key for key in self.members if key not in touched]
-            return self.rng.choice(candidates) if candidates else None
-        heap = self.heaps[part]
-        while heap:
-            entry = heapq.heappop(heap)
-            key = entry[2]
-            if key not in self.resident:
-                continue
-            if self.policy == "belady":
-                if -entry[0] != self.current_next[key] or entry[1] != self.resident[key]:
-                    continue
-            elif entry[:2] != (self.freq[key], self.last[key]):
-                continue
-            if key in touched:
-                spared.append(entry)
-                continue
-            return key
-        return None
-
-    def _drop(self, part, key):
-        layer = key // self.n_expert
-        self.used_bytes[part] -= self.expert_bytes[layer]
-        del self.resident[key]
-        if self.policy in ("lru", "layer"):
-            del self.recency[part][key]
-        elif self.policy == "random":
-            pos = self.member_pos.pop(key)
-            last = self.members.pop()
-            if last != key:
-                self.members[pos] = last
-                self.member_pos[last] = pos
-
-
-def replay_global(trace: RouteTrace, policy: str, budget_mib: float, *, seed: int = 0,
-                  batches=None) -> ReplayResult:
-    if policy not in GLOBAL_POLICIES:
-        raise ValueError(f"unknown policy {policy!r} for --budget-mib; valid: {', '.join(GLOBAL_POLICIES)}")
-    batches = batches if batches is not None else global_batches(trace)
-    cache = _ByteBudgetCache(policy, int(budget_mib * MIB), trace.expert_bytes, trace.n_expert,
-                             trace.layers.size, batches, seed)
-    hits_decode = lookups_decode = hits_all = lookups_all = read = 0
-    start = time.perf_counter()
-    for b, (layer, ids, decode) in enumerate(batches):
-        looked, hits, bytes_read = cache.run_batch(b, layer, ids)
-        lookups_all += looked
-        hits_all += hits
-        if decode:
-            lookups_decode += looked
-            hits_decode += hits
-            read += bytes_read
-    seconds = time.perf_counter() - start
-    return ReplayResult("global", policy, None, budget_mib, None, hits_decode, lookups_decode,
-                        hits_all, lookups_all, read, int((trace.phase == DECODE).sum()), seconds)
+            ids_li = prefill[:, li, :].ravel()  # token-major: the prompt tail's experts end hottest
+            ids_li = ids_li[ids_li >= 0]
+            if ids_li.size:
+                batches.append((li, (ids_li + base[li, 0]).tolist()))
+        segments.append((False, batches))
+        decode = ids[phase == DECODE]
+        keys = np.where(decode >= 0, decode + base, -1).tolist()  # (steps, L, k)
+        if (decode < 0).any():  # bare routing: a layer without a selection looks nothing up
+            keys = [[[key for key in row if key >= 0] for row in rows] for rows in keys]
+        segments.append((True, [(li, row) for rows in keys for li, row in enumerate(rows) if row]))
+    return _merged(segments)
 
 
 # --- command line ----------------------------------------------------------------------
 
-class _Progress:
-    """tqdm on stderr when installed, else a plain bar; silent when stderr is not a tty."""
-
-    def __init__(self, total):
-        self.total, self.done, self.bar = total, 0, None
-        self.enabled = sys.stderr.isatty() and total > 1
-        if self.enabled:
-            try:
-                from tqdm import tqdm
-                self.bar = tqdm(total=total, file=sys.stderr, leave=False, unit="run")
-            except ImportError:
-                pass
-
-    def advance(self, label):
-        self.done += 1
-        if not self.enabled:
-            return
-        if self.bar is not None:
-            self.bar.set_postfix_str(label)
-            self.bar.update()
-        else:
-            filled = 30 * self.done // self.total
-            sys.stderr.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} {label:<24}")
-            sys.stderr.flush()
-
-    def close(self):
-        if self.bar is not None:
-            self.bar.close()
-        elif self.enabled:
-            sys.stderr.write("\r" + " " * 70 + "\r")
-
-
-def _int_list(text, name, minimum):
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise ValueError(f"--{name} must be comma-separated integers, got {text!r}") from None
-    if not values or min(values) < minimum:
-        raise ValueError(f"--{name} values must be >= {minimum}, got {text!r}")
-    return values
-
-
-def _float_list(text, name):
+def _budgets_arg(text):
+    """--budget-mib: comma-separated finite numbers > 0."""
     try:
         values = [float(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise ValueError(f"--{name} must be comma-separated numbers, got {text!r}") from None
-    if not values or min(values) <= 0:
-        raise ValueError(f"--{name} values must be > 0, got {text!r}")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
+    if not values or not all(math.isfinite(v) and v > 0 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: budgets must be finite numbers > 0")
     return values
 
 
-def _fail(message):
-    print(f"replay: {message}", file=sys.stderr)
-    return 2
+def _inserts_arg(text):
+    """--inserts: an integer >= 1, or 'unlimited' (None)."""
+    return None if text == "unlimited" else int_arg(minimum=1)(text)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m moecache.replay",
-                                 description="Replay a routing trace through cache policies.")
+_budgets_arg.__name__, _inserts_arg.__name__ = "budget list", "inserts"
+
+
+def parser() -> OneLineParser:
+    ap = OneLineParser(prog="python -m moecache.replay",
+                       description="Replay a routing trace through cache policies.")
     ap.add_argument("trace")
-    ap.add_argument("--slots", help="per-layer cache sizes K, comma separated (default 8,16,32,64 "
-                                    "unless --budget-mib is given)")
+    ap.add_argument("--slots", type=int_list_arg(minimum=1),
+                    help="per-layer cache sizes K, comma separated (default 8,16,32,64 unless "
+                         "--budget-mib is given)")
     ap.add_argument("--policies", default="lru,belady,default",
                     help=f"comma separated; per-layer: default ({DEFAULT_POLICY}), "
-                         f"{', '.join(POLICIES)}; --budget-mib: {', '.join(GLOBAL_POLICIES)}")
-    ap.add_argument("--inserts", default="2", help="uploads per layer per step, or 'unlimited'")
-    ap.add_argument("--budget-mib", help="global byte budgets (BigMoeOnEdge model), comma separated")
+                         f"{', '.join(POLICIES)}; --budget-mib: {', '.join(BUDGET_POLICIES)}")
+    ap.add_argument("--inserts", type=_inserts_arg, default=2,
+                    help="uploads per layer per step, or 'unlimited'")
+    ap.add_argument("--budget-mib", type=_budgets_arg, default=[],
+                    help="global byte budgets (BigMoeOnEdge model), comma separated")
     ap.add_argument("--include-prefill", action="store_true",
                     help="per-layer model: feed each turn's prefill as one batched observation")
     ap.add_argument("--preload-profile", metavar="JSON",
                     help="per-layer model: warm start from a saved usage profile")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the random policy")
+    ap.add_argument("--seed", type=int_arg(minimum=0), default=0, help="seed of the random policies")
     ap.add_argument("--csv", help="also write the results here")
     ap.add_argument("--plot", help="also plot hit%% vs cache size here (needs matplotlib)")
-    args = ap.parse_args(argv)
+    return ap
 
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    if not policies:
-        return _fail("--policies is empty")
-    try:
-        slots = _int_list(args.slots, "slots", 1) if args.slots else ([] if args.budget_mib else [8, 16, 32, 64])
-        budgets = _float_list(args.budget_mib, "budget-mib") if args.budget_mib else []
-        inserts = None if args.inserts == "unlimited" else _int_list(args.inserts, "inserts", 1)[0]
-    except ValueError as e:
-        return _fail(str(e))
+
+def check_args(args) -> None:
+    """What the flags say together, and where the outputs go: a ValueError (one line, exit 2)
+    before any replay runs."""
+    args.policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if not args.policies:
+        raise ValueError("--policies is empty")
+    if args.slots is None:
+        args.slots = [] if args.budget_mib else [8, 16, 32, 64]
     # A name runs in every requested model that has it; one that no requested model has is
     # rejected, never tabulated under a policy that did not run.
-    per_layer_names = ["default", *POLICIES]
-    models = ([("--slots", per_layer_names)] if slots else []) + \
-             ([("--budget-mib", list(GLOBAL_POLICIES))] if budgets else [])
-    unknown = [p for p in policies if not any(p in names for _, names in models)]
+    models = ([("--slots", policy_names(PER_LAYER))] if args.slots else []) + \
+             ([("--budget-mib", policy_names(GLOBAL))] if args.budget_mib else [])
+    unknown = [p for p in args.policies if not any(p in names for _, names in models)]
     if unknown:
         valid = "; ".join(f"{flag}: {', '.join(names)}" for flag, names in models)
-        return _fail(f"unknown policy {', '.join(unknown)} for {' and '.join(f for f, _ in models)}; valid {valid}")
+        raise ValueError(f"unknown policy {', '.join(unknown)} for "
+                         f"{' and '.join(f for f, _ in models)}; valid {valid}")
+    for flag, path in (("--csv", args.csv), ("--plot", args.plot)):
+        if path:
+            _check_output(path, flag)
     if args.plot:
         try:
-            import matplotlib
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
+            import matplotlib  # noqa: F401
         except ImportError:
-            return _fail("--plot needs matplotlib (pip install matplotlib)")
+            raise ValueError("--plot needs matplotlib (pip install matplotlib)") from None
 
-    try:
-        trace = read_trace(args.trace)
-    except TraceError as e:
-        return _fail(str(e))
-    if slots and max(slots) > trace.n_expert:
-        return _fail(f"--slots {max(slots)} exceeds n_expert={trace.n_expert}")
+
+def _check_output(path, flag):
+    """An output file must be writable where it is named."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) or path.endswith(os.sep):
+        raise ValueError(f"{flag} {path}: is a directory, expected a file name")
+    if not os.path.isdir(parent):
+        raise ValueError(f"{flag} {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ValueError(f"{flag} {path}: not writable")
+
+
+def load_inputs(args):
+    """The trace and the warm-start profile (or None), checked against the options."""
+    trace = read_trace(args.trace)
+    if args.slots and max(args.slots) > trace.n_expert:
+        raise ValueError(f"--slots {max(args.slots)} exceeds n_expert={trace.n_expert}")
     profile = None
     if args.preload_profile:
-        try:
-            profile = UsageProfile.load(args.preload_profile, layers=trace.layers.tolist(),
-                                        n_expert=trace.n_expert)
-        except ProfileError as e:
-            return _fail(str(e))
+        profile = UsageProfile.load(args.preload_profile, layers=trace.layers.tolist(),
+                                    n_expert=trace.n_expert)
+    return trace, profile
 
+
+def run(args, trace, profile) -> list[ReplayResult]:
+    runs = [(PER_LAYER, p, k) for p in args.policies if p in policy_names(PER_LAYER) for k in args.slots] + \
+           [(GLOBAL, p, b) for p in args.policies if p in policy_names(GLOBAL) for b in args.budget_mib]
+    per_layer_options = {"inserts": args.inserts, "include_prefill": args.include_prefill,
+                         "profile": profile}
+    results = []
+    with Progress(len(runs)) as progress:
+        for model, policy, size in runs:
+            results.append(simulate(trace, model, policy, size, seed=args.seed,
+                                    **(per_layer_options if model == PER_LAYER else {})))
+            progress.advance(f"{policy} {size}")
+    return results
+
+
+def _pct(rate):
+    return "-" if rate is None else f"{100 * rate:.1f}"
+
+
+def print_tables(args, trace, results) -> None:
     n_prefill = int((trace.phase == PREFILL).sum())
     n_decode = int((trace.phase == DECODE).sum())
     print(f"{args.trace}: {trace.arch}, {trace.layers.size} MoE layers x {trace.n_expert} experts, "
           f"top-{trace.n_expert_used}; {n_prefill} prefill + {n_decode} decode tokens; one token's "
           f"working set {trace.working_set_bytes() / MIB:.0f} MiB")
-
-    runs = [("per-layer", p, k) for p in policies if p in per_layer_names for k in slots] + \
-           [("global", p, b) for p in policies if p in GLOBAL_POLICIES for b in budgets]
-    progress = _Progress(len(runs))
-    results = []
-    obs = observations(trace, args.include_prefill) if slots else None
-    batches = global_batches(trace) if budgets else None
-    for model, policy, size in runs:
-        name = DEFAULT_POLICY if policy == "default" else policy
-        if model == "per-layer":
-            result = replay_per_layer(trace, name, size, inserts=inserts, profile=profile,
-                                      seed=args.seed, obs=obs)
-        else:
-            result = replay_global(trace, name, size, seed=args.seed, batches=batches)
-        result.policy = policy if policy != "default" else f"default({name})"
-        results.append(result)
-        progress.advance(f"{policy} {size}")
-    progress.close()
-
-    for model in ("per-layer", "global"):
+    for model in MODELS:
         rows = [r for r in results if r.model == model]
         if not rows:
             continue
-        if model == "per-layer":
-            print(f"\nper-layer cache: K slots per layer, inserts={'unlimited' if inserts is None else inserts}, "
+        if model == PER_LAYER:
+            print(f"\nper-layer cache: K slots per layer, inserts={'unlimited' if args.inserts is None else args.inserts}, "
                   f"publication delay 1 step, prefill {'fed' if args.include_prefill else 'not fed'}"
                   f"{', warm start from ' + args.preload_profile if args.preload_profile else ''}")
             head = f"{'policy':<16}{'K':>6}"
@@ -453,39 +415,83 @@ def main(argv=None) -> int:
             head = f"{'policy':<16}{'MiB':>6}"
         print(f"{head}{'hit% dec':>10}{'hit% cum':>10}{'MiB up/tok':>12}{'Mlookup/s':>11}")
         for r in rows:
-            size = r.slots if model == "per-layer" else f"{r.budget_mib:g}"
-            print(f"{r.policy:<16}{size:>6}{r.hit_pct_decode:>10.1f}{r.hit_pct_cum:>10.1f}"
-                  f"{r.upload_bytes_per_token / MIB:>12.1f}{r.lookups_per_s / 1e6:>11.2f}")
+            size = r.slots if model == PER_LAYER else f"{r.budget_mib:g}"
+            per_token = "-" if r.upload_bytes_per_token is None else f"{r.upload_bytes_per_token / MIB:.1f}"
+            print(f"{r.policy:<16}{size:>6}{_pct(r.hit_rate):>10}{_pct(r.hit_rate_all):>10}"
+                  f"{per_token:>12}{r.lookups_per_s / 1e6:>11.2f}")
 
-    if args.csv:
-        with open(args.csv, "w", encoding="utf-8") as f:
-            f.write("model,policy,slots,budget_mib,inserts,hit_pct_decode,hit_pct_cum,"
-                    "upload_bytes_per_token,lookups,seconds\n")
-            for r in results:
-                f.write(f"{r.model},{r.policy},{r.slots if r.slots is not None else ''},"
-                        f"{r.budget_mib if r.budget_mib is not None else ''},"
-                        f"{'' if r.model == 'global' else ('unlimited' if r.inserts is None else r.inserts)},"
-                        f"{r.hit_pct_decode:.3f},{r.hit_pct_cum:.3f},{r.upload_bytes_per_token:.0f},"
-                        f"{r.lookups_all},{r.seconds:.4f}\n")
-        print(f"\nwrote {args.csv}")
-    if args.plot:
-        models = [m for m in ("per-layer", "global") if any(r.model == m for r in results)]
-        fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
-        for ax, model in zip(axes[0], models):
-            for policy in dict.fromkeys(r.policy for r in results if r.model == model):
-                rows = [r for r in results if r.model == model and r.policy == policy]
-                xs = [r.slots if model == "per-layer" else r.budget_mib for r in rows]
-                ax.plot(xs, [r.hit_pct_decode for r in rows], marker="o", label=policy,
-                        linestyle="--" if policy == "belady" else "-")
-            ax.set_xlabel("slots per layer (K)" if model == "per-layer" else "budget (MiB)")
-            ax.set_ylabel("decode hit %")
-            ax.set_title(f"{trace.arch}: {model} cache")
-            ax.grid(alpha=0.3)
-            ax.legend()
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=120)
-        print(f"wrote {args.plot}")
-    return 0
+
+CSV_COLUMNS = ("model", "policy", "slots", "budget_mib", "inserts", "decode_steps", "hits", "misses",
+               "uploads", "upload_bytes", "hit_rate", "hits_all", "misses_all", "hit_rate_all",
+               "upload_bytes_per_token", "seconds")
+
+
+def write_csv(path, results) -> None:
+    """One row per run; rates are fractions, empty where a run had no lookups."""
+    atomic_write(path, lambda tmp: _write_rows(tmp, results))
+
+
+def _write_rows(path, results):
+    with open(path, "w", encoding="utf-8", newline="") as f:
+        writer = csv.DictWriter(f, CSV_COLUMNS)
+        writer.writeheader()
+        for r in results:
+            writer.writerow({
+                "model": r.model, "policy": r.policy, "slots": r.slots, "budget_mib": r.budget_mib,
+                "inserts": ("unlimited" if r.inserts is None else r.inserts) if r.model == PER_LAYER else None,
+                "decode_steps": r.decode_steps,
+                **{name: r.totals[name] for name in ("hits", "misses", "uploads", "upload_bytes")},
+                "hit_rate": None if r.hit_rate is None else f"{r.hit_rate:.6f}",
+                "hits_all": r.totals_all["hits"], "misses_all": r.totals_all["misses"],
+                "hit_rate_all": None if r.hit_rate_all is None else f"{r.hit_rate_all:.6f}",
+                "upload_bytes_per_token": None if r.upload_bytes_per_token is None
+                else f"{r.upload_bytes_per_token:.0f}",
+                "seconds": f"{r.seconds:.4f}"})
+
+
+def plot(path, trace, results) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = [m for m in MODELS if any(r.model == m for r in results)]
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        for policy in dict.fromkeys(r.policy for r in results if r.model == model):
+            rows = [r for r in results if r.model == model and r.policy == policy and r.hit_rate is not None]
+            xs = [r.slots if model == PER_LAYER else r.budget_mib for r in rows]
+            ax.plot(xs, [100 * r.hit_rate for r in rows], marker="o", label=policy,
+                    linestyle="--" if policy == "belady" else "-")
+        ax.set_xlabel("slots per layer (K)" if model == PER_LAYER else "budget (MiB)")
+        ax.set_ylabel("decode hit %")
+        ax.set_title(f"{trace.arch}: {model} cache")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format=os.path.splitext(path)[1][1:] or "png"))
+
+
+def replay(args) -> None:
+    """The command: check, load, run, print, write."""
+    check_args(args)
+    trace, profile = load_inputs(args)
+    results = run(args, trace, profile)
+    print_tables(args, trace, results)
+    outputs = [(flag, path, write) for flag, path, write in (
+        ("--csv", args.csv, lambda p: write_csv(p, results)),
+        ("--plot", args.plot, lambda p: plot(p, trace, results))) if path]
+    if outputs:
+        print()
+    for flag, path, write in outputs:
+        try:
+            write(path)
+        except OSError as e:
+            raise ValueError(f"{flag} {path}: {e.strerror}") from None
+        print(f"wrote {path}")
+
+
+def main(argv=None) -> int:
+    return parser().run(replay, argv)
 
 
 if __name__ == "__main__":

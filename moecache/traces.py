@@ -19,9 +19,10 @@ The optional `dropped` column is parsed and kept; the replay models do not use i
 
 from __future__ import annotations
 
+import csv
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -43,7 +44,7 @@ class TraceError(ValueError):
     """Malformed trace; the message starts with `file:line:` when a line is to blame."""
 
 
-@dataclass
+@dataclass(eq=False)  # compared (and hashed) by identity: the replay memoises per trace
 class RouteTrace:
     """A parsed trace as dense arrays, one entry per step (token) in (turn, step) order.
 
@@ -76,10 +77,83 @@ class RouteTrace:
         """Bytes one token touches: sum over layers of top-k x expert size."""
         return int(self.expert_bytes.sum()) * self.n_expert_used
 
+    def select(self, steps) -> "RouteTrace":
+        """The trace of these steps only (an index or mask over steps, in trace order)."""
+        per_step = ("turn", "step", "phase", "ids", "weights", "residency", "dropped")
+        return replace(self, **{name: getattr(self, name)[steps] for name in per_step})
+
+    @classmethod
+    def from_routing(cls, ids, n_expert: int, *, expert_bytes=None, name: str = "routing") -> "RouteTrace":
+        """Decode routing (n_steps, n_layers, k), e.g. synthetic_routing(), as a one-turn trace
+        of decode steps; expert_bytes per layer (default 1: byte figures count experts)."""
+        ids = np.asarray(ids, dtype=np.int32)
+        if ids.ndim != 3 or ids.shape[1] < 1 or ids.shape[2] < 1:
+            raise ValueError(f"routing must be (n_steps, n_layers, k), got shape {ids.shape}")
+        if ids.size and (ids.min() < -1 or ids.max() >= n_expert):
+            raise ValueError(f"routing expert ids must be in [-1, {n_expert})")
+        n_steps, n_layers, k = ids.shape
+        sizes = np.ones(n_layers, dtype=np.int64) if expert_bytes is None else \
+            np.asarray(expert_bytes, dtype=np.int64)
+        return cls(path=name, model=name, arch=name, n_layer=n_layers, n_expert=n_expert,
+                   n_expert_used=k, layers=np.arange(n_layers), expert_bytes=sizes,
+                   dense_bytes=np.zeros(n_layers, dtype=np.int64),
+                   turn=np.zeros(n_steps, dtype=np.int64), step=np.arange(n_steps),
+                   phase=np.full(n_steps, DECODE, dtype=np.int8), ids=ids,
+                   weights=np.zeros(ids.shape, dtype=np.float32),
+                   residency=np.zeros(ids.shape, dtype=np.int8), dropped=np.zeros(ids.shape, dtype=bool))
+
 
 # --- reading ---------------------------------------------------------------------------
 
-def _parse_preamble_fields(path, lineno, text, wanted):
+# Bounds on what a trace may declare: far above any real model, low enough that the arrays
+# sized by them fit in memory and every derived integer fits in int64.
+MAX_LAYERS = 4096
+MAX_EXPERTS = 65536
+MAX_INDEX = 2**31 - 1          # turn and step numbers
+MAX_EXPERT_BYTES = 2**40
+INT_COLUMNS = ("turn", "phase", "step", "layer", "slot", "expert", "residency")
+_CHUNK = 1 << 16               # rows converted to arrays at a time
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available now (Linux MemAvailable), None where unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def require_memory(nbytes: int, what: str) -> None:
+    """ValueError naming `what` when nbytes exceed the memory available, before allocating."""
+    available = available_memory()
+    if available is not None and nbytes > available:
+        raise ValueError(f"{what} need {_size(nbytes)}, {_size(available)} available")
+
+
+def _size(nbytes):
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} bytes"
+
+
+@dataclass
+class _Preamble:
+    model: dict                # the model= line's fields
+    model_line: int
+    layer_bytes: dict          # layer -> (expert_bytes, dense_bytes)
+    header_line: int           # line number of the column header
+    header: str                # that line, unparsed
+    n_layer: int
+    n_expert: int
+    k: int
+
+
+def _parse_fields(path, lineno, text, wanted):
     fields = {}
     for item in text.split():
         key, sep, value = item.partition("=")
@@ -92,138 +166,210 @@ def _parse_preamble_fields(path, lineno, text, wanted):
     return fields
 
 
-def _int_field(path, lineno, fields, key, minimum):
+def _int_field(path, lineno, fields, key, minimum, maximum, maximum_name=None):
     try:
         value = int(fields[key])
     except ValueError:
         raise TraceError(f"{path}:{lineno}: {key}={fields[key]!r} is not an integer") from None
     if value < minimum:
         raise TraceError(f"{path}:{lineno}: {key}={value} must be >= {minimum}")
+    if value > maximum:
+        raise TraceError(f"{path}:{lineno}: {key}={value} must be <= {maximum_name or maximum}")
     return value
+
+
+def _read_preamble(path, f) -> _Preamble:
+    """The magic line, the # lines and the column header line (not parsed) of an open trace."""
+    if f.readline().strip() != MAGIC:
+        raise TraceError(f"{path}:1: not a route trace (first line must be {MAGIC!r})")
+    model, model_line, layer_bytes = None, 2, {}
+    lineno = 1
+    for line in f:
+        lineno += 1
+        if not line.startswith("#"):
+            break
+        body = line[1:].strip()
+        if body.startswith("model="):
+            model = _parse_fields(path, lineno, body, ("model", "arch", "n_layer", "n_expert", "n_expert_used"))
+            model_line = lineno
+        elif body.startswith("layer="):
+            fields = _parse_fields(path, lineno, body, ("layer", "expert_bytes"))
+            layer = _int_field(path, lineno, fields, "layer", 0, MAX_LAYERS - 1)
+            expert_bytes = _int_field(path, lineno, fields, "expert_bytes", 1, MAX_EXPERT_BYTES)
+            dense = (_int_field(path, lineno, fields, "dense_bytes", 0, MAX_EXPERT_BYTES)
+                     if "dense_bytes" in fields else 0)
+            if layer in layer_bytes:
+                raise TraceError(f"{path}:{lineno}: layer {layer} described twice")
+            layer_bytes[layer] = (expert_bytes, dense)
+    else:
+        line = None
+    if model is None:
+        raise TraceError(f"{path}:2: preamble lacks the model= line")
+    if line is None:
+        raise TraceError(f"{path}:{lineno + 1}: no column header")
+    n_layer = _int_field(path, model_line, model, "n_layer", 1, MAX_LAYERS)
+    n_expert = _int_field(path, model_line, model, "n_expert", 1, MAX_EXPERTS)
+    k = _int_field(path, model_line, model, "n_expert_used", 1, n_expert, f"n_expert={n_expert}")
+    for layer in layer_bytes:
+        if layer >= n_layer:
+            raise TraceError(f"{path}: preamble layer {layer} >= n_layer={n_layer}")
+    return _Preamble(model, model_line, layer_bytes, lineno, line, n_layer, n_expert, k)
+
+
+def _parse_header(path, preamble):
+    header = [c.strip() for c in next(csv.reader([preamble.header], quoting=csv.QUOTE_NONE))]
+    missing = [c for c in REQUIRED_COLUMNS if c not in header]
+    if missing:
+        raise TraceError(f"{path}:{preamble.header_line}: header lacks column(s) {', '.join(missing)}")
+    unknown = [c for c in header if c not in REQUIRED_COLUMNS + OPTIONAL_COLUMNS]
+    if unknown:
+        raise TraceError(f"{path}:{preamble.header_line}: unknown column(s) {', '.join(unknown)}")
+    return header
+
+
+def _read_rows(path, f, header, first_line):
+    """The data rows as (n, 7) int64 INT_COLUMNS, float32 weights, bool dropped. Rows are
+    converted a chunk at a time; a chunk that does not convert is scanned row by row for the
+    first bad field, so the error names it."""
+    col = {name: header.index(name) for name in header}
+    n_cols = len(header)
+    converters = [(col[name], int) for name in INT_COLUMNS] + [(col["expert_bytes"], int)]
+    if "dropped" in col:
+        converters.append((col["dropped"], int))
+    converters.append((col["weight"], float))
+    parts, chunk, chunk_line, blank_line = [], [], 0, None
+    reader = csv.reader(f, quoting=csv.QUOTE_NONE)
+    for row in reader:
+        lineno = first_line + reader.line_num - 1
+        if len(row) <= 1 and not (row and row[0].strip()):  # blank: allowed only after the last row
+            if blank_line is None:
+                blank_line, blank_fields = lineno, len(row)
+            continue
+        if blank_line is not None:
+            raise TraceError(f"{path}:{blank_line}: expected {n_cols} fields, got {blank_fields}")
+        if len(row) != n_cols:
+            raise TraceError(f"{path}:{lineno}: expected {n_cols} fields, got {len(row)}")
+        if not chunk:
+            chunk_line = lineno
+        chunk.append(row)
+        if len(chunk) == _CHUNK:
+            parts.append(_convert(path, chunk, chunk_line, header, converters))
+            chunk = []
+    if chunk:
+        parts.append(_convert(path, chunk, chunk_line, header, converters))
+    if not parts:
+        return np.empty((0, 7), dtype=np.int64), np.empty(0, np.float32), np.empty(0, bool)
+    columns = [np.concatenate(c) for c in zip(*parts)]
+    rows = np.stack(columns[:7], axis=1)
+    dropped = columns[8] != 0 if "dropped" in col else np.zeros(len(rows), dtype=bool)
+    return rows, columns[-1].astype(np.float32), dropped
+
+
+def _convert(path, chunk, first_line, header, converters):
+    """One array per converter's column (int64, or float64 for the weight)."""
+    fields = list(zip(*chunk))
+    try:
+        out = [np.fromiter(map(convert, fields[c]), dtype=np.int64 if convert is int else np.float64,
+                           count=len(chunk)) for c, convert in converters]
+    except (ValueError, OverflowError):
+        _first_bad_field(path, chunk, first_line, header, converters)
+        raise TraceError(f"{path}:{first_line}: rows that do not convert") from None
+    negative = np.flatnonzero(out[7] < 0)  # expert_bytes
+    if negative.size:
+        _first_bad_field(path, chunk[:negative[0] + 1], first_line, header, converters)
+    return out
+
+
+def _first_bad_field(path, chunk, first_line, header, converters):
+    """Raise for the first bad field of these rows, in row order, then column order."""
+    for r, row in enumerate(chunk):
+        for c, convert in converters:
+            name = header[c]
+            try:
+                value = convert(row[c])
+            except ValueError:
+                what = "a number" if convert is float else "an integer"
+                raise TraceError(f"{path}:{first_line + r}: {name}={row[c].strip()!r} is not {what}") from None
+            if convert is int and not -2**63 <= value < 2**63:
+                raise TraceError(f"{path}:{first_line + r}: {name}={value} is out of range")
+            if name == "expert_bytes" and value < 0:
+                raise TraceError(f"{path}:{first_line + r}: negative expert_bytes")
 
 
 def read_route_trace(path: str) -> RouteTrace:
     try:
-        with open(path, "r", encoding="utf-8") as f:
-            lines = f.read().split("\n")
+        with open(path, "r", encoding="utf-8", newline="") as f:
+            preamble = _read_preamble(path, f)
+            header = _parse_header(path, preamble)
+            rows, weight, dropped = _read_rows(path, f, header, preamble.header_line + 1)
     except OSError as e:
         raise TraceError(f"{path}: {e.strerror}") from None
     except UnicodeDecodeError:
         raise TraceError(f"{path}: not UTF-8 text") from None
-    if not lines or lines[0].strip() != MAGIC:
-        raise TraceError(f"{path}:1: not a route trace (first line must be {MAGIC!r})")
+    if len(rows) == 0:
+        raise TraceError(f"{path}:{preamble.header_line}: no rows")
+    _check_rows(path, preamble, rows)
+    return _to_trace(path, preamble, rows, weight, dropped)
 
-    model_fields = None
-    layer_bytes: dict[int, tuple[int, int]] = {}
-    header_line = None
-    for i, line in enumerate(lines[1:], start=2):
-        if not line.startswith("#"):
-            header_line = i
-            break
-        body = line[1:].strip()
-        if body.startswith("model="):
-            model_fields = _parse_preamble_fields(
-                path, i, body, ("model", "arch", "n_layer", "n_expert", "n_expert_used"))
-        elif body.startswith("layer="):
-            f = _parse_preamble_fields(path, i, body, ("layer", "expert_bytes"))
-            layer = _int_field(path, i, f, "layer", 0)
-            expert_bytes = _int_field(path, i, f, "expert_bytes", 1)
-            dense = _int_field(path, i, f, "dense_bytes", 0) if "dense_bytes" in f else 0
-            if layer in layer_bytes:
-                raise TraceError(f"{path}:{i}: layer {layer} described twice")
-            layer_bytes[layer] = (expert_bytes, dense)
-    if model_fields is None:
-        raise TraceError(f"{path}:2: preamble lacks the model= line")
-    if header_line is None:
-        raise TraceError(f"{path}:{len(lines)}: no column header")
-    n_layer = _int_field(path, 2, model_fields, "n_layer", 1)
-    n_expert = _int_field(path, 2, model_fields, "n_expert", 1)
-    k = _int_field(path, 2, model_fields, "n_expert_used", 1)
-    for layer in layer_bytes:
-        if layer >= n_layer:
-            raise TraceError(f"{path}: preamble layer {layer} >= n_layer={n_layer}")
 
-    header = [c.strip() for c in lines[header_line - 1].split(",")]
-    missing = [c for c in REQUIRED_COLUMNS if c not in header]
-    if missing:
-        raise TraceError(f"{path}:{header_line}: header lacks column(s) {', '.join(missing)}")
-    unknown = [c for c in header if c not in REQUIRED_COLUMNS + OPTIONAL_COLUMNS]
-    if unknown:
-        raise TraceError(f"{path}:{header_line}: unknown column(s) {', '.join(unknown)}")
-    col = {name: header.index(name) for name in header}
-    n_cols = len(header)
-
-    data = lines[header_line:]
-    while data and not data[-1].strip():
-        data.pop()
-    rows = np.empty((len(data), 7), dtype=np.int64)  # turn phase step layer slot expert residency
-    weight = np.empty(len(data), dtype=np.float32)
-    dropped = np.zeros(len(data), dtype=bool)
-    int_cols = [col[c] for c in ("turn", "phase", "step", "layer", "slot", "expert", "residency")]
-    bytes_col, weight_col = col["expert_bytes"], col["weight"]
-    dropped_col = col.get("dropped")
-    for r, line in enumerate(data):
-        lineno = header_line + 1 + r
-        parts = line.split(",")
-        if len(parts) != n_cols:
-            raise TraceError(f"{path}:{lineno}: expected {n_cols} fields, got {len(parts)}")
-        try:
-            rows[r] = [int(parts[c]) for c in int_cols]
-            if int(parts[bytes_col]) < 0:
-                raise TraceError(f"{path}:{lineno}: negative expert_bytes")
-            if dropped_col is not None:
-                dropped[r] = int(parts[dropped_col]) != 0
-        except ValueError as e:
-            if isinstance(e, TraceError):
-                raise
-            bad = next(c for c in int_cols + [bytes_col] + ([dropped_col] if dropped_col is not None else [])
-                       if not _is_int(parts[c]))
-            raise TraceError(f"{path}:{lineno}: {header[bad]}={parts[bad].strip()!r} is not an integer") from None
-        try:
-            weight[r] = float(parts[weight_col])
-        except ValueError:
-            raise TraceError(f"{path}:{lineno}: weight={parts[weight_col].strip()!r} is not a number") from None
-
+def _check_rows(path, preamble, rows):
+    """Every value in its range, naming the first row (by column) that is not."""
     turn, phase, step, layer, slot, expert, residency = rows.T
+    n_layer, n_expert, k = preamble.n_layer, preamble.n_expert, preamble.k
 
     def fail_at(mask, what):
         bad = np.flatnonzero(mask)
         if bad.size:
             r = int(bad[0])
-            raise TraceError(f"{path}:{header_line + 1 + r}: {what(r)}")
+            raise TraceError(f"{path}:{preamble.header_line + 1 + r}: {what(r)}")
 
     fail_at(turn < 0, lambda r: f"turn={turn[r]} is negative")
+    fail_at(turn > MAX_INDEX, lambda r: f"turn={turn[r]} must be <= {MAX_INDEX}")
     fail_at((phase != PREFILL) & (phase != DECODE), lambda r: f"phase={phase[r]} is not 0 or 1")
     fail_at(step < 0, lambda r: f"step={step[r]} is negative")
+    fail_at(step > MAX_INDEX, lambda r: f"step={step[r]} must be <= {MAX_INDEX}")
     fail_at((layer < 0) | (layer >= n_layer), lambda r: f"layer={layer[r]} out of range [0, {n_layer})")
     known = np.zeros(n_layer, dtype=bool)
-    known[list(layer_bytes)] = True
+    known[list(preamble.layer_bytes)] = True
     fail_at(~known[np.clip(layer, 0, n_layer - 1)],
             lambda r: f"layer={layer[r]} has no expert_bytes in the preamble")
     fail_at((slot < 0) | (slot >= k), lambda r: f"slot={slot[r]} out of range [0, {k})")
     fail_at((expert < 0) | (expert >= n_expert), lambda r: f"expert={expert[r]} out of range [0, {n_expert})")
     fail_at((residency < 0) | (residency > 2), lambda r: f"residency={residency[r]} is not 0, 1 or 2")
 
-    layers = np.array(sorted(set(layer.tolist())), dtype=np.int64)
-    if layers.size == 0:
-        raise TraceError(f"{path}:{header_line}: no rows")
-    layer_index = np.full(n_layer, -1, dtype=np.int64)
+
+def _to_trace(path, preamble, rows, weight, dropped) -> RouteTrace:
+    """Steps are identified by (turn, step); each must carry one phase and a full k x layers
+    grid (see the module docstring for prefill)."""
+    turn, phase, step, layer, slot, expert, residency = rows.T
+    k, first_data_line = preamble.k, preamble.header_line + 1
+    layers = np.unique(layer)
+    layer_index = np.full(preamble.n_layer, -1, dtype=np.int64)
     layer_index[layers] = np.arange(layers.size)
     n_layers = layers.size
 
-    # Steps are identified by (turn, step); each must carry one phase and a full k x layers grid.
     step_key = turn * (int(step.max()) + 1) + step
     keys, first_row, step_of_row = np.unique(step_key, return_index=True, return_inverse=True)
     n_steps = keys.size
     step_phase = phase[first_row]
-    fail_at(phase != step_phase[step_of_row],
-            lambda r: f"step {step[r]} of turn {turn[r]} mixes prefill and decode rows")
+    mixed = np.flatnonzero(phase != step_phase[step_of_row])
+    if mixed.size:
+        r = int(mixed[0])
+        raise TraceError(f"{path}:{first_data_line + r}: step {step[r]} of turn {turn[r]} mixes "
+                         f"prefill and decode rows")
+    cells = n_steps * n_layers * k
+    try:
+        require_memory(16 * cells, f"{n_steps} steps x {n_layers} layers x {k} ranks")
+    except ValueError as e:
+        raise TraceError(f"{path}: {e}") from None
     cell = (step_of_row * n_layers + layer_index[layer]) * k + slot
     order = np.argsort(cell, kind="stable")
     repeated = order[1:][cell[order[1:]] == cell[order[:-1]]]
-    fail_at(np.isin(np.arange(len(data)), repeated[:1]),
-            lambda r: f"duplicate row for turn {turn[r]} step {step[r]} layer {layer[r]} slot {slot[r]}")
-    seen = np.zeros(n_steps * n_layers * k, dtype=bool)
+    if repeated.size:
+        r = int(repeated[0])
+        raise TraceError(f"{path}:{first_data_line + r}: duplicate row for turn {turn[r]} step "
+                         f"{step[r]} layer {layer[r]} slot {slot[r]}")
+    seen = np.zeros(cells, dtype=bool)
     seen[cell] = True
     # A layer may be absent from a prefill token as a whole (llama.cpp runs the last layer only
     # for the tokens whose logits are wanted); those cells read -1. Anything else is a hole.
@@ -233,32 +379,24 @@ def read_route_trace(path: str) -> RouteTrace:
     if partial.any():
         s, li = (int(v[0]) for v in np.nonzero(partial))
         r = int(first_row[s])
-        raise TraceError(f"{path}:{header_line + 1 + r}: turn {turn[r]} step {step[r]} lacks rows for "
+        raise TraceError(f"{path}:{first_data_line + r}: turn {turn[r]} step {step[r]} lacks rows for "
                          f"layer {layers[li]} (a decode step needs all {k} ranks of every layer, "
                          f"a prefill step all or none)")
 
     def grid(values, dtype, absent):
-        out = np.full(n_steps * n_layers * k, absent, dtype=dtype)
+        out = np.full(cells, absent, dtype=dtype)
         out[cell] = values
         return out.reshape(n_steps, n_layers, k)
 
-    eb = np.array([layer_bytes[int(l)][0] for l in layers], dtype=np.int64)
-    db = np.array([layer_bytes[int(l)][1] for l in layers], dtype=np.int64)
+    sizes = [preamble.layer_bytes[int(l)] for l in layers]
     return RouteTrace(
-        path=path, model=model_fields["model"], arch=model_fields["arch"],
-        n_layer=n_layer, n_expert=n_expert, n_expert_used=k,
-        layers=layers, expert_bytes=eb, dense_bytes=db,
+        path=path, model=preamble.model["model"], arch=preamble.model["arch"],
+        n_layer=preamble.n_layer, n_expert=preamble.n_expert, n_expert_used=k,
+        layers=layers, expert_bytes=np.array([e for e, _ in sizes], dtype=np.int64),
+        dense_bytes=np.array([d for _, d in sizes], dtype=np.int64),
         turn=turn[first_row], step=step[first_row], phase=step_phase.astype(np.int8),
         ids=grid(expert, np.int32, -1), weights=grid(weight, np.float32, 0.0),
         residency=grid(residency, np.int8, 0), dropped=grid(dropped, bool, False))
-
-
-def _is_int(text: str) -> bool:
-    try:
-        int(text)
-        return True
-    except ValueError:
-        return False
 
 
 # --- reader registry -------------------------------------------------------------------

@@ -7,50 +7,44 @@
 between two live steps: the step then runs with cold CPU caches.
 """
 
-import argparse
-import time
+import sys
 
 import numpy as np
 
-from moecache.engine import CacheEngine
-from moecache.policies import make_policy
-from moecache.traces import synthetic_routing
+from moecache.replay import PER_LAYER, simulate
+from moecache.traces import RouteTrace, synthetic_routing
+from moecache.util import OneLineParser, int_arg
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=48)
-    ap.add_argument("--experts", type=int, default=128)
-    ap.add_argument("--top-k", type=int, default=8)
-    ap.add_argument("--slots", type=int, default=64)
-    ap.add_argument("--inserts", type=int, default=2)
+def main(argv=None) -> int:
+    ap = OneLineParser(prog="bench_step.py", description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int_arg(minimum=1), default=48)
+    ap.add_argument("--experts", type=int_arg(minimum=1), default=128)
+    ap.add_argument("--top-k", type=int_arg(minimum=1), default=8)
+    ap.add_argument("--slots", type=int_arg(minimum=1), default=64)
+    ap.add_argument("--inserts", type=int_arg(minimum=1), default=2)
     ap.add_argument("--policy", default="lru", help="comma separated policy names")
-    ap.add_argument("--steps", type=int, default=2000)
-    ap.add_argument("--evict-mib", type=int, default=0,
+    ap.add_argument("--steps", type=int_arg(minimum=10), default=2000)
+    ap.add_argument("--evict-mib", type=int_arg(minimum=0), default=0,
                     help="MiB read before each step to evict the CPU caches (0: warm loop)")
-    args = ap.parse_args()
-    if args.evict_mib < 0:
-        ap.error(f"--evict-mib must be >= 0, got {args.evict_mib}")
+    return ap.run(bench, argv)
+
+
+def bench(args):
     streamed = np.ones(args.evict_mib << 17)  # float64: 2**17 per MiB
 
-    routing = synthetic_routing(args.steps, args.layers, args.experts, args.top_k, seed=1)
+    trace = RouteTrace.from_routing(
+        synthetic_routing(args.steps, args.layers, args.experts, args.top_k, seed=1), args.experts)
     print(f"{args.layers} layers x top-{args.top_k}, {args.experts} experts, K={args.slots}, "
           f"inserts={args.inserts}, {args.steps} steps"
           + (f", {args.evict_mib} MiB read before each step" if args.evict_mib else ""))
     for name in args.policy.split(","):
-        engine = CacheEngine(args.layers, args.experts, args.slots, make_policy(name),
-                             inserts=args.inserts)
-        engine.step(None)
-        times = np.empty(args.steps)
-        for t, ids in enumerate(routing):
-            streamed.sum()
-            start = time.perf_counter()
-            engine.step(ids)
-            times[t] = time.perf_counter() - start
-        times = times[args.steps // 10:] * 1e6  # skip the cold-start fill
+        result = simulate(trace, PER_LAYER, name, args.slots, inserts=args.inserts, step_times=True,
+                          before_step=streamed.sum)
+        times = result.step_seconds[args.steps // 10:] * 1e6  # skip the cold-start fill
         print(f"{name:>8}: step() median {np.median(times):6.1f} us  min {times.min():6.1f}  "
-              f"max {times.max():7.1f}  hit {engine.stats()['hit_pct']:.1f}%")
+              f"max {times.max():7.1f}  hit {100 * result.hit_rate:.1f}%")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

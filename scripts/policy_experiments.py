@@ -1,9 +1,9 @@
 """Candidate default policies that were tried against `heat` and NOT shipped (issue 4).
 
-    PYTHONPATH=. python scripts/policy_experiments.py   (about 5 minutes on 2 cores)
+    PYTHONPATH=. python scripts/policy_experiments.py   (15 s on a loaded 2-core machine)
 
 Prints decode hit% at K = n_expert/8, INSERTS=2, with the share of the LRU->Belady gap
-closed, on both shared traces (plus uploads per layer per step) and on synthetic locality
+closed, on both shipped traces (plus uploads per layer per step) and on synthetic locality
 routing. The candidates are kept here, outside moecache.policies, so the negative results in
 docs/policies.md stay reproducible:
 
@@ -26,12 +26,10 @@ from pathlib import Path
 
 import numpy as np
 
-from moecache.engine import CacheEngine
 from moecache.policies import DecayedLfu, Policy, make_policy
-from moecache.replay import observations
-from moecache.traces import SHIPPED_TRACES, read_trace, synthetic_routing
+from moecache.replay import PER_LAYER, simulate
+from moecache.traces import SHIPPED_TRACES, RouteTrace, read_trace, synthetic_routing
 
-SHARED = list(SHIPPED_TRACES)
 SYNTHETIC = [  # (label, layers, experts, top-k, options); seeds 3.. as in replay_table.py
     ("8 of 128, sticky", 24, 128, 8, {}),
     ("2 of 64", 24, 64, 2, {"stickiness": 1.0}),
@@ -180,22 +178,19 @@ CANDIDATES = {
 }
 
 
-def run(obs, n_expert, slots, policy):
-    engine = CacheEngine(obs[0].shape[0], n_expert, slots, policy, inserts=2, offline=True)
-    engine.step(None)
-    for ids in obs:
-        engine.step(ids)
-    stats = engine.stats()
-    return stats["hit_pct"], stats["total"]["uploads"] / (len(obs) * obs[0].shape[0])
+def run(trace, slots, policy):
+    """Decode hit% and uploads per layer per step."""
+    result = simulate(trace, PER_LAYER, policy, slots)
+    return 100 * result.hit_rate, result.totals["uploads"] / (result.decode_steps * trace.layers.size)
 
 
-def row(label, obs, n_expert, uploads):
-    slots = n_expert // 8
-    lru = run(obs, n_expert, slots, make_policy("lru"))[0]
-    best = run(obs, n_expert, slots, make_policy("belady", future=obs))[0]
+def row(label, trace, uploads):
+    slots = trace.n_expert // 8
+    lru = run(trace, slots, "lru")[0]
+    best = run(trace, slots, "belady")[0]
     cells = []
     for name, factory in CANDIDATES.items():
-        hit, up = run(obs, n_expert, slots, factory())
+        hit, up = run(trace, slots, factory())
         cells.append(f"{hit:.1f} ({100 * (hit - lru) / (best - lru):.0f}%" + (f", {up:.2f} up)" if uploads else ")"))
     print(f"| {label} | {lru:.1f} | {best:.1f} | " + " | ".join(cells) + " |", flush=True)
 
@@ -204,7 +199,7 @@ def first_use_bound(path):
     """Share of decode lookups that no policy without prefetch can hit: an expert's first
     use, and a use right after a first use (its upload is not published yet)."""
     trace = read_trace(path)
-    obs = np.array(observations(trace)[0])
+    obs = trace.decode_ids
     T, L, _ = obs.shape
     used = np.zeros((T, L, trace.n_expert), dtype=bool)
     for t in range(T):
@@ -217,16 +212,17 @@ def first_use_bound(path):
 
 
 def main():
-    for path in sys.argv[1:] or [str(p) for p in SHARED if p.exists()]:
+    paths = sys.argv[1:] or [str(p) for p in SHIPPED_TRACES]
+    for path in paths:
         first_use_bound(path)
     print("\ndecode hit% at K = n_expert/8, INSERTS=2 (gap closed[, uploads per layer per step])\n")
     print("| routing | lru | belady | " + " | ".join(CANDIDATES) + " |")
     print("|---|---:|---:|" + "---:|" * len(CANDIDATES))
-    for path in sys.argv[1:] or [str(p) for p in SHARED if p.exists()]:
-        trace = read_trace(path)
-        row(Path(path).name.split(".")[0], observations(trace)[0], trace.n_expert, True)
+    for path in paths:
+        row(Path(path).name.split(".")[0], read_trace(path), True)
     for seed, (label, layers, experts, k, options) in enumerate(SYNTHETIC, start=3):
-        row(label, list(synthetic_routing(300, layers, experts, k, seed=seed, **options)), experts, False)
+        routing = synthetic_routing(300, layers, experts, k, seed=seed, **options)
+        row(label, RouteTrace.from_routing(routing, experts), False)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Measure the figures in docs/policies.md and print them as markdown.
 
-    python scripts/replay_table.py [TRACE ...]   (default: the shared traces)
+    python scripts/replay_table.py [TRACE ...]   (default: the shipped traces)
 
 Per trace: every per-layer policy's decode hit% at K = n_expert/8 with INSERTS=2 and with
 unlimited inserts, the share of the LRU->Belady gap the default closes, and a diagnostic
@@ -18,25 +18,24 @@ import numpy as np
 from moecache.engine import CacheEngine
 from moecache.policies import DEFAULT_POLICY, POLICIES, Policy, make_policy
 from moecache.profile import UsageProfile
-from moecache.replay import observations, replay_per_layer
-from moecache.traces import DECODE, SHIPPED_TRACES, read_trace, synthetic_routing
-
-SHARED = list(SHIPPED_TRACES)
+from moecache.replay import PER_LAYER, simulate
+from moecache.traces import DECODE, SHIPPED_TRACES, RouteTrace, read_trace, synthetic_routing
 
 
 class PopularityOracle(Policy):
     """Diagnostic, offline: ranks experts by their use count over the WHOLE replay (known up
-    front) and admits a miss only over a less popular victim. It bounds what learning
-    popularity online could reach; it knows nothing about when an expert is used."""
+    front: `ids`, the (steps, layers, k) routing it will see) and admits a miss only over a
+    less popular victim. It bounds what learning popularity online could reach; it knows
+    nothing about when an expert is used."""
     name = "popularity-oracle"
     offline_only = True
 
-    def __init__(self, obs):
-        self.obs = obs
+    def __init__(self, ids):
+        self.ids = ids
 
     def bind(self, n_layers, n_expert, n_slots):
         super().bind(n_layers, n_expert, n_slots)
-        self.total = UsageProfile.from_ids("", range(n_layers), n_expert, self.obs).counts.astype(float)
+        self.total = UsageProfile.from_ids("", range(n_layers), n_expert, self.ids).counts.astype(float)
 
     def priority(self, step, keys):
         return self.total.take(keys)
@@ -45,14 +44,15 @@ class PopularityOracle(Policy):
         return self.total.take(keys)
 
 
-def engine_hit_pct(obs, n_expert, slots, policy, inserts=2, preload=None, rates=None):
-    engine = CacheEngine(obs[0].shape[0], n_expert, slots, policy, inserts=inserts, offline=True)
-    if preload is not None:
-        engine.preload(preload, rates=rates)
-    engine.step(None)
-    for ids in obs:
-        engine.step(ids)
-    return engine.stats()["hit_pct"]
+def hit_pct(trace, policy, slots, inserts=2, **options):
+    return 100 * simulate(trace, PER_LAYER, policy, slots, inserts=inserts, **options).hit_rate
+
+
+def preloaded_only(trace, slots, profile):
+    """The default policy preloaded from the profile, without its rates as the prior."""
+    engine = CacheEngine(trace.layers.size, trace.n_expert, slots, make_policy(DEFAULT_POLICY), offline=True)
+    engine.preload(profile.top(slots))
+    return 100 * simulate(trace, PER_LAYER, engine).hit_rate
 
 
 def gap_closed(policy, lru, belady):
@@ -60,12 +60,10 @@ def gap_closed(policy, lru, belady):
 
 
 def policy_table(trace, slots):
-    obs = observations(trace)
     names = ["belady", *[n for n in POLICIES if n != "belady"]]
-    hits = {(name, inserts): replay_per_layer(trace, name, slots, inserts=inserts, obs=obs).hit_pct_decode
-            for name in names for inserts in (2, None)}
+    hits = {(name, inserts): hit_pct(trace, name, slots, inserts) for name in names for inserts in (2, None)}
     print(f"\n{Path(trace.path).name}: K={slots} per layer ({trace.layers.size} layers x "
-          f"{trace.n_expert} experts, top-{trace.n_expert_used}, {len(obs[0])} decode steps)\n")
+          f"{trace.n_expert} experts, top-{trace.n_expert_used}, {len(trace.decode_ids)} decode steps)\n")
     print("| policy | hit% INSERTS=2 | gap closed | hit% unlimited | gap closed |")
     print("|---|---:|---:|---:|---:|")
     for name in names:
@@ -78,7 +76,7 @@ def policy_table(trace, slots):
         print(f"| {label} | " + " | ".join(cells) + " |")
     cells = []
     for inserts in (2, None):
-        h = engine_hit_pct(obs[0], trace.n_expert, slots, PopularityOracle(obs[0]), inserts)
+        h = hit_pct(trace, PopularityOracle(trace.decode_ids), slots, inserts)
         cells += [f"{h:.1f}", f"{gap_closed(h, hits[('lru', inserts)], hits[('belady', inserts)]):.0f}%"]
     print("| popularity oracle (diagnostic, offline) | " + " | ".join(cells) + " |")
 
@@ -97,10 +95,10 @@ def synthetic_table():
     print("| routing | belady | " + " | ".join(names) + " |")
     print("|---|---:|" + "---:|" * len(names))
     for seed, (label, layers, experts, k, options) in enumerate(SYNTHETIC, start=3):
-        obs = list(synthetic_routing(300, layers, experts, k, seed=seed, **options))
+        trace = RouteTrace.from_routing(synthetic_routing(300, layers, experts, k, seed=seed, **options), experts)
         slots = experts // 8
-        best = engine_hit_pct(obs, experts, slots, make_policy("belady", future=obs))
-        hits = {n: engine_hit_pct(obs, experts, slots, make_policy(n)) for n in names}
+        best = hit_pct(trace, "belady", slots)
+        hits = {n: hit_pct(trace, n, slots) for n in names}
         cells = [f"{hits[n]:.1f}" + ("" if n == "lru" else f" ({gap_closed(hits[n], hits['lru'], best):.0f}%)")
                  for n in names]
         print(f"| {label} | {best:.1f} | " + " | ".join(cells) + " |")
@@ -108,7 +106,7 @@ def synthetic_table():
 
 def reuse_statistics(trace):
     """P(an expert is used at step t+d | used at t), and P(used at t+2 | used n times up to t)."""
-    decode = trace.ids[trace.phase == DECODE]
+    decode = trace.decode_ids
     steps, layers, _ = decode.shape
     used = np.zeros((steps, layers, trace.n_expert), dtype=bool)
     for t, ids in enumerate(decode):
@@ -128,7 +126,7 @@ def reuse_statistics(trace):
 def warm_start_table(trace, slots):
     """Warm start as the live cache does it (preload + the policy's prior), from the profile
     of one half of decode into a replay of the other half, both ways round."""
-    decode = trace.ids[trace.phase == DECODE]
+    decode = np.flatnonzero(trace.phase == DECODE)
     half = len(decode) // 2
     print(f"\nwarm start, {Path(trace.path).name}, K={slots}, INSERTS=2: decode hit% of one half, "
           f"cold or warmed by the other half's profile (Belady warm: preloaded, it has no prior); "
@@ -136,21 +134,17 @@ def warm_start_table(trace, slots):
     print(f"| replayed <- profile | lru cold | lru warm | {DEFAULT_POLICY} cold | {DEFAULT_POLICY} warm | "
           f"belady cold | belady warm | gap closed cold | gap closed warm | {DEFAULT_POLICY} preloaded only |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    halves = {"first": slice(0, half), "second": slice(half, None)}
+    halves = {"first": decode[:half], "second": decode[half:]}
     for replayed, source in (("second", "first"), ("first", "second")):
-        ids = decode[halves[replayed]]
-        profile = UsageProfile.from_ids(trace.model, trace.layers, trace.n_expert, decode[halves[source]])
-        obs = (list(ids), [True] * len(ids))
-        hit = {(name, warm): replay_per_layer(trace, name, slots, obs=obs,
-                                              profile=profile if warm else None).hit_pct_decode
+        part = trace.select(halves[replayed])
+        profile = UsageProfile.from_ids(trace.model, trace.layers, trace.n_expert, trace.ids[halves[source]])
+        hit = {(name, warm): hit_pct(part, name, slots, profile=profile if warm else None)
                for name in ("lru", DEFAULT_POLICY, "belady") for warm in (False, True)}
         closed = [gap_closed(hit[DEFAULT_POLICY, warm], hit["lru", warm], hit["belady", warm])
                   for warm in (False, True)]
-        preloaded = engine_hit_pct(obs[0], trace.n_expert, slots, make_policy(DEFAULT_POLICY),
-                                   preload=profile.top(slots))  # no rates: no prior
         print(f"| {replayed} <- {source} | " + " | ".join(
             f"{hit[name, warm]:.1f}" for name in ("lru", DEFAULT_POLICY, "belady") for warm in (False, True))
-            + f" | {closed[0]:.0f}% | {closed[1]:.0f}% | {preloaded:.1f} |")
+            + f" | {closed[0]:.0f}% | {closed[1]:.0f}% | {preloaded_only(part, slots, profile):.1f} |")
 
 
 def synthetic_warm_start_table():
@@ -162,37 +156,42 @@ def synthetic_warm_start_table():
     print("|---|---|---:|---:|---:|")
     for seed, (label, layers, experts, k, options) in enumerate(SYNTHETIC, start=3):
         routing = synthetic_routing(300, layers, experts, k, seed=seed, **options)
+        slots = experts // 8
         for replayed, source in ((slice(150, None), slice(0, 150)), (slice(0, 150), slice(150, None))):
-            obs = list(routing[replayed])
+            part = RouteTrace.from_routing(routing[replayed], experts)
             profile = UsageProfile.from_ids("synthetic", range(layers), experts, routing[source])
-            hit = [engine_hit_pct(obs, experts, experts // 8, make_policy(DEFAULT_POLICY), **warm)
-                   for warm in ({}, {"preload": profile.top(experts // 8)},
-                                {"preload": profile.top(experts // 8), "rates": profile.rates(k)})]
+            hit = [hit_pct(part, DEFAULT_POLICY, slots), preloaded_only(part, slots, profile),
+                   hit_pct(part, DEFAULT_POLICY, slots, profile=profile)]
             print(f"| {label} | {replayed.start or 0}-{(replayed.stop or 300) - 1} | "
                   + " | ".join(f"{h:.1f}" for h in hit) + " |")
 
 
 def throughput(trace, slots, repeats=5):
-    obs = observations(trace)
-    best = max(replay_per_layer(trace, "lru", slots, obs=obs).lookups_per_s for _ in range(repeats))
-    print(f"\nLRU replay throughput, {Path(trace.path).name}, K={slots}: "
-          f"{best / 1e6:.2f} M lookups/s (best of {repeats})")
+    """Best of `repeats`, by the wall clock (the result's lookups_per_s) and by this thread's
+    CPU time (what the replay itself costs on a shared machine)."""
+    wall = cpu = 0.0
+    for _ in range(repeats):
+        start = time.thread_time()
+        result = simulate(trace, PER_LAYER, "lru", slots)
+        wall = max(wall, result.lookups_per_s)
+        cpu = max(cpu, result.lookups / (time.thread_time() - start))
+    print(f"\nLRU replay throughput, {Path(trace.path).name}, K={slots}: {wall / 1e6:.2f} M lookups/s "
+          f"(wall clock), {cpu / 1e6:.2f} M lookups/s (CPU time), best of {repeats}")
 
 
 def sweep_time(trace):
-    obs = observations(trace)
     names = ["lru", "lfu", "gdsf", "arc", "belady", DEFAULT_POLICY]
     sizes = [4, 8, 16, 32, 64, 96]
     start = time.perf_counter()
     for name in names:
         for k in sizes:
-            replay_per_layer(trace, name, k, obs=obs)
+            simulate(trace, PER_LAYER, name, k)
     print(f"\nsweep {','.join(names)} x K={','.join(map(str, sizes))} over {Path(trace.path).name}: "
           f"{time.perf_counter() - start:.1f} s")
 
 
 def main():
-    paths = [Path(p) for p in sys.argv[1:]] or SHARED
+    paths = [Path(p) for p in sys.argv[1:]] or list(SHIPPED_TRACES)
     traces = [read_trace(str(p)) for p in paths]
     for trace in traces:
         policy_table(trace, trace.n_expert // 8)
@@ -204,6 +203,8 @@ def main():
     synthetic_warm_start_table()
     for trace in traces:
         throughput(trace, trace.n_expert // 8)
+    few_layers = RouteTrace.from_routing(synthetic_routing(20000, 4, 8, 2, seed=1), 8, name="4 x 8, top-2")
+    throughput(few_layers, 2, repeats=1)
     sweep_time(traces[0])
 
 

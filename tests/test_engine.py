@@ -232,7 +232,7 @@ def test_prefetch_uses_leftover_budget_and_counts_hits_and_waste():
     engine.step(np.array([[1, 2]]))                # two misses use the whole budget
     assert engine.counters["prefetch_uploads"].tolist() == [2]
     stats = engine.stats()
-    assert stats["total"]["prefetch_hits"] == 1 and set(stats["layers"]) >= {"hits", "prefetch_waste"}
+    assert stats["totals"]["prefetch_hits"] == 1 and set(stats["layers"]) >= {"hits", "prefetch_waste"}
 
 
 class PredictFive(Lru):
@@ -309,8 +309,8 @@ def test_every_policy_keeps_engine_invariants(name):
         plan = engine.step(ids)
         check_invariants(engine, plan, ids, 2)
     stats = engine.stats()
-    assert stats["total"]["hits"] + stats["total"]["misses"] == routing.size
-    assert stats["total"]["uploads"] <= 2 * 3 * len(routing)
+    assert stats["totals"]["hits"] + stats["totals"]["misses"] == routing.size
+    assert stats["totals"]["uploads"] <= 2 * 3 * len(routing)
     assert engine.usage.sum() == routing.size
 
 

@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from moecache.profile import ProfileError, UsageProfile  # noqa: E402
+from moecache.traces import TraceError, read_trace  # noqa: E402
 
 # CI has 2 cores: a bounded number of examples per property, each fast
 FUZZ = settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", 150)), deadline=2000, derandomize=True,
@@ -38,6 +39,86 @@ def _write(path: str, content: bytes | str) -> str:
     with open(path, "wb") as f:
         f.write(content.encode("utf-8", "surrogatepass") if isinstance(content, str) else content)
     return path
+
+
+# --- route traces -------------------------------------------------------------------------
+
+TRACE = """# route_trace v1
+# model=m.gguf arch=qwen3moe n_layer=3 n_expert=8 n_expert_used=2
+# layer=1 expert_bytes=1000 dense_bytes=10
+# layer=2 expert_bytes=2000 dense_bytes=10
+turn,phase,step,layer,slot,expert,weight,residency,expert_bytes
+0,0,0,1,0,3,0.6,0,1000
+0,0,0,1,1,4,0.4,0,1000
+0,1,1,1,0,3,0.7,1,0
+0,1,1,1,1,5,0.3,0,1000
+0,1,1,2,0,0,0.5,0,2000
+0,1,1,2,1,7,0.5,0,2000
+"""
+TRACE_LINES = TRACE.splitlines()
+
+# text a field might hold: numbers of every size and sign, separators, other scripts' digits
+FIELD = st.one_of(
+    st.integers(min_value=-2**70, max_value=2**70).map(str),
+    st.sampled_from([2**31, 2**32, 2**53, 2**63 - 1, 2**63, 2**64, 10**25, -2**63 - 1]).map(str),
+    st.floats(allow_nan=True, allow_infinity=True).map(repr),
+    st.sampled_from(["", " ", "1 ", "+1", "1_0", "\uff11", "٣", "0x10", "1e3", "nan", ",", "=",
+                     "\t", "\r", "\x00", '"', "'", "#", "layer=", "model=a b", "\u2028"]),
+    st.text(max_size=12),
+)
+
+
+def _check_trace(path: str) -> None:
+    try:
+        trace = read_trace(path)
+    except TraceError as e:
+        _one_line(e)
+    else:
+        assert trace.ids.ndim == 3
+
+
+@FUZZ
+@given(st.binary(max_size=400))
+def test_trace_reader_on_arbitrary_bytes(scratch, data):
+    _check_trace(_write(scratch, data))
+    _check_trace(_write(scratch, TRACE_LINES[0].encode() + b"\n" + data))
+
+
+@FUZZ
+@given(st.integers(1, len(TRACE_LINES) - 1), st.integers(0, 8), FIELD)
+def test_trace_reader_with_one_field_replaced(scratch, line, field, value):
+    lines = list(TRACE_LINES)
+    sep = "," if line >= 4 else " "
+    parts = lines[line].split(sep)
+    key, eq, _ = parts[field % len(parts)].partition("=")
+    parts[field % len(parts)] = (key + eq if sep == " " else "") + value
+    lines[line] = sep.join(parts)
+    _check_trace(_write(scratch, "\n".join(lines) + "\n"))
+
+
+@FUZZ
+@given(st.data())
+def test_trace_reader_on_mutated_traces(scratch, data):
+    lines = list(TRACE_LINES)
+    for _ in range(data.draw(st.integers(1, 3), label="edits")):
+        i = data.draw(st.integers(0, len(lines) - 1), label="line")
+        how = data.draw(st.sampled_from(["field", "line", "drop", "duplicate"]), label="how")
+        if how == "field":
+            sep = "," if i >= 4 else " "
+            parts = lines[i].split(sep)
+            j = data.draw(st.integers(0, len(parts) - 1), label="field")
+            key, eq, _ = parts[j].partition("=")
+            parts[j] = (key + eq if eq and sep == " " else "") + data.draw(FIELD, label="value")
+            lines[i] = sep.join(parts)
+        elif how == "line":
+            lines[i] = data.draw(st.text(max_size=60), label="text")
+        elif how == "drop":
+            del lines[i]
+        else:
+            lines.insert(i, lines[i])
+        if not lines:
+            break
+    _check_trace(_write(scratch, "\n".join(lines) + "\n"))
 
 
 # --- usage profiles -----------------------------------------------------------------------

@@ -4,11 +4,8 @@ import pytest
 
 from moecache.engine import CacheEngine
 from moecache.policies import DEFAULT_POLICY, POLICIES, make_policy
-from moecache.replay import observations, replay_per_layer
-from moecache.traces import read_trace, synthetic_routing
-
-from conftest import TRACES  # noqa: E402
-REAL = [TRACES / "qwen3-30b-a3b.route.csv", TRACES / "gpt-oss-120b.route.csv"]
+from moecache.replay import PER_LAYER, simulate
+from moecache.traces import SHIPPED_TRACES, RouteTrace, read_trace, synthetic_routing
 ONLINE = [name for name, factory in POLICIES.items() if name != "belady"]
 
 
@@ -24,15 +21,9 @@ def test_registry_and_default():
     assert make_policy("belady", future=[np.zeros((1, 1), int)]).offline_only
 
 
-def hit_pct(routing, n_expert, slots, policy, inserts):
-    future = list(routing)
-    engine = CacheEngine(routing.shape[1], n_expert, slots,
-                         make_policy(policy, future=future) if policy == "belady" else make_policy(policy),
-                         inserts=inserts, offline=True)
-    engine.step(None)
-    for ids in routing:
-        engine.step(ids)
-    return engine.stats()["hit_pct"]
+def hit_rate(routing, n_expert, slots, policy, inserts):
+    return simulate(RouteTrace.from_routing(routing, n_expert), PER_LAYER, policy, slots,
+                    inserts=inserts).hit_rate
 
 
 RANDOM_CASES = [  # (seed, experts, top-k, slots, generator options)
@@ -45,20 +36,18 @@ RANDOM_CASES = [  # (seed, experts, top-k, slots, generator options)
 @pytest.mark.parametrize("inserts", [2, None])
 def test_belady_beats_every_online_policy_on_random_traces(seed, experts, k, slots, options, inserts):
     routing = synthetic_routing(150, 3, experts, k, seed=seed, **options)
-    best = hit_pct(routing, experts, slots, "belady", inserts)
+    best = hit_rate(routing, experts, slots, "belady", inserts)
     for name in ONLINE:
-        assert hit_pct(routing, experts, slots, name, inserts) <= best + 1e-9, name
+        assert hit_rate(routing, experts, slots, name, inserts) <= best + 1e-9, name
 
 
-@pytest.mark.skipif(not REAL[0].exists(), reason="shared traces not present")
-@pytest.mark.parametrize("path", REAL, ids=["qwen", "gptoss"])
+@pytest.mark.parametrize("path", SHIPPED_TRACES, ids=["qwen", "gptoss"])
 def test_belady_beats_every_online_policy_on_real_traces(path):
     trace = read_trace(str(path))
-    obs = observations(trace)
     for slots, inserts in ((8, 2), (16, 2), (32, 2), (16, None)):
-        best = replay_per_layer(trace, "belady", slots, inserts=inserts, obs=obs).hit_pct_decode
+        best = simulate(trace, PER_LAYER, "belady", slots, inserts=inserts).hit_rate
         for name in ONLINE:
-            got = replay_per_layer(trace, name, slots, inserts=inserts, obs=obs).hit_pct_decode
+            got = simulate(trace, PER_LAYER, name, slots, inserts=inserts).hit_rate
             assert got <= best + 1e-9, (name, slots, inserts)
 
 
@@ -84,10 +73,10 @@ def test_heat_admission_keeps_one_off_experts_from_displacing_popular_ones():
     # {0, 1} and {2, 3} alternate; every step also routes to two experts never seen again
     steps = [([0, 1] if t % 2 == 0 else [2, 3]) + [10 + 2 * t % 50, 11 + 2 * t % 50] for t in range(60)]
     routing = np.array(steps, dtype=np.int32)[:, None, :]
-    lru = hit_pct(routing, 64, 4, "lru", 2)
-    heat = hit_pct(routing, 64, 4, "heat", 2)
+    lru = hit_rate(routing, 64, 4, "lru", 2)
+    heat = hit_rate(routing, 64, 4, "heat", 2)
     assert heat > 2 * lru                     # LRU lets the one-offs push the pairs out
-    assert heat <= hit_pct(routing, 64, 4, "belady", 2)
+    assert heat <= hit_rate(routing, 64, 4, "belady", 2)
 
 
 def test_decayed_counts_survive_rebasing_far_into_a_run():

@@ -1,0 +1,148 @@
+"""Every replay figure docs/policies.md states, as exact integers, for the stored-values test.
+
+    PYTHONPATH=. python tests/replay_values.py           # compare with tests/replay_values.json
+    PYTHONPATH=. python tests/replay_values.py --write   # (re)write it
+
+Each entry is a run named by what it replays: trace or routing, model, policy, size, inserts;
+its value [hits, lookups, hits incl. prefill, lookups incl. prefill, bytes uploaded (global:
+read) for decode] (synthetic routing: 1 byte per expert). The table scripts' own policies
+(the popularity oracle, the issue-4 candidates) are included, so every figure of the doc is
+covered. The values were written by the replay code before moecache.replay.simulate existed;
+this file computes them with simulate.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from moecache.engine import CacheEngine
+from moecache.policies import make_policy
+from moecache.profile import UsageProfile
+from moecache.replay import GLOBAL, MIB, PER_LAYER, simulate
+from moecache.traces import DECODE, SHIPPED_TRACES, RouteTrace, read_trace, synthetic_routing
+
+REPO = Path(__file__).resolve().parents[1]
+STORED = Path(__file__).with_name("replay_values.json")
+PER_LAYER_POLICIES = ["belady", "lru", "lfu", "gdsf", "random", "arc", "sieve", "heat"]
+GLOBAL_POLICIES = ["lru", "lfu", "random", "belady", "layer", "layerlfu"]
+
+
+def script(name):
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def value(r):
+    decode, every = r.totals, r.totals_all
+    return [decode["hits"], decode["hits"] + decode["misses"], every["hits"],
+            every["hits"] + every["misses"], decode["upload_bytes"]]
+
+
+def preloaded(trace, slots, profile):
+    """heat preloaded from the profile without its rates (no prior)."""
+    engine = CacheEngine(trace.layers.size, trace.n_expert, slots, make_policy("heat"), offline=True)
+    engine.preload(profile.top(slots))
+    return simulate(trace, PER_LAYER, engine)
+
+
+def trace_values(trace, name, table, experiments):
+    values = {}
+    k16 = trace.n_expert // 8
+    runs = [(p, k16, i) for p in PER_LAYER_POLICIES for i in (2, None)]
+    if name.startswith("qwen3"):  # the upload-traffic sweep
+        runs += [(p, k, 2) for p in ("lru", "lfu", "gdsf", "arc", "belady", "heat")
+                 for k in (4, 8, 32, 64, 96)]
+    for policy, k, inserts in runs:
+        values[f"{name} per-layer {policy} K={k} inserts={inserts}"] = value(
+            simulate(trace, PER_LAYER, policy, k, inserts=inserts))
+    values[f"{name} per-layer lru K={k16} inserts=2 prefill"] = value(
+        simulate(trace, PER_LAYER, "lru", k16, include_prefill=True))
+    values[f"{name} per-layer random K={k16} inserts=2 seed=7"] = value(
+        simulate(trace, PER_LAYER, "random", k16, seed=7))
+    for inserts in (2, None):
+        values[f"{name} per-layer popularity-oracle K={k16} inserts={inserts}"] = value(
+            simulate(trace, PER_LAYER, table.PopularityOracle(trace.decode_ids), k16, inserts=inserts))
+    for candidate, factory in experiments.CANDIDATES.items():
+        values[f"{name} per-layer candidate-{candidate} K={k16} inserts=2"] = value(
+            simulate(trace, PER_LAYER, factory(), k16))
+
+    decode = np.flatnonzero(trace.phase == DECODE)
+    half = len(decode) // 2
+    halves = {"first": decode[:half], "second": decode[half:]}
+    for replayed, source in (("second", "first"), ("first", "second")):
+        part = trace.select(halves[replayed])
+        profile = UsageProfile.from_ids(trace.model, trace.layers, trace.n_expert, trace.ids[halves[source]])
+        for policy in ("lru", "heat", "belady"):
+            for warm in (False, True):
+                label = f"warm <- {source}" if warm else "cold"
+                values[f"{name} {replayed}-half per-layer {policy} K={k16} inserts=2 {label}"] = value(
+                    simulate(part, PER_LAYER, policy, k16, profile=profile if warm else None))
+        values[f"{name} {replayed}-half per-layer heat K={k16} inserts=2 preloaded <- {source}"] = \
+            value(preloaded(part, k16, profile))
+
+    budgets = [500, 750, 780, 1000, 3000, 4000]
+    working_set = trace.working_set_bytes() / MIB
+    runs = [(p, b) for p in GLOBAL_POLICIES for b in budgets]
+    runs += [("lru", f * working_set) for f in (0.25, 0.5, 0.9, 0.95, 2.0)] + [("belady", 0.5 * working_set)]
+    for policy, budget in runs:
+        values[f"{name} global {policy} MiB={budget:.6g}"] = value(simulate(trace, GLOBAL, policy, budget))
+    return values
+
+
+def synthetic_values(table, experiments):
+    values = {}
+    for seed, (label, layers, experts, k, options) in enumerate(experiments.SYNTHETIC, start=3):
+        routing = synthetic_routing(300, layers, experts, k, seed=seed, **options)
+        trace = RouteTrace.from_routing(routing, experts)
+        slots = experts // 8
+        name = f"synthetic {label} seed={seed}"
+        for policy in ("belady", "lru", "lfu", "gdsf", "arc", "sieve", "heat"):
+            values[f"{name} {policy} K={slots}"] = value(simulate(trace, PER_LAYER, policy, slots))
+        for candidate, factory in experiments.CANDIDATES.items():
+            values[f"{name} candidate-{candidate} K={slots}"] = value(simulate(trace, PER_LAYER, factory(), slots))
+        if label not in {row[0] for row in table.SYNTHETIC}:
+            continue
+        for replayed, source in ((slice(150, None), slice(0, 150)), (slice(0, 150), slice(150, None))):
+            part = RouteTrace.from_routing(routing[replayed], experts)
+            profile = UsageProfile.from_ids("synthetic", range(layers), experts, routing[source])
+            span = f"{replayed.start or 0}-{(replayed.stop or 300) - 1}"
+            values[f"{name} steps {span} heat K={slots} cold"] = value(simulate(part, PER_LAYER, "heat", slots))
+            values[f"{name} steps {span} heat K={slots} preloaded"] = value(preloaded(part, slots, profile))
+            values[f"{name} steps {span} heat K={slots} warm"] = value(
+                simulate(part, PER_LAYER, "heat", slots, profile=profile))
+    return values
+
+
+def compute() -> dict:
+    table, experiments = script("replay_table"), script("policy_experiments")
+    values = {}
+    for path in SHIPPED_TRACES:
+        values.update(trace_values(read_trace(str(path)), path.name.split(".")[0], table, experiments))
+    values.update(synthetic_values(table, experiments))
+    return {key: [int(v) for v in value] for key, value in values.items()}
+
+
+def main():
+    values = compute()
+    if sys.argv[1:] == ["--write"]:
+        lines = [f"{json.dumps(key)}: {json.dumps(values[key])}" for key in sorted(values)]
+        STORED.write_text("{\n" + ",\n".join(lines) + "\n}\n")
+        print(f"wrote {len(values)} runs to {STORED.name}")
+        return 0
+    stored = json.loads(STORED.read_text())
+    differ = sorted(k for k in stored.keys() | values.keys() if stored.get(k) != values.get(k))
+    for key in differ:
+        print(f"{key}: stored {stored.get(key)}, now {values.get(key)}")
+    print(f"{len(values)} runs, {len(differ)} differ")
+    return 1 if differ else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
