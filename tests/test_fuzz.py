@@ -17,6 +17,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from moecache.profile import ProfileError, UsageProfile  # noqa: E402
 from moecache.traces import TraceError, read_trace  # noqa: E402
+from test_traces import SMALL as SMALL_TRACE  # noqa: E402
 
 # CI has 2 cores: a bounded number of examples per property, each fast
 FUZZ = settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", 150)), deadline=2000, derandomize=True,
@@ -43,19 +44,7 @@ def _write(path: str, content: bytes | str) -> str:
 
 # --- route traces -------------------------------------------------------------------------
 
-TRACE = """# route_trace v1
-# model=m.gguf arch=qwen3moe n_layer=3 n_expert=8 n_expert_used=2
-# layer=1 expert_bytes=1000 dense_bytes=10
-# layer=2 expert_bytes=2000 dense_bytes=10
-turn,phase,step,layer,slot,expert,weight,residency,expert_bytes
-0,0,0,1,0,3,0.6,0,1000
-0,0,0,1,1,4,0.4,0,1000
-0,1,1,1,0,3,0.7,1,0
-0,1,1,1,1,5,0.3,0,1000
-0,1,1,2,0,0,0.5,0,2000
-0,1,1,2,1,7,0.5,0,2000
-"""
-TRACE_LINES = TRACE.splitlines()
+TRACE_LINES = SMALL_TRACE.splitlines()  # a valid trace: 2 layers, top-2, a prefill and a decode step
 
 # text a field might hold: numbers of every size and sign, separators, other scripts' digits
 FIELD = st.one_of(
