@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
@@ -444,7 +445,8 @@ class TraceWriter:
     Each step goes out as ONE write(2) on an O_APPEND descriptor, so a process that dies
     leaves whole steps behind: the file is always a readable prefix of the run.
     `layers` are (model layer number, expert_bytes, dense_bytes) for each cached layer, in
-    the order the rows of `ids` passed to write_step follow.
+    the order the rows of `ids` passed to write_step follow. Any model and arch name is
+    accepted; the preamble records it as one word (see _preamble_word).
     """
 
     def __init__(self, path: str, *, model: str, arch: str, n_layer: int, n_expert: int,
@@ -455,15 +457,13 @@ class TraceWriter:
             if not 0 <= layer < n_layer or expert_bytes <= 0:
                 raise ValueError(f"bad layer entry ({layer}, {expert_bytes}): layer must be in "
                                  f"[0, {n_layer}) and expert_bytes > 0")
-        for name, value in (("model", model), ("arch", arch)):
-            if any(c.isspace() for c in value) or not value:
-                raise ValueError(f"{name}={value!r} must be non-empty without whitespace")
         self.path = path
         self.n_expert = n_expert
         self.k = n_expert_used
         self.layers = np.array([l for l, _, _ in layers], dtype=np.int64)
         self.expert_bytes = np.array([b for _, b, _ in layers], dtype=np.int64)
-        preamble = [MAGIC, f"# model={model} arch={arch} n_layer={n_layer} n_expert={n_expert} "
+        preamble = [MAGIC, f"# model={_preamble_word(model)} arch={_preamble_word(arch)} "
+                           f"n_layer={n_layer} n_expert={n_expert} "
                            f"n_expert_used={n_expert_used}"]
         preamble += [f"# layer={l} expert_bytes={b} dense_bytes={d}" for l, b, d in layers]
         preamble.append(",".join(REQUIRED_COLUMNS))
@@ -509,6 +509,13 @@ class TraceWriter:
                                f"{float(weights[li, j]):.6g},{res},{0 if res else size}\n")
         self._write("".join(out))
 
+    def flush(self) -> None:
+        """To the disk: the steps are in the file already (one write each), this survives a
+        crash of the machine too."""
+        fd = self._fd
+        if fd is not None:
+            os.fsync(fd)
+
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
@@ -519,6 +526,12 @@ class TraceWriter:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _preamble_word(text: str) -> str:
+    """`text` as one key=value word of the preamble: model names have spaces ("SmolLM2 135M
+    Instruct"), the reader splits on whitespace; every other run of characters becomes '_'."""
+    return re.sub(r"[^\w.+-]+", "_", str(text)).strip("_") or "unknown"
 
 
 def synthetic_routing(n_steps: int, n_layers: int, n_expert: int, k: int, *, skew: float = 1.0,

@@ -207,3 +207,21 @@ def test_from_routing_and_select():
     assert trace.select(slice(2, 4)).ids.tolist() == routing[2:4].tolist()
     with pytest.raises(ValueError, match=r"in \[-1, 8\)"):
         RouteTrace.from_routing(routing + 8, 8)
+
+
+@pytest.mark.parametrize("name, recorded", [
+    ("SmolLM2 135M Instruct", "SmolLM2_135M_Instruct"),
+    (" Qwen3-30B-A3B\tInstruct 2507\n", "Qwen3-30B-A3B_Instruct_2507"),
+    ("a=b,c # d", "a_b_c_d"),
+    ("Модель 7B", "Модель_7B"),
+    ("", "unknown"),
+])
+def test_writer_records_any_model_name_readably(tmp_path, name, recorded):
+    """general.name of real models has spaces; the preamble splits words on whitespace."""
+    path = str(tmp_path / "w.csv")
+    with TraceWriter(path, model=name, arch=name, n_layer=1, n_expert=4, n_expert_used=2,
+                     layers=[(0, 10, 0)]) as writer:
+        writer.write_step(0, DECODE, 0, np.array([[1, 2]]), None, np.zeros((1, 2), int))
+    trace = read_trace(path)
+    assert (trace.model, trace.arch) == (recorded, recorded)
+    assert trace.ids.tolist() == [[[1, 2]]]
