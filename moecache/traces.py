@@ -28,6 +28,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from .util import IntegerError, parse_int
+
 MAGIC = "# route_trace v1"
 REQUIRED_COLUMNS = ("turn", "phase", "step", "layer", "slot", "expert", "weight",
                     "residency", "expert_bytes")
@@ -166,16 +168,11 @@ def _parse_fields(path, lineno, text, wanted):
     return fields
 
 
-def _int_field(path, lineno, fields, key, minimum, maximum, maximum_name=None):
+def _int_field(path, lineno, fields, key, minimum, maximum, context=""):
     try:
-        value = int(fields[key])
-    except ValueError:
-        raise TraceError(f"{path}:{lineno}: {key}={fields[key]!r} is not an integer") from None
-    if value < minimum:
-        raise TraceError(f"{path}:{lineno}: {key}={value} must be >= {minimum}")
-    if value > maximum:
-        raise TraceError(f"{path}:{lineno}: {key}={value} must be <= {maximum_name or maximum}")
-    return value
+        return parse_int(fields[key], key, minimum=minimum, maximum=maximum)
+    except IntegerError as e:
+        raise TraceError(f"{path}:{lineno}: {e}{context}") from None
 
 
 def _read_preamble(path, f) -> _Preamble:
@@ -209,7 +206,7 @@ def _read_preamble(path, f) -> _Preamble:
         raise TraceError(f"{path}:{lineno + 1}: no column header")
     n_layer = _int_field(path, model_line, model, "n_layer", 1, MAX_LAYERS)
     n_expert = _int_field(path, model_line, model, "n_expert", 1, MAX_EXPERTS)
-    k = _int_field(path, model_line, model, "n_expert_used", 1, n_expert, f"n_expert={n_expert}")
+    k = _int_field(path, model_line, model, "n_expert_used", 1, n_expert, f" (n_expert={n_expert})")
     for layer in layer_bytes:
         if layer >= n_layer:
             raise TraceError(f"{path}: preamble layer {layer} >= n_layer={n_layer}")
