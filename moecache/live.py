@@ -1,12 +1,12 @@
 """The live expert cache of one llama_context: policy and engine here, mechanism in libllama.
 
 At every single-token decode boundary libllama calls the step callback while no graph runs:
-hand the last graph's selections to the engine, publish the uploads that are due and complete,
-clear the evicted table entries and start the new uploads (libllama starts them after the
-callback returns, once the tables are written). An upload still running when it is due stays
-unpublished and its slot untouchable until a later boundary ("late"), so a slow upload never
-stalls decoding; LLAMA_MOE_CACHE_WAIT=1 waits for it instead, which makes the hit count
-deterministic (what the offline replay reproduces).
+hand the last graph's selections to the engine, then apply its plan in one call: publish the
+uploads that are due and complete, clear the evicted table entries and queue the new uploads
+(libllama starts them after the callback returns, once the tables are written). An upload
+still running when it is due stays unpublished and its slot untouchable until a later
+boundary ("late"), so a slow upload never stalls decoding; LLAMA_MOE_CACHE_WAIT=1 waits for
+it instead, which makes the hit count deterministic (what the offline replay reproduces).
 """
 
 from __future__ import annotations
@@ -148,12 +148,11 @@ class LiveCache:
             ready = self.engine.uploads_due - lib.llama_moe_cache_uploads_pending(ctx)
         ids = self._read_observed()
         plan = self.engine.step(ids, ready)
-        for layer, expert, slot in plan.publish.tolist():
-            _check(lib.llama_moe_cache_set_slot(ctx, layer, expert, slot), "publish", layer, expert, slot)
-        for layer, expert, slot in plan.evict.tolist():
-            _check(lib.llama_moe_cache_set_slot(ctx, layer, expert, -1), "evict", layer, expert, slot)
-        for layer, expert, slot in plan.upload.tolist():
-            _check(lib.llama_moe_cache_upload(ctx, layer, expert, slot), "upload", layer, expert, slot)
+        if not lib.llama_moe_cache_apply(ctx, *self._rows(plan.publish), *self._rows(plan.evict),
+                                         *self._rows(plan.upload)):
+            raise RuntimeError(f"libllama refused the plan of step {plan.step} (publish "
+                               f"{plan.publish.tolist()}, evict {plan.evict.tolist()}, upload "
+                               f"{plan.upload.tolist()})")
         self.steps += 1
         if ids is not None:
             if self.trace:
@@ -170,6 +169,10 @@ class LiveCache:
                       self.config.trace, getattr(e, "strerror", None) or e, self.decode_steps)
             self.trace.close()
             self.trace = None
+
+    def _rows(self, jobs):
+        """A job table as (pointer, row count) for libllama: (n, 3) int32, C order."""
+        return self.ffi.from_buffer("int32_t[]", np.ascontiguousarray(jobs, dtype=np.int32)), len(jobs)
 
     def _read_observed(self):
         n_used_max = self._n_used_max
@@ -298,9 +301,3 @@ class LiveCache:
             out.append({"hits": c.hits, "misses": c.misses, "uploads": c.uploads,
                         "upload_bytes": c.upload_bytes})
         return out
-
-
-def _check(ok: bool, what: str, layer: int, expert: int, slot: int) -> None:
-    if not ok:
-        raise RuntimeError(f"libllama refused {what} (layer {layer}, expert {expert}, slot {slot})")
-

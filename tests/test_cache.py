@@ -120,6 +120,30 @@ def test_no_torn_slot_with_slow_uploads(rpc_device, tiny_path):
     assert tokens == stock[0] and np.array_equal(logits, stock[1])
 
 
+def test_a_refused_plan_freezes_the_cache_and_decoding_stays_exact(rpc_device, tiny_path):
+    """libllama checks every row of a plan before applying any: a bad one (slot K) is refused
+    whole, the scheduler freezes the cache with one logged line, the output stays stock."""
+    stock = greedy(load(tiny_path), PROMPT, 24)
+    llm = load(tiny_path)
+    cache = attach(llm, slots=2, inserts=2, policy="lru", wait=1)
+    step = cache.engine.step
+    applied = []
+
+    def bad_plan(ids=None, ready=None):
+        plan = step(ids, ready)
+        if plan.step == 3:
+            applied.append(int(cache.engine.counters["uploads"].sum()) - len(plan.upload))
+            plan.upload = np.vstack([plan.upload, [[0, 1, 2]]]).astype(np.int32)  # slot 2 of K=2
+        return plan
+
+    cache.engine.step = bad_plan
+    tokens, logits = greedy(llm, PROMPT, 24)
+    assert cache.failed.startswith("RuntimeError: libllama refused the plan of step 3")
+    assert tokens == stock[0] and np.array_equal(logits, stock[1])
+    # none of step 3's rows was applied: its good uploads never started either
+    assert sum(c["uploads"] for c in cache.native_counters()) == applied[0]
+
+
 def test_waiting_for_uploads_is_an_option(rpc_device, tiny_path):
     llm = load(tiny_path)
     cache = attach(llm, slots=2, inserts=8, policy="lru", wait=1)
