@@ -1,7 +1,8 @@
 """Eager admission against upstream llama.cpp's own cache at equal device bytes: the tables
 of docs/policies.md ("Eager admission, upstream llama.cpp's cache and modelled cost").
 
-    PYTHONPATH=. python scripts/compare_upstream.py [TRACE ...]   (default: the shipped traces)
+    python scripts/compare_upstream.py [TRACE ...]   (default: the shipped traces; imports the
+                                                     installed moecache, as every script here)
 
 Per trace and K = 8, 16, 32: decode hit%, MiB uploaded per decode token and MODELLED expert
 milliseconds per decode token (moecache.cost: host 60 GB/s; link PCIe 4.0 x16, 25 GB/s, and
