@@ -52,11 +52,11 @@ def _run(cmd, *, cwd: Path, env: dict, timeout: float) -> subprocess.CompletedPr
 def test_readme_install_then_run_py_from_an_empty_model_cache(tmp_path):
     wheel = _wheel()
     repo = _fresh_copy(tmp_path / "moecache")
-    models = tmp_path / "models"
+    cache = tmp_path / "cache"  # moecache's cache (built models), empty
     # nothing from this checkout or this environment leaks in: no PYTHONPATH, no cache settings
     env = {k: v for k, v in os.environ.items()
            if k not in ("PYTHONPATH", "VIRTUAL_ENV", "MOECACHE_CACHE_DIR") and not k.startswith("LLAMA_MOE_CACHE_")}
-    env["MOECACHE_CACHE_DIR"] = str(models)
+    env["MOECACHE_CACHE_DIR"] = str(cache)
 
     _run([sys.executable, "-m", "venv", tmp_path / "venv"], cwd=tmp_path, env=env, timeout=300)
     python = tmp_path / "venv" / "bin" / "python"
@@ -68,4 +68,4 @@ def test_readme_install_then_run_py_from_an_empty_model_cache(tmp_path):
     assert "installing" not in run.stderr, "run.py did not find the installed packages and bootstrapped"
     assert run.stdout.strip(), "no text generated"
     assert any(line.startswith("moecache: ") and "hit rate" in line for line in run.stderr.splitlines()), run.stderr
-    assert list(models.glob("smol-moe-*.gguf")), "the default model was not built in the empty model cache"
+    assert list(cache.rglob("smol-moe-*.gguf")), "the default model was not built in the empty model cache"
