@@ -6,11 +6,13 @@ the command line, the scripts and the tests run.
 
 Two models (MODELS, each with its policy registry):
 
-per-layer (--slots): our live cache. K slots per layer, at most --inserts uploads per layer
-    per step, one-step publication delay, experts of the step just observed protected. It
-    runs moecache.engine.CacheEngine itself, the code the live glue calls. Prefill is NOT fed
-    by default, as live prefill graphs are stock and do not feed the policy
-    (--include-prefill feeds each turn's prefill as one batched observation).
+per-layer (--slots, and --budget-mib): our live cache. K slots per layer, at most --inserts
+    uploads per layer per step, one-step publication delay, experts of the step just observed
+    protected. It runs moecache.engine.CacheEngine itself, the code the live glue calls. At a
+    --budget-mib, K is the largest whose slots fit it by the live cache's rules (K + 1 copies
+    of each layer's experts and its id -> slot table, moecache.sizing), from the trace's
+    expert sizes. Prefill is NOT fed by default, as live prefill graphs are stock and do not
+    feed the policy (--include-prefill feeds each turn's prefill as one batched observation).
 global (--budget-mib): BigMoeOnEdge's route-replay model (moecache.budget). One cache over
     (layer, expert) entries budgeted in bytes (expert sizes from the preamble), immediate
     admission, no insert limit; batches are one per layer for a turn's whole prefill, then one
@@ -39,6 +41,7 @@ from .budget import BUDGET_POLICIES, BudgetPolicy, ByteBudgetCache, make_budget_
 from .engine import CacheEngine
 from .policies import DEFAULT_POLICY, POLICIES, Policy, make_policy, resolve_policy
 from .profile import UsageProfile
+from .sizing import slots_for_budget, trace_slot_bytes
 from .traces import DECODE, PREFILL, RouteTrace, read_trace, require_memory
 from .util import OneLineParser, Progress, atomic_write, int_arg, int_list_arg
 
@@ -62,7 +65,7 @@ class ReplayResult:
     model: str
     policy: str
     slots: int | None           # per-layer K
-    budget_mib: float | None    # global budget
+    budget_mib: float | None    # the budget: the global model's, or the one a per-layer K fits
     inserts: int | None         # per-layer; None: unlimited (and for the global model)
     decode_steps: int
     totals: dict
@@ -202,6 +205,18 @@ def _global_cache(trace, policy, budget_mib, seed):
     return cache, label
 
 
+def per_layer_slots(trace: RouteTrace, budget_mib: float) -> int:
+    """The per-layer model's K at a budget: the largest whose slots fit it by the live cache's
+    rules (moecache.sizing), from the trace's expert sizes."""
+    k = slots_for_budget(lambda k: trace_slot_bytes(trace.expert_bytes, trace.n_expert, k),
+                         int(budget_mib * MIB), trace.n_expert)
+    if k == 0:
+        need = trace_slot_bytes(trace.expert_bytes, trace.n_expert, 1)
+        raise ValueError(f"--budget-mib {budget_mib:g} is below one slot per layer for the per-layer "
+                         f"model: this trace needs at least {math.ceil(need / MIB)} MiB")
+    return k
+
+
 # --- a trace as each model's steps --------------------------------------------------------
 
 _prepared: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # trace -> {key: steps}
@@ -316,7 +331,8 @@ def parser() -> OneLineParser:
     ap.add_argument("--inserts", type=_inserts_arg, default=2,
                     help="uploads per layer per step, or 'unlimited'")
     ap.add_argument("--budget-mib", type=_budgets_arg, default=[],
-                    help="global byte budgets (BigMoeOnEdge model), comma separated")
+                    help="byte budgets, comma separated: the global model (BigMoeOnEdge), and the "
+                         "per-layer model at the largest K that fits")
     ap.add_argument("--include-prefill", action="store_true",
                     help="per-layer model: feed each turn's prefill as one batched observation")
     ap.add_argument("--preload-profile", metavar="JSON",
@@ -338,7 +354,8 @@ def check_args(args) -> None:
     # A name runs in every requested model that has it; one that no requested model has is
     # rejected, never tabulated under a policy that did not run.
     models = ([("--slots", policy_names(PER_LAYER))] if args.slots else []) + \
-             ([("--budget-mib", policy_names(GLOBAL))] if args.budget_mib else [])
+             ([("--budget-mib", list(dict.fromkeys(policy_names(PER_LAYER) + policy_names(GLOBAL))))]
+              if args.budget_mib else [])
     unknown = [p for p in args.policies if not any(p in names for _, names in models)]
     if unknown:
         valid = "; ".join(f"{flag}: {', '.join(names)}" for flag, names in models)
@@ -370,6 +387,8 @@ def load_inputs(args):
     trace = read_trace(args.trace)
     if args.slots and max(args.slots) > trace.n_expert:
         raise ValueError(f"--slots {max(args.slots)} exceeds n_expert={trace.n_expert}")
+    per_layer = [p for p in args.policies if p in policy_names(PER_LAYER)]
+    args.budget_slots = {b: per_layer_slots(trace, b) for b in args.budget_mib} if per_layer else {}
     profile = None
     if args.preload_profile:
         profile = UsageProfile.load(args.preload_profile, layers=trace.layers.tolist(),
@@ -378,15 +397,19 @@ def load_inputs(args):
 
 
 def run(args, trace, profile) -> list[ReplayResult]:
-    runs = [(PER_LAYER, p, k) for p in args.policies if p in policy_names(PER_LAYER) for k in args.slots] + \
-           [(GLOBAL, p, b) for p in args.policies if p in policy_names(GLOBAL) for b in args.budget_mib]
+    per_layer = [p for p in args.policies if p in policy_names(PER_LAYER)]
+    runs = [(PER_LAYER, p, k, None) for p in per_layer for k in args.slots] + \
+           [(PER_LAYER, p, args.budget_slots[b], b) for p in per_layer for b in args.budget_mib] + \
+           [(GLOBAL, p, b, b) for p in args.policies if p in policy_names(GLOBAL) for b in args.budget_mib]
     per_layer_options = {"inserts": args.inserts, "include_prefill": args.include_prefill,
                          "profile": profile}
     results = []
     with Progress(len(runs)) as progress:
-        for model, policy, size in runs:
-            results.append(simulate(trace, model, policy, size, seed=args.seed,
-                                    **(per_layer_options if model == PER_LAYER else {})))
+        for model, policy, size, budget in runs:
+            result = simulate(trace, model, policy, size, seed=args.seed,
+                              **(per_layer_options if model == PER_LAYER else {}))
+            result.budget_mib = budget
+            results.append(result)
             progress.advance(f"{policy} {size}")
     return results
 
@@ -409,15 +432,21 @@ def print_tables(args, trace, results) -> None:
             print(f"\nper-layer cache: K slots per layer, inserts={'unlimited' if args.inserts is None else args.inserts}, "
                   f"publication delay 1 step, prefill {'fed' if args.include_prefill else 'not fed'}"
                   f"{', warm start from ' + args.preload_profile if args.preload_profile else ''}")
-            head = f"{'policy':<16}{'K':>6}"
+            # MiB: what the K slots take by the live cache's rules; budget: the --budget-mib it fits
+            head = f"{'policy':<16}{'K':>6}{'MiB':>8}" + (f"{'budget':>8}" if args.budget_mib else "")
         else:
             print("\nglobal cache (BigMoeOnEdge model): one byte budget over all layers, immediate admission")
             head = f"{'policy':<16}{'MiB':>6}"
         print(f"{head}{'hit% dec':>10}{'hit% cum':>10}{'MiB up/tok':>12}{'Mlookup/s':>11}")
         for r in rows:
-            size = r.slots if model == PER_LAYER else f"{r.budget_mib:g}"
+            if model == PER_LAYER:
+                size = f"{r.slots:>6}{trace_slot_bytes(trace.expert_bytes, trace.n_expert, r.slots) / MIB:>8.0f}"
+                if args.budget_mib:
+                    size += f"{'-' if r.budget_mib is None else format(r.budget_mib, 'g'):>8}"
+            else:
+                size = f"{r.budget_mib:>6g}"
             per_token = "-" if r.upload_bytes_per_token is None else f"{r.upload_bytes_per_token / MIB:.1f}"
-            print(f"{r.policy:<16}{size:>6}{_pct(r.hit_rate):>10}{_pct(r.hit_rate_all):>10}"
+            print(f"{r.policy:<16}{size}{_pct(r.hit_rate):>10}{_pct(r.hit_rate_all):>10}"
                   f"{per_token:>12}{r.lookups_per_s / 1e6:>11.2f}")
 
 
