@@ -1,12 +1,13 @@
 """Attach the expert cache to llama.cpp contexts: explicitly (attach) or, with
-LLAMA_MOE_CACHE_SLOTS set, to every new context (install, called by the patched llama_cpp)."""
+LLAMA_MOE_CACHE_SLOTS set, to every new context, whose models then load with their experts in
+host memory (install, called by the patched llama_cpp)."""
 
 from __future__ import annotations
 
 import logging
 import sys
 
-from . import native, sizing
+from . import native, placement, sizing
 from .config import CacheConfig, ConfigError
 from .live import CacheUnavailable, LiveCache
 
@@ -90,4 +91,5 @@ def install() -> bool:
     sizing.track_model_files()  # sizing by memory reads the model's expert shapes from its file
     _context_callback = native.ffi.callback("llama_moe_cache_context_callback", on_context)
     lib.llama_moe_cache_set_context_callback(_context_callback, native.ffi.NULL)
+    placement.place_experts_on_host()
     return True

@@ -7,8 +7,12 @@ import functools
 from ._native import ffi
 
 
+# the patch series (patches/) this package is written against: llama_moe_cache_version()
+PATCH_VERSION = "2"
+
+
 class NotPatchedError(RuntimeError):
-    """The loaded libllama is not the moecache-patched build."""
+    """The loaded libllama is not the moecache-patched build this package needs."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -19,15 +23,18 @@ def lib():
     path = llama_cpp_lib._lib._name
     handle = ffi.dlopen(path)
     try:
-        handle.llama_moecache_version
-    except AttributeError:
-        raise NotPatchedError(f"{path} is not the moecache-patched libllama (no llama_moecache_version): "
-                              f"install the wheel that scripts/build_wheel.sh builds") from None
+        version = ffi.string(handle.llama_moe_cache_version()).decode()
+    except (AttributeError, ffi.error):  # not declared / not in the library
+        version = None
+    if version != PATCH_VERSION:
+        found = f"patch series {version}" if version else "no llama_moe_cache_version"
+        raise NotPatchedError(f"{path} is not the moecache-patched libllama this package needs ({found}, "
+                              f"expected {PATCH_VERSION}): install the wheel that scripts/build_wheel.sh builds")
     return handle
 
 
 def patch_version() -> str:
-    return ffi.string(lib().llama_moecache_version()).decode()
+    return ffi.string(lib().llama_moe_cache_version()).decode()
 
 
 def as_context(ctx) -> "ffi.CData":

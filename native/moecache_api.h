@@ -1,5 +1,6 @@
 /* The moecache C API of the patched libllama (see patches/), as cffi declares it.
-   Keep in sync with the "MoE expert cache" section the patches add to include/llama.h. */
+   Keep in sync with the "MoE expert cache" section the patches add to include/llama.h (and, for
+   the testing-only call at the end, with src/llama-moe-cache.h). */
 
 struct llama_context;
 struct llama_model;
@@ -24,7 +25,7 @@ struct llama_moe_cache_counters {
 typedef void (*llama_moe_cache_step_callback)(struct llama_context * ctx, void * user_data);
 typedef void (*llama_moe_cache_context_callback)(struct llama_context * ctx, void * user_data);
 
-const char * llama_moecache_version(void);
+const char * llama_moe_cache_version(void);
 void    llama_moe_cache_set_context_callback(llama_moe_cache_context_callback cb, void * user_data);
 int32_t llama_moe_cache_init(struct llama_context * ctx, int32_t n_slots);
 int32_t llama_moe_cache_n_layers(const struct llama_context * ctx);
@@ -37,7 +38,9 @@ bool    llama_moe_cache_upload(struct llama_context * ctx, int32_t i, int32_t ex
 int64_t llama_moe_cache_wait_uploads(struct llama_context * ctx);
 int32_t llama_moe_cache_uploads_pending(struct llama_context * ctx);
 bool    llama_moe_cache_get_counters(struct llama_context * ctx, int32_t i, struct llama_moe_cache_counters * counters);
-void    llama_moe_cache_set_upload_delay_us(struct llama_context * ctx, int64_t delay_us);
 
 const struct llama_model * llama_get_model(const struct llama_context * ctx);
 int32_t llama_model_meta_val_str(const struct llama_model * model, const char * key, char * buf, size_t buf_size);
+
+/* testing only: exported by libllama but declared in its internal src/llama-moe-cache.h */
+void    llama_moe_cache_set_upload_delay_us(struct llama_context * ctx, int64_t delay_us);

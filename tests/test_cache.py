@@ -46,7 +46,7 @@ def record_plans(cache):
 
 def test_llama_cpp_is_the_patched_build():
     assert "+moecache." in llama_cpp.__version__
-    assert native.patch_version() == "1"
+    assert native.patch_version() == native.PATCH_VERSION
 
 
 def test_rpc_placement_is_bit_identical_to_all_cpu(rpc_device, smol_path):
@@ -225,6 +225,18 @@ def test_zero_code_bad_value_is_one_logged_line_and_stock(tiny_path):
     assert "LAYERS=0" in run.stdout
     errors = [line for line in run.stderr.splitlines() if "moecache: error" in line]
     assert errors == ["moecache: error: LLAMA_MOE_CACHE_SLOTS='abc' is not an integer - expert cache disabled"]
+
+
+def test_zero_code_refusal_is_the_only_line_in_a_verbose_log(tiny_path):
+    """libllama reads no LLAMA_MOE_CACHE_* variable: a refused value is moecache's one line, with
+    no second one from llama.cpp's log (its model load and context creation are stock)."""
+    program = UNMODIFIED_PROGRAM.format(path=tiny_path).replace("verbose=False", "verbose=True")
+    run = _run_python(program, {"LLAMA_MOE_CACHE_SLOTS": "abc"})
+    assert run.returncode == 0, run.stderr
+    assert "LAYERS=0" in run.stdout
+    lines = [line for line in run.stderr.splitlines()
+             if "LLAMA_MOE_CACHE" in line or line.startswith("moecache") or "expert cache" in line]
+    assert len(lines) == 1 and lines[0].startswith("moecache: error: LLAMA_MOE_CACHE_SLOTS="), lines
 
 
 def test_inert_without_the_variable(tiny_path):
