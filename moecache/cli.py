@@ -43,7 +43,9 @@ def _mib_arg(text: str):
     try:
         return int_arg(minimum=0)(text)
     except argparse.ArgumentTypeError as e:
-        raise argparse.ArgumentTypeError(f"{e} (N MiB or auto)") from None
+        if "not an integer" in str(e):
+            raise argparse.ArgumentTypeError(f"{text!r} is neither a number of MiB nor auto") from None
+        raise
 
 
 _mib_arg.__name__ = "MiB or auto"

@@ -66,6 +66,7 @@ def cpu_buffer_type() -> int:
 
 
 GGML_BACKEND_DEVICE_TYPE_GPU = 1
+GGML_BACKEND_DEVICE_TYPE_IGPU = 2
 
 
 def has_gpu() -> bool:

@@ -287,7 +287,7 @@ def _device_plans(ctx, n_layers: int, devices: _Devices) -> list[DevicePlan]:
         if native.lib().llama_moe_cache_layer_info(ctx, i, info):
             name = native.ffi.string(info.device).decode(errors="replace")
             plans.setdefault(name, DevicePlan(name, [], devices.free.get(name))).layers.append(info.il)
-    return list(plans.values())
+    return sorted(plans.values(), key=lambda d: d.layers[0])
 
 
 def _size(plan: CachePlan, sizer: Sizer, config: CacheConfig, tensor_split) -> int:

@@ -165,7 +165,7 @@ SCENARIO = """
 
     results = []
     for settings in {runs}:
-        llm = load({path!r})
+        llm = load({path!r}, **{load!r})
         row = {{"settings": settings, "free_before": free(),
                "alignment": ggml.buffer_type_alignment(ggml.device_buffer_type(rpc[0]))}}
         try:
@@ -190,8 +190,8 @@ SCENARIO = """
 """
 
 
-def run_scenario(path, memory, runs, *, exact=False, env=None):
-    code = textwrap.dedent(SCENARIO.format(memory=memory, runs=runs, path=path, exact=exact))
+def run_scenario(path, memory, runs, *, exact=False, env=None, load=None):
+    code = textwrap.dedent(SCENARIO.format(memory=memory, runs=runs, path=path, exact=exact, load=load or {}))
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_MOE_CACHE_")}
     full_env.update(env or {})
     run = subprocess.run([sys.executable, "-c", code], env=full_env, cwd=REPO, capture_output=True,
@@ -286,6 +286,19 @@ def test_two_devices_get_budgets_in_proportion_to_their_free_memory():
     assert row["exact"]
 
 
+def test_a_tensor_split_shares_the_budget_as_it_shares_the_layers():
+    from moecache.fixtures import tiny_moe
+
+    path = str(tiny_moe(n_layer=6, n_expert=16, n_embd=128, n_ff_exp=512, expert_type="q8_0"))
+    results, _ = run_scenario(path, [48, 48], [{"mib": 8}], load={"tensor_split": [1.0, 3.0]})
+    plan = results[0]["plan"]
+    assert plan["split"] == "tensor split"
+    low, high = sorted(plan["devices"], key=lambda d: len(d["layers"]))
+    assert len(low["layers"]) < len(high["layers"])  # llama.cpp split the layers 1:3 too
+    assert high["budget"] == pytest.approx(3 * low["budget"], abs=3)
+    assert results[0]["slots"] == min(low["slots"], high["slots"]) >= 1
+
+
 def test_unreadable_free_memory_splits_evenly_and_auto_is_refused():
     from moecache.fixtures import tiny_moe
 
@@ -312,11 +325,12 @@ def test_a_failed_allocation_retries_once_at_the_largest_k_that_fits(sized_model
                                 "and not one slot per layer fits the free memory less LLAMA_MOE_CACHE_RESERVE_MIB=1024")
 
 
-def test_zero_code_auto_sizing(tmp_path, sized_model):
-    from moecache import native
-
-    if native.patch_version() == "1":
-        pytest.skip("patch series 1 places the experts from LLAMA_MOE_CACHE_SLOTS in C, which reads no 'auto'")
+@pytest.mark.parametrize("env", [{"LLAMA_MOE_CACHE_SLOTS": "auto", "LLAMA_MOE_CACHE_RESERVE_MIB": "8"},
+                                 {"LLAMA_MOE_CACHE_MIB": "3"}])
+def test_zero_code_sizing(tmp_path, sized_model, env):
+    llama_cpp = pytest.importorskip("llama_cpp")
+    if "LLAMA_MOE_CACHE_MIB" in env and "LLAMA_MOE_CACHE_MIB" not in open(llama_cpp.__file__).read():
+        pytest.skip("the llama_cpp hook (patches/) activates moecache on LLAMA_MOE_CACHE_SLOTS only")
     stats = tmp_path / "stats.json"
     code = textwrap.dedent("""
         from moecache.rpc import RpcDevice
@@ -325,13 +339,40 @@ def test_zero_code_auto_sizing(tmp_path, sized_model):
         llm = Llama(model_path=%r, n_gpu_layers=-1, n_ctx=256, verbose=False)
         print(llm.create_completion("The three primary colors are", max_tokens=8, temperature=0.0)["choices"][0]["text"])
     """ % sized_model)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_MOE_CACHE_")}
-    env.update({"LLAMA_MOE_CACHE_SLOTS": "auto", "LLAMA_MOE_CACHE_RESERVE_MIB": "8",
-                "LLAMA_MOE_CACHE_STATS": str(stats), "LLAMA_MOE_CACHE_DEBUG": "1000"})
-    run = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_MOE_CACHE_")}
+    full_env.update({**env, "LLAMA_MOE_CACHE_STATS": str(stats), "LLAMA_MOE_CACHE_DEBUG": "1000"})
+    run = subprocess.run([sys.executable, "-c", code], env=full_env, cwd=REPO, capture_output=True, text=True,
+                         timeout=300)
     assert run.returncode == 0, run.stderr
     report = json.loads(stats.read_text())
-    assert report["plan"]["sized_by"] == "LLAMA_MOE_CACHE_SLOTS=auto" and report["slots"] >= 1
+    name, value = next((k, v) for k, v in env.items() if k != "LLAMA_MOE_CACHE_RESERVE_MIB")
+    assert report["plan"]["sized_by"] == f"{name}={value}" and report["slots"] >= 1
     assert report["decode_steps"] > 0
     plan_lines = [line for line in run.stderr.splitlines() if line.startswith("moecache: plan for")]
     assert len(plan_lines) == 1 and f"x {report['slots']} slots" in plan_lines[0]
+
+
+# --- run.py -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args,env,message", [
+    (["--slots", "2", "--cache-mib", "8"], {}, "--slots and --cache-mib both size the cache: give one"),
+    (["--cache-mib", "lots"], {}, "argument --cache-mib: 'lots' is neither a number of MiB nor auto"),
+    (["--cache-mib", "-1"], {}, "argument --cache-mib: -1 must be >= 0"),
+    ([], {"LLAMA_MOE_CACHE_MIB": "8", "LLAMA_MOE_CACHE_SLOTS": "2"},
+     "LLAMA_MOE_CACHE_SLOTS=2 and LLAMA_MOE_CACHE_MIB=8 both size the cache: set one"),
+])
+def test_run_py_sizing_flags_are_one_line(args, env, message):
+    from test_cli import run_py
+
+    out = run_py(*args, env=env)
+    assert out.returncode == 2 and out.stderr == f"run.py: error: {message}\n"
+
+
+def test_run_py_cache_mib_prints_the_plan(sized_model):
+    from test_cli import run_py
+
+    out = run_py("-m", sized_model, "--cache-mib", "3", "-n", "4", "--no-chat", "-p", "hello",
+                 env={"LLAMA_MOE_CACHE_SLOTS": "2"})  # the flag's size replaces the variable's
+    assert out.returncode == 0, out.stderr
+    plan = [line for line in out.stderr.splitlines() if line.startswith("moecache: plan for")]
+    assert plan == [line for line in plan if "LLAMA_MOE_CACHE_MIB=3: 2 layers x 6 slots" in line] != []
