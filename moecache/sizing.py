@@ -204,7 +204,7 @@ class _Devices:
         return self._free(self.by_buffer[name][0]) if name in self.by_buffer else None
 
 
-class Sizer:
+class _Sizer:
     """Slot bytes of each device's cached layers, by ggml's own buffer arithmetic."""
 
     def __init__(self, devices: _Devices, plans: list[DevicePlan], shapes, n_expert: int):
@@ -212,11 +212,11 @@ class Sizer:
         self.groups = {}  # device -> (buffer type, {expert tensor signature: layer count})
         for d in plans:
             if d.device not in devices.by_buffer:
-                raise ConfigError(f"cannot size the cache: its buffer {d.device} is no device's buffer type")
+                raise ValueError(f"the slots' buffer {d.device} is no device's buffer type")
             signatures = {}
             for il in d.layers:
                 if il not in shapes:
-                    raise ConfigError(f"cannot size the cache: layer {il}'s expert tensors are not in the model file")
+                    raise ValueError(f"layer {il}'s expert tensors are not in it")
                 signature = tuple(shapes[il])
                 signatures[signature] = signatures.get(signature, 0) + 1
             self.groups[d.device] = (devices.by_buffer[d.device][1], signatures)
@@ -239,10 +239,9 @@ def allocate(ctx, config: CacheConfig, *, n_expert: int, model_path: str | None 
     cached nothing, plan.reason says why). Raises ConfigError for a budget that cannot hold one
     slot per cached layer, or that cannot be computed."""
     lib = _native().lib()
-    sized_by = config.sized_by
-    budgeted = not isinstance(config.slots, int) or config.slots == 0
-    devices = _Devices()
-    plan = CachePlan(sized_by)
+    plan = CachePlan(config.sized_by)
+    devices = _Devices()  # their free memory before the cache
+    budgeted = config.budget_mib is not None
     k = 1 if budgeted else config.slots  # a budget is sized on a trial allocation of one slot
     n_layers = lib.llama_moe_cache_init(ctx, k)
     if n_layers <= 0:
@@ -251,18 +250,17 @@ def allocate(ctx, config: CacheConfig, *, n_expert: int, model_path: str | None 
     plan.devices = _device_plans(ctx, n_layers, devices)
     try:
         shapes = expert_shapes(model_path) if model_path else None
-    except (OSError, ValueError) as e:
-        shapes = None
-        if budgeted:
-            lib.llama_moe_cache_init(ctx, 0)
-            raise ConfigError(f"{sized_by}: cannot read the model file {model_path}: {e}") from None
+        sizer = _Sizer(devices, plan.devices, shapes, n_expert) if shapes else None
+    except Exception as e:  # noqa: BLE001 - gguf-py may not read what llama.cpp did (a newer type)
+        shapes = sizer = None
+        problem = f"cannot size the cache from {model_path}: {type(e).__name__}: {e}"
+    else:
+        problem = (f"no separate up, gate and down expert tensors in {model_path}" if model_path else
+                   "sizing by memory needs the model's GGUF file: attach a llama_cpp.Llama")
     if budgeted:
-        if shapes is None:
-            lib.llama_moe_cache_init(ctx, 0)
-            raise ConfigError(f"{sized_by}: sizing by memory needs the model's GGUF file; attach a "
-                              f"llama_cpp.Llama, or set {ENV_PREFIX}SLOTS=K")
         try:
-            sizer = Sizer(devices, plan.devices, shapes, n_expert)
+            if sizer is None:
+                raise ConfigError(f"{plan.sized_by}: {problem}")
             k = _size(plan, sizer, config, tensor_split)
         except ConfigError:
             lib.llama_moe_cache_init(ctx, 0)
@@ -272,8 +270,6 @@ def allocate(ctx, config: CacheConfig, *, n_expert: int, model_path: str | None 
             n_layers, k = _retry(ctx, plan, sizer, devices, config, k)
             if n_layers <= 0:
                 return plan
-    else:
-        sizer = Sizer(devices, plan.devices, shapes, n_expert) if shapes is not None else None
     plan.slots, plan.n_layers = k, n_layers
     _describe(ctx, plan, sizer, devices, shapes, n_expert)
     return plan
@@ -290,7 +286,7 @@ def _device_plans(ctx, n_layers: int, devices: _Devices) -> list[DevicePlan]:
     return sorted(plans.values(), key=lambda d: d.layers[0])
 
 
-def _size(plan: CachePlan, sizer: Sizer, config: CacheConfig, tensor_split) -> int:
+def _size(plan: CachePlan, sizer: _Sizer, config: CacheConfig, tensor_split) -> int:
     """Each device's budget and the K it fits; the cache's K (the smallest)."""
     sized_by, devs = plan.sized_by, plan.devices
     if config.budget_mib == "auto":
@@ -344,7 +340,7 @@ def _model_devices() -> list[int]:
     return rpc + gpus + igpus
 
 
-def _too_small(plan: CachePlan, sizer: Sizer, config: CacheConfig) -> str:
+def _too_small(plan: CachePlan, sizer: _Sizer, config: CacheConfig) -> str:
     """The one-line error of a budget below one slot per cached layer, with the minimum."""
     one = {d.device: sizer.bytes(d.device, 1) for d in plan.devices}
     if config.budget_mib == "auto":
@@ -359,7 +355,7 @@ def _too_small(plan: CachePlan, sizer: Sizer, config: CacheConfig) -> str:
             f"{math.ceil(need / MIB)} MiB ({sum(len(d.layers) for d in plan.devices)} cached layers)")
 
 
-def _retry(ctx, plan: CachePlan, sizer: Sizer, devices: _Devices, config: CacheConfig, failed: int):
+def _retry(ctx, plan: CachePlan, sizer: _Sizer, devices: _Devices, config: CacheConfig, failed: int):
     """After a failed allocation of K = failed: once, the largest smaller K that fits every
     device's free memory less the reserve."""
     reserve = config.reserve_mib * MIB
@@ -386,7 +382,7 @@ def _retry(ctx, plan: CachePlan, sizer: Sizer, devices: _Devices, config: CacheC
     return n_layers, k
 
 
-def _describe(ctx, plan: CachePlan, sizer: Sizer | None, devices: _Devices, shapes, n_expert: int) -> None:
+def _describe(ctx, plan: CachePlan, sizer: _Sizer | None, devices: _Devices, shapes, n_expert: int) -> None:
     """Bytes, share of the experts and free memory left, per device, once allocated."""
     plan.bytes = int(_native().lib().llama_moe_cache_device_bytes(ctx))
     model_experts = len(shapes) * n_expert if shapes else None

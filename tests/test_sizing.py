@@ -352,6 +352,19 @@ def test_zero_code_sizing(tmp_path, sized_model, env):
     assert len(plan_lines) == 1 and f"x {report['slots']} slots" in plan_lines[0]
 
 
+def test_a_budget_without_the_model_file_is_one_line_and_releases_the_trial(rpc_device, tiny_path):
+    from conftest import load
+    from moecache import native
+    from moecache.activate import attach
+
+    llm = load(tiny_path)
+    with pytest.raises(ConfigError) as err:
+        attach(llm._ctx.ctx, mib=4)  # a bare context: no Llama to say which file it came from
+    assert str(err.value) == ("LLAMA_MOE_CACHE_MIB=4: sizing by memory needs the model's GGUF file: "
+                              "attach a llama_cpp.Llama")
+    assert native.lib().llama_moe_cache_n_layers(native.as_context(llm._ctx.ctx)) == 0
+
+
 # --- run.py -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("args,env,message", [
