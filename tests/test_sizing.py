@@ -389,3 +389,17 @@ def test_run_py_cache_mib_prints_the_plan(sized_model):
     assert out.returncode == 0, out.stderr
     plan = [line for line in out.stderr.splitlines() if line.startswith("moecache: plan for")]
     assert plan == [line for line in plan if "LLAMA_MOE_CACHE_MIB=3: 2 layers x 6 slots" in line] != []
+
+
+def test_bench_decode_sweeps_by_memory(tmp_path, sized_model):
+    js = tmp_path / "bench.json"
+    run = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "bench_decode.py"), "-m", sized_model,
+                          "-n", "4", "-r", "1", "-c", "256", "--slots", "0", "--mib", "3,1", "--json", str(js)],
+                         capture_output=True, text=True, timeout=300, cwd=REPO,
+                         env={k: v for k, v in os.environ.items() if not k.startswith("LLAMA_MOE_CACHE_")})
+    assert run.returncode == 0, run.stderr
+    rows = {r["config"]: r for r in json.loads(js.read_text())["rows"]}
+    assert list(rows) == ["stock", "MiB=3", "MiB=1"]
+    assert (rows["MiB=3"]["slots"], rows["MiB=1"]["slots"]) == (6, 1)  # as the arithmetic test above
+    assert rows["MiB=3"]["device_bytes"] <= 3 * MIB and rows["MiB=3"]["hit_rate"] is not None
+    assert "| MiB=3 (K=6) |" in run.stdout
