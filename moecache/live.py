@@ -1,12 +1,12 @@
 """The live expert cache of one llama_context: policy and engine here, mechanism in libllama.
 
 At every single-token decode boundary libllama calls the step callback while no graph runs:
-hand the last graph's selections to the engine, publish the uploads that are due and complete,
-clear the evicted table entries and start the new uploads (libllama starts them after the
-callback returns, once the tables are written). An upload still running when it is due stays
-unpublished and its slot untouchable until a later boundary ("late"), so a slow upload never
-stalls decoding; LLAMA_MOE_CACHE_WAIT=1 waits for it instead, which makes the hit count
-deterministic (what the offline replay reproduces).
+hand the last graph's selections to the engine, then apply its plan in one call: publish the
+uploads that are due and complete, clear the evicted table entries and queue the new uploads
+(libllama starts them after the callback returns, once the tables are written). An upload
+still running when it is due stays unpublished and its slot untouchable until a later
+boundary ("late"), so a slow upload never stalls decoding; LLAMA_MOE_CACHE_WAIT=1 waits for
+it instead, which makes the hit count deterministic (what the offline replay reproduces).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 
 import numpy as np
@@ -74,6 +75,7 @@ class LiveCache:
         self._observed = None
         self._n_used_max = self.ffi.new("int32_t *")  # out-parameter, reused every step
         self._closed = False
+        self._flusher = None  # the thread writing the last periodic snapshot
         self.detached = False
         self._callback = self.ffi.callback("llama_moe_cache_step_callback", self._on_step)
         self.lib.llama_moe_cache_set_step_callback(self.ctx, self._callback, self.ffi.NULL)
@@ -102,6 +104,8 @@ class LiveCache:
                 raise ConfigError(f"LLAMA_MOE_CACHE_PROFILE: {e}") from None
             self.engine.preload(profile.top(self.slots), rates=profile.rates(self.n_used))
         self._profile_base = model_name
+        self._profile_saved = np.zeros_like(self.engine.usage)  # usage already added to the file
+        self._report_errors: set[str] = set()
 
         self.trace = None
         if config.trace:
@@ -110,8 +114,8 @@ class LiveCache:
                     config.trace, model=os.path.basename(model_name) or "model", arch=arch,
                     n_layer=max(model_layers) + 1, n_expert=n_expert, n_expert_used=self.n_used,
                     layers=[(layer["il"], layer["expert_bytes"], 0) for layer in self.layers])
-            except OSError as e:
-                raise ConfigError(f"LLAMA_MOE_CACHE_TRACE={config.trace!r}: {e.strerror}") from None
+            except (OSError, ValueError) as e:
+                raise ConfigError(f"LLAMA_MOE_CACHE_TRACE={config.trace!r}: {getattr(e, 'strerror', None) or e}") from None
 
     def _layer_info(self, i: int) -> dict:
         info = self.ffi.new("struct llama_moe_cache_layer_info *")
@@ -148,17 +152,31 @@ class LiveCache:
             ready = self.engine.uploads_due - lib.llama_moe_cache_uploads_pending(ctx)
         ids = self._read_observed()
         plan = self.engine.step(ids, ready)
-        for layer, expert, slot in plan.publish.tolist():
-            _check(lib.llama_moe_cache_set_slot(ctx, layer, expert, slot), "publish", layer, expert, slot)
-        for layer, expert, slot in plan.evict.tolist():
-            _check(lib.llama_moe_cache_set_slot(ctx, layer, expert, -1), "evict", layer, expert, slot)
-        for layer, expert, slot in plan.upload.tolist():
-            _check(lib.llama_moe_cache_upload(ctx, layer, expert, slot), "upload", layer, expert, slot)
+        if not lib.llama_moe_cache_apply(ctx, *self._rows(plan.publish), *self._rows(plan.evict),
+                                         *self._rows(plan.upload)):
+            raise RuntimeError(f"libllama refused the plan of step {plan.step} (publish "
+                               f"{plan.publish.tolist()}, evict {plan.evict.tolist()}, upload "
+                               f"{plan.upload.tolist()})")
         self.steps += 1
         if ids is not None:
             if self.trace:
-                self.trace.write_step(0, 1, self.decode_steps, ids, None, plan.hit_mask.astype(np.int8))
+                self._write_trace(ids, plan.hit_mask.astype(np.int8))
             self.decode_steps += 1
+            if self.config.flush_steps and self.decode_steps % self.config.flush_steps == 0:
+                self._flush_in_background()
+
+    def _write_trace(self, ids, residency):
+        try:
+            self.trace.write_step(0, 1, self.decode_steps, ids, None, residency)
+        except (OSError, ValueError) as e:  # e.g. a full disk: the trace stops, the cache goes on
+            log.error("moecache: error: LLAMA_MOE_CACHE_TRACE=%r: %s - trace stopped after %d steps",
+                      self.config.trace, getattr(e, "strerror", None) or e, self.decode_steps)
+            self.trace.close()
+            self.trace = None
+
+    def _rows(self, jobs):
+        """A job table as (pointer, row count) for libllama: (n, 3) int32, C order."""
+        return self.ffi.from_buffer("int32_t[]", np.ascontiguousarray(jobs, dtype=np.int32)), len(jobs)
 
     def _read_observed(self):
         n_used_max = self._n_used_max
@@ -202,32 +220,80 @@ class LiveCache:
                 f"step {s['step_us_mean'] or 0:.0f} us mean, upload wait {s['upload_wait_us'] / 1e3:.1f} ms")
 
     def close(self):
-        """Write stats, trace and profile (once; also at exit). The context may be gone: only
-        Python state is read here."""
+        """Write stats, trace and profile (once: when the context is freed, else at exit). The
+        context may be gone: only Python state is read here."""
         if self._closed:
             return
         self._closed = True
         if self.config.debug:
             print(self.summary(), file=sys.stderr)
+        if self._flusher is not None:
+            self._flusher.join()  # its older snapshot must not land after the final one
         if self.trace:
             self.trace.close()
+        self.write_reports()
+
+    def write_reports(self):
+        """Write the stats and add this run's new usage to the profile, each atomically and on
+        its own (one that fails does not keep the other from being written)."""
+        self._write_snapshot(self._snapshot())
+
+    def _flush_in_background(self):
+        """Every FLUSH_STEPS decode steps, so that a crash loses at most that many: the decode
+        thread only takes a snapshot, a thread writes it (the writes wait for the disk, tens of
+        ms). Skipped while the previous one still writes."""
+        if self._flusher is not None and self._flusher.is_alive():
+            return
+        self._flusher = threading.Thread(target=self._write_snapshot, args=(self._snapshot(),),
+                                         name="moecache-flush", daemon=True)
+        self._flusher.start()
+
+    def _snapshot(self):
+        return (json.dumps(self.stats(), indent=1) if self.config.stats else None,
+                self.engine.usage.copy() if self.config.profile else None)
+
+    def _write_snapshot(self, snapshot) -> None:
+        stats_text, usage = snapshot
+        if stats_text is not None:
+            self._report("STATS", lambda: atomic_write(self.config.stats, stats_text))
+        if usage is not None:
+            self._report("PROFILE", lambda: self._save_profile(usage))
+        trace = self.trace  # the decode thread drops it if a write fails
+        if trace:
+            self._report("TRACE", trace.flush)
+
+    def _report(self, name: str, write) -> None:
         try:
-            if self.config.stats:
-                atomic_write(self.config.stats, json.dumps(self.stats(), indent=1))
-            if self.config.profile and self.decode_steps:
-                profile = UsageProfile(self._profile_base, [layer["il"] for layer in self.layers],
-                                       self.engine.usage)
-                if os.path.exists(self.config.profile):
-                    profile = profile.merged(UsageProfile.load(self.config.profile))
-                profile.save(self.config.profile)
-        except (OSError, ValueError) as e:  # at exit: one line, not a traceback
-            log.error("moecache: error: could not write the cache's report: %s", e)
+            write()
+        except (OSError, ProfileError) as e:  # one line, never a traceback; once per problem
+            message = (f"moecache: error: LLAMA_MOE_CACHE_{name}={getattr(self.config, name.lower())!r}: "
+                       f"{getattr(e, 'strerror', None) or e} - not written")
+            if message not in self._report_errors:
+                self._report_errors.add(message)
+                log.error("%s", message)
+
+    def _save_profile(self, usage) -> None:
+        new = usage - self._profile_saved  # what the file does not have yet
+        if not new.any():
+            return
+        layers = [layer["il"] for layer in self.layers]
+        profile = UsageProfile(self._profile_base, layers, new)
+        if os.path.exists(self.config.profile):  # another run or context may have added to it
+            profile = profile.merged(UsageProfile.load(self.config.profile, layers=layers,
+                                                       n_expert=profile.n_expert))
+        profile.save(self.config.profile)
+        self._profile_saved = usage
 
     def detach(self):
         """Forget this cache without reporting; a new init of the same context replaces it."""
         self.detached = True
         self._closed = True
         atexit.unregister(self.close)
+
+    def release(self):
+        """Its context is being freed: report now, and let go of this cache."""
+        self.close()
+        self.detach()
 
     # --- testing ----------------------------------------------------------------------------
 
@@ -240,9 +306,3 @@ class LiveCache:
             out.append({"hits": c.hits, "misses": c.misses, "uploads": c.uploads,
                         "upload_bytes": c.upload_bytes})
         return out
-
-
-def _check(ok: bool, what: str, layer: int, expert: int, slot: int) -> None:
-    if not ok:
-        raise RuntimeError(f"libllama refused {what} (layer {layer}, expert {expert}, slot {slot})")
-

@@ -8,7 +8,7 @@ from ._native import ffi
 
 
 # the patch series (patches/) this package is written against: llama_moe_cache_version()
-PATCH_VERSION = "2"
+PATCH_VERSION = "3"
 
 
 class NotPatchedError(RuntimeError):
@@ -50,4 +50,5 @@ def as_context(ctx) -> "ffi.CData":
 def model_metadata(ctx, key: str) -> str | None:
     buf = ffi.new("char[]", 256)
     n = lib().llama_model_meta_val_str(lib().llama_get_model(ctx), key.encode(), buf, 256)
-    return ffi.string(buf).decode() if n >= 0 else None
+    # "replace": metadata need not be UTF-8, and a long value is cut at 255 bytes, maybe mid-character
+    return ffi.string(buf).decode(errors="replace") if n >= 0 else None

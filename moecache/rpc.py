@@ -12,7 +12,6 @@ device that reports no memory (as ggml devices may); the default reports the CPU
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import os
 import signal
@@ -23,7 +22,7 @@ import time
 from pathlib import Path
 
 from . import ggml
-from .util import int_arg, parse_int
+from .util import OneLineParser, int_arg, parse_int
 
 _registered: list["RpcDevice"] = []
 
@@ -190,10 +189,10 @@ class _SizedDevice:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="serve this machine's CPU as a ggml RPC device")
+    parser = OneLineParser(description="serve this machine's CPU as a ggml RPC device")
     parser.add_argument("--serve", required=True, metavar="HOST:PORT")
     parser.add_argument("--lib-dir", required=True, type=Path)
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--threads", type=int_arg(minimum=1), default=os.cpu_count() or 1)
     parser.add_argument("--memory-mib", type=int_arg(minimum=0), default=None,
                         help="a device of this many MiB (0: one that reports no memory)")
     args = parser.parse_args()

@@ -52,13 +52,6 @@ def slots_for_budget(bytes_of, budget: int, n_expert: int) -> int:
     return low
 
 
-def trace_slot_bytes(expert_bytes, n_expert: int, k: int) -> int:
-    """What K slots per layer take by the live cache's rules, from a trace's per-layer expert
-    sizes: K + 1 copies (the dummy slot) and the 4-byte id -> slot table per layer. A trace
-    knows no device, so the buffer type's padding (a few alignments per layer) is not counted."""
-    return sum((k + 1) * int(b) + 4 * n_expert for b in expert_bytes)
-
-
 def _native():
     """moecache.native, imported when first needed: the offline replay uses this module's rule
     without libllama's cffi module."""

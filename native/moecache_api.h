@@ -33,8 +33,8 @@ bool    llama_moe_cache_layer_info(const struct llama_context * ctx, int32_t i, 
 size_t  llama_moe_cache_device_bytes(const struct llama_context * ctx);
 void    llama_moe_cache_set_step_callback(struct llama_context * ctx, llama_moe_cache_step_callback cb, void * user_data);
 const int32_t * llama_moe_cache_observed(struct llama_context * ctx, int32_t * n_used_max);
-bool    llama_moe_cache_set_slot(struct llama_context * ctx, int32_t i, int32_t expert, int32_t slot);
-bool    llama_moe_cache_upload(struct llama_context * ctx, int32_t i, int32_t expert, int32_t slot);
+bool    llama_moe_cache_apply(struct llama_context * ctx, const int32_t * publish, int32_t n_publish,
+                              const int32_t * evict, int32_t n_evict, const int32_t * upload, int32_t n_upload);
 int64_t llama_moe_cache_wait_uploads(struct llama_context * ctx);
 int32_t llama_moe_cache_uploads_pending(struct llama_context * ctx);
 bool    llama_moe_cache_get_counters(struct llama_context * ctx, int32_t i, struct llama_moe_cache_counters * counters);

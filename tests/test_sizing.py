@@ -17,7 +17,8 @@ import textwrap
 import pytest
 
 from moecache.config import CacheConfig, ConfigError
-from moecache.sizing import slots_for_budget, trace_slot_bytes
+from moecache.sizing import slots_for_budget
+from moecache.upstream import equal_bytes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIB = 1 << 20
@@ -74,10 +75,6 @@ def test_slots_for_budget_is_the_largest_k_that_fits(budget):
     assert slots_for_budget(bytes_of, budget, 64) == linear
 
 
-def test_trace_slot_bytes_counts_the_dummy_slot_and_the_table():
-    assert trace_slot_bytes([1000, 2000], n_expert=8, k=3) == 4 * 3000 + 2 * 32
-
-
 # --- the replay's per-layer model at a budget --------------------------------------------------------
 
 def test_replay_per_layer_k_is_the_largest_that_fits_the_budget():
@@ -88,7 +85,7 @@ def test_replay_per_layer_k_is_the_largest_that_fits_the_budget():
     trace = read_trace(str(TRACES / "qwen3-30b-a3b.route.csv"))
     for budget in (300, 1000, 3000, 4000):
         k = per_layer_slots(trace, budget)
-        fits = lambda k: trace_slot_bytes(trace.expert_bytes, trace.n_expert, k) <= budget * MIB  # noqa: E731
+        fits = lambda k: equal_bytes(trace.expert_bytes, k) <= budget * MIB  # noqa: E731
         assert fits(k) and not fits(k + 1), budget
     assert per_layer_slots(trace, 3000) == 21  # 48 layers x 22 copies of a 2.7 MiB expert
     assert per_layer_slots(trace, 10**6) == trace.n_expert
@@ -204,7 +201,7 @@ def run_scenario(path, memory, runs, *, exact=False, env=None, load=None):
 @pytest.fixture(scope="module")
 def sized_model():
     pytest.importorskip("llama_cpp")
-    from moecache.fixtures import tiny_moe
+    from moecache.models import tiny_moe
 
     # q8_0 experts of 0.2 MiB: budgets of a few MiB give distinct K between 1 and 16
     return str(tiny_moe(n_layer=2, n_expert=16, n_embd=128, n_ff_exp=512, expert_type="q8_0"))
@@ -232,7 +229,7 @@ def test_mib_gives_the_k_the_arithmetic_predicts(sized_model):
 
 
 def test_below_one_slot_names_the_minimum():
-    from moecache.fixtures import tiny_moe
+    from moecache.models import tiny_moe
 
     path = str(tiny_moe(n_layer=2, n_expert=8, n_embd=128, n_ff_exp=512))  # f32: 0.75 MiB experts
     results, _ = run_scenario(path, [64], [{"mib": 1}])
@@ -266,7 +263,7 @@ def test_auto_uses_the_free_memory_the_device_reports(sized_model):
 
 
 def test_two_devices_get_budgets_in_proportion_to_their_free_memory():
-    from moecache.fixtures import tiny_moe
+    from moecache.models import tiny_moe
 
     path = str(tiny_moe(n_layer=6, n_expert=16, n_embd=128, n_ff_exp=512, expert_type="q8_0"))
     results, _ = run_scenario(path, [48, 24], [{"mib": 12}], exact=True)
@@ -287,7 +284,7 @@ def test_two_devices_get_budgets_in_proportion_to_their_free_memory():
 
 
 def test_a_tensor_split_shares_the_budget_as_it_shares_the_layers():
-    from moecache.fixtures import tiny_moe
+    from moecache.models import tiny_moe
 
     path = str(tiny_moe(n_layer=6, n_expert=16, n_embd=128, n_ff_exp=512, expert_type="q8_0"))
     results, _ = run_scenario(path, [48, 48], [{"mib": 8}], load={"tensor_split": [1.0, 3.0]})
@@ -300,7 +297,7 @@ def test_a_tensor_split_shares_the_budget_as_it_shares_the_layers():
 
 
 def test_unreadable_free_memory_splits_evenly_and_auto_is_refused():
-    from moecache.fixtures import tiny_moe
+    from moecache.models import tiny_moe
 
     path = str(tiny_moe(n_layer=6, n_expert=16, n_embd=128, n_ff_exp=512, expert_type="q8_0"))
     results, stderr = run_scenario(path, [0, 0], [{"mib": 4}, {"mib": "auto"}])
