@@ -5,7 +5,7 @@
 The flags are those of `python -m llama_cpp.server` (--help lists them); --n_gpu_layers defaults
 to -1 (all but the experts on the device). On a machine without a GPU the loopback RPC device
 (moecache.rpc) is started and registered in this process first, so the layers go to it and the
-zero-code activation (LLAMA_MOE_CACHE_SLOTS) puts the cache on it: exact, not faster. The stock
+zero-code activation (LLAMA_MOE_CACHE_SLOTS or _MIB) puts the cache on it: exact, not faster. The stock
 server cannot do this itself: llama-cpp-python 0.3.36 accepts --rpc_servers but never passes it
 on to llama.cpp."""
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import sys
 
+from .config import CacheConfig, ConfigError
 from .util import OneLineParser
 
 PROG = "python -m moecache.serve"
@@ -67,8 +68,13 @@ def main(argv=None) -> int:
             device = RpcDevice()  # noqa: F841  (serves until this process exits)
             print(f"{PROG}: no GPU: the layers go to the loopback RPC device {device.endpoint} "
                   f"(a CPU backend: exact, not faster)", file=sys.stderr)
-        if not os.environ.get("LLAMA_MOE_CACHE_SLOTS"):
-            print(f"{PROG}: LLAMA_MOE_CACHE_SLOTS is not set: the expert cache is off", file=sys.stderr)
+        try:
+            enabled = CacheConfig.from_env().enabled
+        except ConfigError:  # the zero-code activation has logged it (one line)
+            enabled = True
+        if not enabled:
+            print(f"{PROG}: neither LLAMA_MOE_CACHE_SLOTS nor LLAMA_MOE_CACHE_MIB is set: the expert cache is off",
+                  file=sys.stderr)
         sys.argv = [PROG, *server_argv]
         server.main()  # a model llama.cpp cannot load raises ValueError: one line, status 2
 

@@ -50,12 +50,14 @@ def test_bad_arguments_are_one_line(args, message):
     assert err.splitlines() == [f"python -m moecache.serve: error: {message}"]
 
 
-def test_a_model_llama_cpp_cannot_load_is_one_error_line():
-    server = _serve(["--model", __file__, "--verbose", "false"], {}, stdout=subprocess.DEVNULL)
+@pytest.mark.parametrize("env", [{}, {"LLAMA_MOE_CACHE_MIB": "64"}, {"LLAMA_MOE_CACHE_SLOTS": "2"}])
+def test_a_model_llama_cpp_cannot_load_is_one_error_line(env):
+    server = _serve(["--model", __file__, "--verbose", "false"], env, stdout=subprocess.DEVNULL)
     _, err = server.communicate(timeout=120)
     assert server.returncode == 2
     assert [line for line in err.splitlines() if "error" in line.lower()] == [
         f"python -m moecache.serve: error: Failed to load model from file: {__file__}"]
+    assert ("the expert cache is off" in err) == (not env), err
 
 
 def _free_port() -> int:
