@@ -14,6 +14,7 @@ class ConfigError(ValueError):
 
 
 ENV_PREFIX = "LLAMA_MOE_CACHE_"
+MAX_BATCH = 512  # libllama's limit on max_batch
 
 
 @dataclass(frozen=True)
@@ -27,12 +28,15 @@ class CacheConfig:
     stats: str | None = None       # write stats JSON here (atomically) at exit
     trace: str | None = None       # record live routing as route_trace v1
     profile: str | None = None     # usage profile: load at start to warm the cache, save at exit
+    max_batch: int = 32            # ubatches of up to this many tokens use the cache (decode,
+                                   # speculative verification); larger ones are stock
 
     def __post_init__(self):
         _require_int("SLOTS", self.slots, minimum=0)
         _require_int("INSERTS", self.inserts, minimum=1)
         _require_int("DEBUG", self.debug, minimum=0)
         _require_int("WAIT", self.wait, minimum=0)
+        _require_int("MAX_BATCH", self.max_batch, minimum=1, maximum=MAX_BATCH)
         if self.wait > 1:
             raise ConfigError(f"{ENV_PREFIX}WAIT={self.wait} must be 0 or 1")
         if self.policy == "default":
@@ -68,12 +72,12 @@ class CacheConfig:
         return cls(**values)
 
 
-def _parse_int(name: str, value, minimum: int | None = None) -> int:
+def _parse_int(name: str, value, minimum: int | None = None, maximum: int | None = None) -> int:
     try:
-        return parse_int(value, name, minimum=minimum)
+        return parse_int(value, name, minimum=minimum, maximum=maximum)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
 
-def _require_int(name: str, value, minimum: int) -> None:
-    _parse_int(ENV_PREFIX + name, value, minimum)
+def _require_int(name: str, value, minimum: int, maximum: int | None = None) -> None:
+    _parse_int(ENV_PREFIX + name, value, minimum, maximum)

@@ -14,6 +14,11 @@ struct llama_moe_cache_layer_info {
     const char * device;
 };
 
+struct llama_moe_cache_params {
+    int32_t n_slots;
+    int32_t max_batch;
+};
+
 struct llama_moe_cache_counters {
     uint64_t hits;
     uint64_t misses;
@@ -27,12 +32,13 @@ typedef void (*llama_moe_cache_context_callback)(struct llama_context * ctx, voi
 
 const char * llama_moe_cache_version(void);
 void    llama_moe_cache_set_context_callback(llama_moe_cache_context_callback cb, void * user_data);
-int32_t llama_moe_cache_init(struct llama_context * ctx, int32_t n_slots);
+struct llama_moe_cache_params llama_moe_cache_default_params(void);
+int32_t llama_moe_cache_init(struct llama_context * ctx, struct llama_moe_cache_params params);
 int32_t llama_moe_cache_n_layers(const struct llama_context * ctx);
 bool    llama_moe_cache_layer_info(const struct llama_context * ctx, int32_t i, struct llama_moe_cache_layer_info * info);
 size_t  llama_moe_cache_device_bytes(const struct llama_context * ctx);
 void    llama_moe_cache_set_step_callback(struct llama_context * ctx, llama_moe_cache_step_callback cb, void * user_data);
-const int32_t * llama_moe_cache_observed(struct llama_context * ctx, int32_t * n_used_max);
+const int32_t * llama_moe_cache_observed(struct llama_context * ctx, int32_t * n_cols, int32_t * stride);
 bool    llama_moe_cache_apply(struct llama_context * ctx, const int32_t * publish, int32_t n_publish,
                               const int32_t * evict, int32_t n_evict, const int32_t * upload, int32_t n_upload);
 int64_t llama_moe_cache_wait_uploads(struct llama_context * ctx);

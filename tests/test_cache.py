@@ -5,7 +5,6 @@ same placement with the cache off."""
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 import subprocess
@@ -79,30 +78,100 @@ def test_cache_is_bit_identical_and_accounts_every_lookup(smol_stock, smol_path,
     n_layers, k = len(cache.layers), cache.n_used
     stats = cache.stats()
     observed = [p for p in plans if p.hit_mask is not None]
-    assert stats["decode_steps"] == len(observed) == n_tokens - 1  # the last graph is not observed yet
-    assert stats["totals"]["hits"] + stats["totals"]["misses"] == n_layers * k * len(observed)
+    # the prompt is one ubatch of at most LLAMA_MOE_CACHE_MAX_BATCH tokens: observed too, its
+    # last layer running the output token only; the last graph is not observed yet
+    n_prompt = len(llm.tokenize(PROMPT))
+    assert stats["decode_steps"] == len(observed) == n_tokens
+    assert stats["decode_tokens"] == n_prompt + n_tokens - 1
+    assert [int((p.observed >= 0).sum()) for p in observed] == \
+        [k * (n_layers * n_prompt - n_prompt + 1)] + [n_layers * k] * (n_tokens - 1)
+    lookups = k * (n_layers * (n_prompt + n_tokens - 1) - n_prompt + 1)
+    assert stats["totals"]["hits"] + stats["totals"]["misses"] == lookups
     for plan in plans:
         assert np.bincount(plan.upload[:, 0], minlength=n_layers).max(initial=0) <= inserts
 
     # libllama's CPU observer saw the same hits, plus the graph not observed yet
     native_counters = cache.native_counters()
-    assert sum(c["hits"] + c["misses"] for c in native_counters) == n_layers * k * n_tokens
+    assert sum(c["hits"] + c["misses"] for c in native_counters) == lookups + n_layers * k
     engine_hits = stats["totals"]["hits"]
     assert engine_hits <= sum(c["hits"] for c in native_counters) <= engine_hits + n_layers * k
     assert sum(c["uploads"] for c in native_counters) == stats["totals"]["uploads"]
 
     if slots == 8:
-        # every expert fits: an expert misses only on its first use and, used again at once,
-        # in the step its upload is in flight; then never again
-        misses = collections.Counter()
-        for plan in observed:
-            for layer, rank in zip(*np.nonzero(~plan.hit_mask)):
-                misses[layer, plan.observed[layer, rank]] += 1
+        # every expert fits: once its upload is issued (boundary t) an expert misses at most in
+        # the graph that ran during the upload (observed at t + 1), then never again
+        issued = {}
+        for plan in plans:
+            if plan.hit_mask is not None:
+                for layer, rank in zip(*np.nonzero(~plan.hit_mask & (plan.observed >= 0))):
+                    key = (int(layer), int(plan.observed[layer, rank]))
+                    assert key not in issued or plan.step <= issued[key] + 1, (key, plan.step, issued[key])
+            for layer, expert, _ in plan.upload.tolist():
+                issued.setdefault((layer, expert), plan.step)
         assert stats["totals"]["evictions"] == 0
-        assert max(misses.values()) <= 2
         assert stats["hit_rate"] > 0.9
     if slots < 8:
         assert stats["totals"]["evictions"] > 0, "the test must churn the slots"
+
+
+# prompt-lookup drafting proposes continuations of n-grams seen before: a counting prompt makes
+# the model repeat it, so drafts are accepted and verification ubatches carry several tokens
+COUNTING = "one two three four five six seven eight nine ten, one two three four five six seven eight nine ten, one two"
+
+
+def speculative(path, n_tokens, **cache_args):
+    """Greedy completion with prompt-lookup speculative decoding (ubatches of 1 + up to 4 drafted
+    tokens). Returns (text, [(tokens, logits of every row)] per evaluation, cache or None)."""
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    llm = load(path, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=4))
+    cache = attach(llm, **cache_args) if cache_args else None
+    evals = []
+    evaluate = llm.eval
+
+    def recording(tokens):
+        start = llm.n_tokens
+        evaluate(tokens)
+        evals.append((list(tokens), llm.scores[start:start + len(tokens)].copy()))
+
+    llm.eval = recording
+    out = llm.create_completion(COUNTING, max_tokens=n_tokens, temperature=0.0)
+    return out["choices"][0]["text"], evals, cache
+
+
+def test_speculative_decoding_is_bit_identical_and_accounts_every_lookup(tmp_path, rpc_device, smol_path):
+    from moecache.replay import PER_LAYER, simulate
+    from moecache.traces import read_trace
+
+    text_off, evals_off, _ = speculative(smol_path, 128)
+    trace_path = tmp_path / "spec.route.csv"
+    text_on, evals_on, cache = speculative(smol_path, 128, slots=2, inserts=2, policy="lru", wait=1,
+                                           trace=str(trace_path))
+    assert text_on == text_off
+    assert [tokens for tokens, _ in evals_on] == [tokens for tokens, _ in evals_off]
+    for (_, on), (_, off) in zip(evals_on, evals_off):
+        assert np.array_equal(on, off), f"max |diff| {np.abs(on - off).max()}"
+
+    # the prompt, then each step's sampled token with up to 4 drafted ones
+    sizes = [len(tokens) for tokens, _ in evals_on]
+    assert max(sizes[1:]) > 1 and len(sizes) - 1 < 128, "drafts must be accepted"
+    assert max(sizes) <= cache.config.max_batch  # every ubatch through the cache
+    n_layers, k = len(cache.layers), cache.n_used
+    stats = cache.stats()
+    # every (token, layer, top-k) of every ubatch (a draft model makes Llama want the logits of
+    # every row: every layer runs every token), the last ubatch not observed yet
+    assert stats["decode_steps"] == len(sizes) - 1
+    assert stats["decode_tokens"] == sum(sizes[:-1])
+    assert stats["totals"]["hits"] + stats["totals"]["misses"] == n_layers * k * sum(sizes[:-1])
+    assert sum(c["hits"] + c["misses"] for c in cache.native_counters()) == n_layers * k * sum(sizes)
+    assert stats["totals"]["hits"] > 0 and stats["totals"]["evictions"] > 0
+
+    # the live trace keeps each ubatch together, and the replay observes it as one step
+    cache.close()
+    trace = read_trace(str(trace_path))
+    assert len(np.unique(trace.batch)) == len(sizes) - 1
+    replayed = simulate(trace, PER_LAYER, "lru", 2, inserts=2).totals
+    assert (replayed["hits"], replayed["misses"]) == (stats["totals"]["hits"], stats["totals"]["misses"])
 
 
 def test_no_torn_slot_with_slow_uploads(rpc_device, tiny_path):
@@ -156,6 +225,9 @@ def test_waiting_for_uploads_is_an_option(rpc_device, tiny_path):
     ({}, {"slots": 2, "inserts": 0}, "LLAMA_MOE_CACHE_INSERTS=0 must be >= 1"),
     ({}, {"slots": 9}, "LLAMA_MOE_CACHE_SLOTS=9 exceeds the 8 experts per layer of this model"),
     ({}, {"slots": 2, "policy": "belady"}, "only runs in offline replay"),
+    ({"LLAMA_MOE_CACHE_MAX_BATCH": "8x"}, {"slots": 2}, "LLAMA_MOE_CACHE_MAX_BATCH='8x' is not an integer"),
+    ({"LLAMA_MOE_CACHE_MAX_BATCH": "0"}, {"slots": 2}, "LLAMA_MOE_CACHE_MAX_BATCH=0 must be in [1, 512]"),
+    ({}, {"slots": 2, "max_batch": 513}, "LLAMA_MOE_CACHE_MAX_BATCH=513 must be in [1, 512]"),
     ({}, {"slots": 2, "stats": "/nonexistent/s.json"},
      "LLAMA_MOE_CACHE_STATS='/nonexistent/s.json': directory /nonexistent does not exist"),
     ({"LLAMA_MOE_CACHE_TRACE": "/nonexistent/t.csv"}, {"slots": 2},
@@ -201,7 +273,7 @@ def test_device_allocation_failure_keeps_decode_stock(rpc_device, tiny_path):
     stock = greedy(load(tiny_path), PROMPT, 16)
     llm = load(tiny_path)
     ctx = native.as_context(llm._ctx.ctx)
-    assert native.lib().llama_moe_cache_init(ctx, 1 << 30) == 0  # far beyond the device
+    assert native.init(ctx, 1 << 30) == 0  # far beyond the device
     assert native.lib().llama_moe_cache_n_layers(ctx) == 0
     tokens, logits = greedy(llm, PROMPT, 16)
     assert tokens == stock[0] and np.array_equal(logits, stock[1])
@@ -368,7 +440,7 @@ def test_debug_stats_go_to_stderr(capfd, rpc_device, tiny_path):
     cache.close()
     lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("moecache: ")]
     assert len(lines) >= 3  # every 8 steps and at close
-    assert "decode steps, hit rate" in lines[-1]
+    assert "decode steps (" in lines[-1] and "hit rate" in lines[-1]
 
 
 def test_profile_warms_the_next_run(tmp_path, rpc_device, tiny_path):
@@ -473,6 +545,9 @@ def test_llama_cpp_server_gets_the_cache(tmp_path, tiny_path):
             server.kill()
             server.wait()
     report = json.loads(stats.read_text())
-    # 16 tokens: the first comes from the prompt, 15 single-token decodes, the last not observed yet
-    assert report["decode_steps"] == 14
-    assert report["totals"]["hits"] + report["totals"]["misses"] == 14 * 2 * 2  # layers x top-k
+    # 16 tokens: the first comes from the prompt (one observed ubatch; the server's default
+    # logits_all=True makes every layer run every token), 15 single-token decodes, the last not
+    # observed yet
+    n_prompt = report["decode_tokens"] - 14
+    assert report["decode_steps"] == 15 and n_prompt > 1
+    assert report["totals"]["hits"] + report["totals"]["misses"] == (n_prompt + 14) * 2 * 2  # tokens x layers x top-k
