@@ -13,7 +13,7 @@ from .live import CacheUnavailable, LiveCache
 
 log = logging.getLogger("moecache")
 
-_caches: list[LiveCache] = []   # keeps every attached cache (and its callback) alive
+_caches: list[LiveCache] = []   # the caches of live contexts: keeps them (and their callbacks) alive
 _context_callback = None
 
 
@@ -52,8 +52,33 @@ def _register(cache: LiveCache) -> LiveCache:
     for old in _caches:
         if old.ctx == cache.ctx and not old.detached:
             old.detach()
+    _caches[:] = [c for c in _caches if not c.detached]
     _caches.append(cache)
+    _release_caches_on_free()
     return cache
+
+
+def _release_caches_on_free() -> None:
+    """Wrap llama_cpp's llama_free (which Llama.close and its finalizer call) so that a freed
+    context's cache writes its report and is forgotten: a process that keeps creating
+    contexts does not keep every cache. libllama has no free callback to hook instead."""
+    import llama_cpp
+    import llama_cpp.llama_cpp as bindings
+
+    if hasattr(bindings.llama_free, "stock"):
+        return
+    stock = bindings.llama_free
+
+    def llama_free(ctx, /):
+        if ctx:
+            ptr = native.as_context(ctx)
+            for cache in [c for c in _caches if c.ctx == ptr]:
+                cache.release()
+                _caches.remove(cache)
+        return stock(ctx)
+
+    llama_free.stock = stock
+    bindings.llama_free = llama_cpp.llama_free = llama_free
 
 
 def install() -> bool:

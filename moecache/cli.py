@@ -13,6 +13,8 @@ import time
 
 from .util import OneLineParser, int_arg
 
+GGML_MAX_N_THREADS = 512  # ggml.h: more threads overrun ggml's per-thread arrays (a segfault)
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = OneLineParser(prog="run.py", description=__doc__.split("\n\n")[0])
@@ -21,14 +23,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("-n", "--n-predict", type=int_arg(minimum=1), default=128, help="tokens to generate (default 128)")
     p.add_argument("-ngl", "--n-gpu-layers", type=int_arg(), default=-1, help="layers on the device (default -1: all)")
     p.add_argument("-c", "--ctx-size", type=int_arg(minimum=1), default=2048)
-    p.add_argument("-t", "--threads", type=int_arg(minimum=1), default=None)
+    p.add_argument("-t", "--threads", type=int_arg(minimum=1, maximum=GGML_MAX_N_THREADS), default=None)
     p.add_argument("--seed", type=int_arg(minimum=0), default=0)
     p.add_argument("--slots", type=int_arg(minimum=0), default=None,
                    help="experts cached per layer (default LLAMA_MOE_CACHE_SLOTS, else a quarter of the experts; 0 = off)")
     p.add_argument("--inserts", type=int_arg(minimum=1), default=None, help="uploads per layer per step (default 2)")
     p.add_argument("--policy", default=None, help="cache policy (default: the shipped default)")
     p.add_argument("--no-chat", action="store_true", help="raw completion instead of the chat template")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.no_chat and not args.prompt:
+        p.error("argument -p/--prompt: empty, and --no-chat has no template: nothing to continue from")
+    return args
 
 
 def main(argv=None) -> int:
@@ -41,13 +46,13 @@ def main(argv=None) -> int:
 
 
 def _run(args) -> int:
-    from . import fixtures
+    from .models import smol_moe
     from .config import CacheConfig
 
     # validate the cache settings before anything slow happens
     config = CacheConfig.from_env(inserts=args.inserts, policy=args.policy)
     if args.model is None:
-        model = str(fixtures.smol_moe())
+        model = str(smol_moe())
     elif not os.path.isfile(args.model):
         raise ValueError(f"model file not found: {args.model}")
     else:
@@ -56,7 +61,6 @@ def _run(args) -> int:
     import llama_cpp
 
     from . import ggml
-    from .activate import attach
     from .placement import experts_on_host
 
     if ggml.has_gpu():
@@ -68,14 +72,17 @@ def _run(args) -> int:
         device = f"loopback RPC device {rpc.endpoint} (no GPU found: a CPU backend, exact but not faster)"
     print(f"run.py: experts in host memory, the rest on the {device}", file=sys.stderr)
 
+    # llama.cpp pads the context to a multiple of 256 while llama_cpp sizes its token buffer by
+    # the request: ask for the padded size, or a prompt longer than -c breaks that buffer
+    n_ctx = -(-args.ctx_size // 256) * 256
     with experts_on_host():
-        llm = llama_cpp.Llama(model, n_gpu_layers=args.n_gpu_layers, n_ctx=args.ctx_size, seed=args.seed,
+        llm = llama_cpp.Llama(model, n_gpu_layers=args.n_gpu_layers, n_ctx=n_ctx, seed=args.seed,
                               n_threads=args.threads, verbose=False)
     n_expert = int(next((v for k, v in llm.metadata.items() if k.endswith(".expert_count")), 0))
     if n_expert == 0:
         raise ValueError(f"{model} is not a MoE model (no expert_count)")
     slots = args.slots if args.slots is not None else (config.slots or max(1, n_expert // 4))
-    cache = attach(llm, slots=slots, inserts=config.inserts, policy=config.policy) if slots else None
+    cache = _attach_or_stock(llm, slots=slots, inserts=config.inserts, policy=config.policy) if slots else None
 
     if args.no_chat:
         stream = llm.create_completion(args.prompt, max_tokens=args.n_predict, temperature=0.0, stream=True)
@@ -86,19 +93,50 @@ def _run(args) -> int:
         pieces = (chunk["choices"][0]["delta"].get("content", "") for chunk in stream)
 
     n_tokens, t_first = 0, None
-    for piece in pieces:
-        if not piece:
-            continue
-        if t_first is None:
-            t_first = time.perf_counter()
-        n_tokens += 1
-        print(piece, end="", flush=True)
+    try:
+        for piece in pieces:
+            if not piece:
+                continue
+            if t_first is None:
+                t_first = time.perf_counter()
+            n_tokens += 1
+            print(piece, end="", flush=True)
+    except ValueError as e:  # llama_cpp: "Requested tokens (N) exceed context window of M"
+        if "context window" not in str(e):
+            raise
+        raise ValueError(f"argument -c/--ctx-size: {args.ctx_size} is too small for the prompt ({e})") from None
     t_end = time.perf_counter()
     print()
     decode = f"{(n_tokens - 1) / (t_end - t_first):.1f} tok/s" if n_tokens > 1 else "n/a"
     print(f"run.py: {n_tokens} pieces, decode {decode}", file=sys.stderr)
     if cache:
         print(cache.summary(), file=sys.stderr)
-    else:
+    elif not slots:
         print("run.py: expert cache off (--slots 0)", file=sys.stderr)
     return 0
+
+
+def _attach_or_stock(llm, **settings):
+    """The cache, or None after one warning line when libllama cannot cache this model (e.g. an
+    unsupported architecture): decoding then runs the stock graph. libllama says why in its
+    log, which llama_cpp prints only when verbose: that line is the warning."""
+    import contextlib
+    import io
+    import logging
+
+    from .activate import attach
+    from .live import CacheUnavailable
+
+    llama_log = logging.getLogger("llama-cpp-python")  # llama_cpp prints libllama's log to sys.stderr
+    level, captured = llama_log.level, io.StringIO()
+    llama_log.setLevel(logging.WARNING)
+    try:
+        with contextlib.redirect_stderr(captured):
+            return attach(llm, **settings)
+    except CacheUnavailable as e:
+        why = [line.strip() for line in captured.getvalue().splitlines() if "expert cache disabled" in line]
+        print(f"run.py: warning: no expert cache: {why[-1] if why else e}; decoding runs the stock graph",
+              file=sys.stderr)
+        return None
+    finally:
+        llama_log.setLevel(level)

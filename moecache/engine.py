@@ -16,18 +16,26 @@ Timing (boundary t sits between graph t-1 and graph t; no graph runs during step
 - Evicting unpublishes the victim at this boundary, before its slot is reused.
 - Prefetch (policies with predict()) only uses the upload budget the misses left.
 
+admission="eager" moves the misses' uploads into the graph that missed them: at boundary t
+the engine hands libllama a Handover (moecache.eager) for graph t, whose CPU observers start
+uploads by its rule; step(ids of graph t) at boundary t+1 takes those admissions (modelled
+from the handover, so replay and a waiting live run agree) and publishes them with the uploads
+due: a miss in graph s is usable from graph s + 1. No boundary then uploads misses itself.
+
 Layers are the engine's own indices 0..n_layers-1 (the glue maps them to model layers).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from .eager import Handover, admissions, build_handover
 from .policies import Policy
 
+ADMISSIONS = ("boundary", "eager")  # a miss is uploaded at the next boundary, or during its graph
 COUNTERS = ("hits", "misses", "uploads", "evictions", "prefetch_uploads", "prefetch_hits",
             "prefetch_waste", "late")  # late: due uploads not complete at their boundary
 _NO_JOBS = np.empty((0, 3), dtype=np.int32)
@@ -60,6 +68,9 @@ class StepPlan:
     publish: np.ndarray          # uploads issued `publish_delay` boundaries ago: make visible now
     evict: np.ndarray            # clear these table entries now, before their slots are reused
     upload: np.ndarray           # start these copies now (published at a later boundary)
+    # eager: the uploads libllama started during the observed graph (already running; their
+    # victims are in evict, and those complete in publish)
+    admitted: np.ndarray = field(default_factory=lambda: _NO_JOBS)
 
 
 class CacheEngine:
@@ -74,7 +85,7 @@ class CacheEngine:
 
     def __init__(self, n_layers: int, n_expert: int, n_slots: int, policy: Policy, *,
                  inserts: int | None = 2, pinned=None, publish_delay: int = 1,
-                 offline: bool = False):
+                 offline: bool = False, admission: str = "boundary"):
         if n_layers < 1 or n_expert < 1 or not 1 <= n_slots <= n_expert:
             raise ValueError(f"need n_layers >= 1, n_expert >= 1, 1 <= n_slots <= n_expert; got "
                              f"{n_layers}, {n_expert}, {n_slots}")
@@ -82,15 +93,26 @@ class CacheEngine:
             raise ValueError(f"inserts must be >= 1 or None (unlimited), got {inserts}")
         if publish_delay < 1:
             raise ValueError(f"publish_delay must be >= 1, got {publish_delay}")
+        if admission not in ADMISSIONS:
+            raise ValueError(f"admission must be one of {', '.join(ADMISSIONS)}, got {admission!r}")
+        if admission == "eager" and hasattr(policy, "choose_victims"):
+            raise ValueError(f"eager admission needs a policy that ranks experts (priority); "
+                             f"{policy.name!r} picks its victims itself")
+        if admission == "eager" and publish_delay != 1:
+            raise ValueError(f"eager admission publishes at the next boundary: publish_delay must "
+                             f"be 1, got {publish_delay}")
         if policy.offline_only and not offline:
             raise ValueError(f"policy {policy.name!r} needs future routing: offline replay only")
         self.n_layers, self.n_expert, self.n_slots = n_layers, n_expert, n_slots
         self.inserts = inserts
+        self.admission = admission
         self.policy = policy
         policy.bind(n_layers, n_expert, n_slots)
         self._admit = getattr(policy, "admit", None)
         self._choose_victims = getattr(policy, "choose_victims", None)
         self._predict = getattr(policy, "predict", None)
+        self._worth_if_used = getattr(policy, "worth_if_used", self._admit)
+        self.handover: Handover | None = None  # eager: what the graph about to run follows
 
         self.slot_expert = np.full((n_layers, n_slots), -1, dtype=np.int32)   # incl. in flight
         self.expert_slot = np.full((n_layers, n_expert), -1, dtype=np.int32)  # published only
@@ -161,20 +183,51 @@ class CacheEngine:
         uploads due now are complete, counted in the order they were issued (the live glue
         reads it off the upload worker, which completes them in that order); the others stay
         in flight, unpublished and unevictable, and are due again at the next boundary.
-        None: all of them (offline replay, or a glue that waited)."""
+        None: all of them (offline replay, or a glue that waited). Eager admission: the
+        uploads due are the boundary's from the last boundary, then the graph's admissions."""
         t = self.step_index
         self.step_index += 1
+        eager = self.admission == "eager"
+        admitted, eager_evict = _NO_JOBS, []
         if ids is None:
             hit_mask, hits, misses, seen = None, np.zeros(self.n_layers, dtype=np.int64), \
                 np.zeros(self.n_layers, dtype=np.int64), None
         else:
-            hit_mask, hits, misses, seen = self._observe(t, np.asarray(ids))
+            ids = np.asarray(ids)
+            hit_mask, hits, misses, seen = self._observe(t, ids)
+            if eager and self.handover is not None:
+                admitted = admissions(self.handover, ids, self.slot_expert)
+                if admitted.size:
+                    self._commit(t, *admitted.T, False, eager_evict, [])
+                    self._pending[0] = _join([self._pending[0], admitted])  # issued last
         publish, late = self._publish(ready)
-        evict, upload = self._plan(t, seen, late.size > 0)
+        evict, upload = self._plan(t, seen, late.size > 0, upload_misses=not eager,
+                                   spent=admitted[:, 0])
+        if eager_evict:
+            evict = _join(eager_evict + [evict])
         self._pending.append(upload)
         if late.size:  # issued first, so completed first: ahead of the next due uploads
             self._pending[0] = _join([late, self._pending[0]])
-        return StepPlan(t, hit_mask, hits, misses, publish, evict, upload)
+        if eager:
+            self.handover = self._handover(t)
+        return StepPlan(t, hit_mask, hits, misses, publish, evict, upload, admitted)
+
+    def _handover(self, t) -> Handover:
+        """Eager: the victim order and worths the graph about to run follows."""
+        held = self.slot_expert
+        keys = np.maximum(held, 0) + self._key_base  # junk where a slot is empty: masked
+        free = held < 0
+        evictable = ~free & ~self._in_flight
+        if self._any_pinned:
+            evictable &= ~self._pinned.take(keys)
+        if self._worth_if_used is None:  # no admission test: every miss is worth a victim
+            worth = np.full((self.n_layers, self.n_expert), np.inf)
+        else:
+            all_keys = np.arange(self.n_layers * self.n_expert).reshape(self.n_layers, self.n_expert)
+            worth = np.array(self._worth_if_used(t, all_keys), dtype=np.float64)
+        worth[self._assigned >= 0] = -np.inf  # resident or on its way
+        budget = self.inserts if self.inserts is not None else self.n_slots
+        return build_handover(free, evictable, self.policy.priority(t, keys), worth, budget)
 
     def _observe(self, t, ids):
         """Count the observed step's hits and uses and hand it to the policy. Returns the hit
@@ -228,9 +281,10 @@ class CacheEngine:
             self._in_flight[l, s] = False
         return publish, late
 
-    def _plan(self, t, seen, late):
-        """Warm-start uploads, then the observed misses, then prefetch: the (evict, upload)
-        job tables of this boundary."""
+    def _plan(self, t, seen, late, upload_misses=True, spent=_NO_LAYERS):
+        """Warm-start uploads, then the observed misses (unless upload_misses is False), then
+        prefetch with the budget left (spent: the layer of each upload already counted against
+        it): the (evict, upload) job tables of this boundary."""
         L = self.n_layers
         self._late = late
         evict_parts, upload_parts = [], []
@@ -240,8 +294,8 @@ class CacheEngine:
         budget = self.n_slots if self.inserts is None else min(self.inserts, self.n_slots)
         used = None if seen is None else seen[3]
         blocked = self._pinned if used is None else (used | self._pinned if self._any_pinned else used)
-        uploaded = _NO_LAYERS
-        if seen is not None:
+        uploaded = spent
+        if seen is not None and upload_misses:
             ids, keys, valid, _ = seen
             wanted = self._assigned.take(keys) < 0
             if valid is not None:
@@ -404,13 +458,15 @@ class CacheEngine:
         """The totals every report uses (live stats, replay results): "totals", the counters
         summed over layers; "hit_rate", hits / lookups as a FRACTION (None before any lookup);
         "layers", each counter per layer. With expert_bytes (per layer), totals also carry
-        "upload_bytes" (exact: Python integers)."""
+        "upload_bytes", "miss_bytes" and "lookup_bytes" (exact: Python integers)."""
         layers = {name: v.tolist() for name, v in self.counters.items()}
         totals = {name: sum(values) for name, values in layers.items()}
         if expert_bytes is not None:
             if len(expert_bytes) != self.n_layers:
                 raise ValueError(f"expert_bytes has {len(expert_bytes)} layers, expected {self.n_layers}")
-            totals["upload_bytes"] = sum(n * int(size) for n, size in zip(layers["uploads"], expert_bytes))
+            for name, counts in (("upload_bytes", layers["uploads"]), ("miss_bytes", layers["misses"]),
+                                 ("lookup_bytes", [h + m for h, m in zip(layers["hits"], layers["misses"])])):
+                totals[name] = sum(n * int(size) for n, size in zip(counts, expert_bytes))
         lookups = totals["hits"] + totals["misses"]
         return {"steps": self.step_index, "hit_rate": totals["hits"] / lookups if lookups else None,
                 "totals": totals, "layers": layers}

@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 
 import numpy as np
@@ -73,6 +74,7 @@ class LiveCache:
         self._observed = None
         self._shape = self.ffi.new("int32_t[2]")  # out-parameters (n_cols, stride), reused every step
         self._closed = False
+        self._flusher = None  # the thread writing the last periodic snapshot
         self.detached = False
         self._callback = self.ffi.callback("llama_moe_cache_step_callback", self._on_step)
         self.lib.llama_moe_cache_set_step_callback(self.ctx, self._callback, self.ffi.NULL)
@@ -101,6 +103,8 @@ class LiveCache:
                 raise ConfigError(f"LLAMA_MOE_CACHE_PROFILE: {e}") from None
             self.engine.preload(profile.top(config.slots), rates=profile.rates(self.n_used))
         self._profile_base = model_name
+        self._profile_saved = np.zeros_like(self.engine.usage)  # usage already added to the file
+        self._report_errors: set[str] = set()
 
         self.trace = None
         if config.trace:
@@ -109,8 +113,8 @@ class LiveCache:
                     config.trace, model=os.path.basename(model_name) or "model", arch=arch,
                     n_layer=max(model_layers) + 1, n_expert=n_expert, n_expert_used=self.n_used,
                     layers=[(layer["il"], layer["expert_bytes"], 0) for layer in self.layers])
-            except OSError as e:
-                raise ConfigError(f"LLAMA_MOE_CACHE_TRACE={config.trace!r}: {e.strerror}") from None
+            except (OSError, ValueError) as e:
+                raise ConfigError(f"LLAMA_MOE_CACHE_TRACE={config.trace!r}: {getattr(e, 'strerror', None) or e}") from None
 
     def _layer_info(self, i: int) -> dict:
         info = self.ffi.new("struct llama_moe_cache_layer_info *")
@@ -156,9 +160,20 @@ class LiveCache:
         if ids is not None:
             n_tokens = ids.shape[1] // self.n_used
             if self.trace:
-                self.trace.write_step(0, DECODE, self.decode_tokens, ids, None, plan.hit_mask.astype(np.int8))
+                self._write_trace(ids, plan.hit_mask.astype(np.int8))
             self.decode_steps += 1
             self.decode_tokens += n_tokens
+            if self.config.flush_steps and self.decode_steps % self.config.flush_steps == 0:
+                self._flush_in_background()
+
+    def _write_trace(self, ids, residency):
+        try:
+            self.trace.write_step(0, DECODE, self.decode_tokens, ids, None, residency)
+        except (OSError, ValueError) as e:  # e.g. a full disk: the trace stops, the cache goes on
+            log.error("moecache: error: LLAMA_MOE_CACHE_TRACE=%r: %s - trace stopped after %d steps",
+                      self.config.trace, getattr(e, "strerror", None) or e, self.decode_steps)
+            self.trace.close()
+            self.trace = None
 
     def _rows(self, jobs):
         """A job table as (pointer, row count) for libllama: (n, 3) int32, C order."""
@@ -208,32 +223,80 @@ class LiveCache:
                 f"step {s['step_us_mean'] or 0:.0f} us mean, upload wait {s['upload_wait_us'] / 1e3:.1f} ms")
 
     def close(self):
-        """Write stats, trace and profile (once; also at exit). The context may be gone: only
-        Python state is read here."""
+        """Write stats, trace and profile (once: when the context is freed, else at exit). The
+        context may be gone: only Python state is read here."""
         if self._closed:
             return
         self._closed = True
         if self.config.debug:
             print(self.summary(), file=sys.stderr)
+        if self._flusher is not None:
+            self._flusher.join()  # its older snapshot must not land after the final one
         if self.trace:
             self.trace.close()
+        self.write_reports()
+
+    def write_reports(self):
+        """Write the stats and add this run's new usage to the profile, each atomically and on
+        its own (one that fails does not keep the other from being written)."""
+        self._write_snapshot(self._snapshot())
+
+    def _flush_in_background(self):
+        """Every FLUSH_STEPS decode steps, so that a crash loses at most that many: the decode
+        thread only takes a snapshot, a thread writes it (the writes wait for the disk, tens of
+        ms). Skipped while the previous one still writes."""
+        if self._flusher is not None and self._flusher.is_alive():
+            return
+        self._flusher = threading.Thread(target=self._write_snapshot, args=(self._snapshot(),),
+                                         name="moecache-flush", daemon=True)
+        self._flusher.start()
+
+    def _snapshot(self):
+        return (json.dumps(self.stats(), indent=1) if self.config.stats else None,
+                self.engine.usage.copy() if self.config.profile else None)
+
+    def _write_snapshot(self, snapshot) -> None:
+        stats_text, usage = snapshot
+        if stats_text is not None:
+            self._report("STATS", lambda: atomic_write(self.config.stats, stats_text))
+        if usage is not None:
+            self._report("PROFILE", lambda: self._save_profile(usage))
+        trace = self.trace  # the decode thread drops it if a write fails
+        if trace:
+            self._report("TRACE", trace.flush)
+
+    def _report(self, name: str, write) -> None:
         try:
-            if self.config.stats:
-                atomic_write(self.config.stats, json.dumps(self.stats(), indent=1))
-            if self.config.profile and self.decode_steps:
-                profile = UsageProfile(self._profile_base, [layer["il"] for layer in self.layers],
-                                       self.engine.usage)
-                if os.path.exists(self.config.profile):
-                    profile = profile.merged(UsageProfile.load(self.config.profile))
-                profile.save(self.config.profile)
-        except (OSError, ValueError) as e:  # at exit: one line, not a traceback
-            log.error("moecache: error: could not write the cache's report: %s", e)
+            write()
+        except (OSError, ProfileError) as e:  # one line, never a traceback; once per problem
+            message = (f"moecache: error: LLAMA_MOE_CACHE_{name}={getattr(self.config, name.lower())!r}: "
+                       f"{getattr(e, 'strerror', None) or e} - not written")
+            if message not in self._report_errors:
+                self._report_errors.add(message)
+                log.error("%s", message)
+
+    def _save_profile(self, usage) -> None:
+        new = usage - self._profile_saved  # what the file does not have yet
+        if not new.any():
+            return
+        layers = [layer["il"] for layer in self.layers]
+        profile = UsageProfile(self._profile_base, layers, new)
+        if os.path.exists(self.config.profile):  # another run or context may have added to it
+            profile = profile.merged(UsageProfile.load(self.config.profile, layers=layers,
+                                                       n_expert=profile.n_expert))
+        profile.save(self.config.profile)
+        self._profile_saved = usage
 
     def detach(self):
         """Forget this cache without reporting; a new init of the same context replaces it."""
         self.detached = True
         self._closed = True
         atexit.unregister(self.close)
+
+    def release(self):
+        """Its context is being freed: report now, and let go of this cache."""
+        self.close()
+        self.detach()
 
     # --- testing ----------------------------------------------------------------------------
 

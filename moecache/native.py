@@ -60,4 +60,5 @@ def as_context(ctx) -> "ffi.CData":
 def model_metadata(ctx, key: str) -> str | None:
     buf = ffi.new("char[]", 256)
     n = lib().llama_model_meta_val_str(lib().llama_get_model(ctx), key.encode(), buf, 256)
-    return ffi.string(buf).decode() if n >= 0 else None
+    # "replace": metadata need not be UTF-8, and a long value is cut at 255 bytes, maybe mid-character
+    return ffi.string(buf).decode(errors="replace") if n >= 0 else None

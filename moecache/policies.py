@@ -19,6 +19,10 @@ Optional, looked up once by the engine:
                                                slot or over a victim of strictly lower
                                                priority; -inf refuses. Also orders the misses
                                                when more than INSERTS compete (else rank order)
+    worth_if_used(step, keys) -> float         eager admission (moecache.eager): the admit()
+                                               worth a miss in the graph about to run will have
+                                               once that use is observed (at step + 1); without
+                                               it admit(), and without that +inf
     choose_victims(step, layer, candidates, n) queue-based policies: up to n experts to evict
                                                from `candidates` (evictable residents)
     predict(step) -> (L, p) int, -1 padded     experts to prefetch, best first, uploaded with
@@ -122,6 +126,11 @@ class Heat(DecayedLfu):
 
     def admit(self, step, keys):
         return self.scaled.take(keys)
+
+    def worth_if_used(self, step, keys):
+        # the use is observed at step + 1 with that step's weight; no rebase here, so the
+        # residents' priorities handed over with these worths keep their scale
+        return self.scaled.take(keys) + self.growth ** (step + 1 - self.origin)
 
 
 class Gdsf(Policy):

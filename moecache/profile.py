@@ -13,12 +13,15 @@ File: JSON {"format": "moecache-profile", "version": 1, "model": str, "n_expert"
 from __future__ import annotations
 
 import json
+import reprlib
 
 import numpy as np
 
 from .util import atomic_write
 
 FORMAT, VERSION = "moecache-profile", 1
+# counts are decode steps: 2**53 keeps every sum of them exact in int64 and in JSON's doubles
+MAX_COUNT = 2**53
 
 
 class ProfileError(ValueError):
@@ -85,31 +88,55 @@ class UsageProfile:
 
     @classmethod
     def load(cls, path: str, *, layers=None, n_expert=None) -> "UsageProfile":
-        """Load and, when layers/n_expert are given, check it fits the running model."""
+        """Load and, when layers/n_expert are given, check it fits the running model. Any
+        problem with the file is a ProfileError naming it, never another exception."""
         try:
-            with open(path, "r", encoding="utf-8") as f:
-                data = json.load(f)
+            with open(path, "rb") as f:
+                data = json.loads(f.read().decode("utf-8"))
         except OSError as e:
-            raise ProfileError(f"{path}: {e.strerror}") from None
+            raise ProfileError(f"{path}: {e.strerror or e}") from None
+        except UnicodeDecodeError:
+            raise ProfileError(f"{path}: not a {FORMAT} file (not UTF-8 text)") from None
         except json.JSONDecodeError as e:
             raise ProfileError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+        except (ValueError, RecursionError) as e:  # e.g. an integer of 5000 digits, nesting
+            raise ProfileError(f"{path}: not valid JSON ({type(e).__name__})") from None
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise ProfileError(f"{path}: not a {FORMAT} file")
-        if data.get("version") != VERSION:
-            raise ProfileError(f"{path}: profile version {data.get('version')!r}, expected {VERSION}")
-        try:
-            profile = cls(str(data["model"]), data["layers"], data["counts"])
-        except KeyError as e:
-            raise ProfileError(f"{path}: missing field {e.args[0]!r}") from None
-        except (TypeError, ValueError) as e:
-            raise ProfileError(f"{path}: malformed counts ({e})") from None
-        if profile.n_expert != data.get("n_expert"):
-            raise ProfileError(f"{path}: n_expert={data.get('n_expert')!r} but counts rows have "
-                               f"{profile.n_expert} entries")
+        if data.get("version") != VERSION or isinstance(data.get("version"), bool):
+            raise ProfileError(f"{path}: profile version {reprlib.repr(data.get('version'))}, expected {VERSION}")
+        missing = [key for key in ("model", "n_expert", "layers", "counts") if key not in data]
+        if missing:
+            raise ProfileError(f"{path}: missing field {missing[0]!r}")
+        model_layers, counts = data["layers"], data["counts"]
+        if not isinstance(data["model"], str):
+            raise ProfileError(f"{path}: model={reprlib.repr(data['model'])} is not a string")
+        if not _is_count(data["n_expert"], MAX_COUNT) or data["n_expert"] < 1:
+            raise ProfileError(f"{path}: n_expert={reprlib.repr(data['n_expert'])} is not a positive integer")
+        if (not isinstance(model_layers, list) or not model_layers
+                or not all(_is_count(l, MAX_COUNT) for l in model_layers)
+                or len(set(model_layers)) != len(model_layers)):
+            raise ProfileError(f"{path}: layers must be a non-empty list of distinct layer numbers >= 0")
+        if not isinstance(counts, list) or len(counts) != len(model_layers):
+            raise ProfileError(f"{path}: counts must be a list of {len(model_layers)} rows, one per layer")
+        for li, row in enumerate(counts):
+            if not isinstance(row, list) or len(row) != data["n_expert"]:
+                raise ProfileError(f"{path}: n_expert={data['n_expert']} but counts rows have "
+                                   f"{len(row) if isinstance(row, list) else 'no'} entries (row {li})")
+            bad = next((e for e, c in enumerate(row) if not _is_count(c, MAX_COUNT)), None)
+            if bad is not None:
+                raise ProfileError(f"{path}: counts[{li}][{bad}]={reprlib.repr(row[bad])} is not a whole "
+                                   f"number of steps in [0, {MAX_COUNT}]")
+        profile = cls(data["model"], model_layers, counts)
         if layers is not None or n_expert is not None:
             profile.check_shape(profile.layers if layers is None else layers,
                                 profile.n_expert if n_expert is None else n_expert, path=path)
         return profile
+
+
+def _is_count(value, maximum: int) -> bool:
+    """A JSON integer (not a float such as 1.0 or 1e308, not a bool) in [0, maximum]."""
+    return type(value) is int and 0 <= value <= maximum
 
 
 def _span(layers):

@@ -2,15 +2,21 @@
 the command line, the scripts and the tests run.
 
     python -m moecache.replay TRACE [--slots 8,16,32,64] [--policies lru,belady,default]
-                              [--inserts 2] [--budget-mib 3000,4000] [--csv FILE] [--plot PNG]
+                              [--inserts 2] [--admission boundary,eager] [--budget-mib 3000,4000]
+                              [--host-gbps 60] [--link-gbps 25] [--csv FILE] [--plot PNG]
 
-Two models (MODELS, each with its policy registry):
+Three models (MODELS, each with its policy registry):
 
 per-layer (--slots): our live cache. K slots per layer, at most --inserts uploads per layer
-    per step, one-step publication delay, experts of the step just observed protected. It
-    runs moecache.engine.CacheEngine itself, the code the live glue calls. Prefill is NOT fed
-    by default, as live prefill graphs are stock and do not feed the policy
-    (--include-prefill feeds each turn's prefill as one batched observation).
+    per step. It runs moecache.engine.CacheEngine itself, the code the live glue calls, with
+    either admission timing (--admission): "boundary" uploads a miss at the next boundary
+    (one-step publication delay, experts of the step just observed protected), "eager" while
+    the graph that missed it runs (moecache.eager). Prefill is NOT fed by default, as live
+    prefill graphs are stock and do not feed the policy (--include-prefill feeds each turn's
+    prefill as one batched observation).
+upstream (policy name "upstream", at the device bytes of each --slots K and at each
+    --budget-mib): upstream llama.cpp's own cache (moecache.upstream), prompts in ubatches of
+    512 tokens, then one ubatch per decode token.
 global (--budget-mib): BigMoeOnEdge's route-replay model (moecache.budget). One cache over
     (layer, expert) entries budgeted in bytes (expert sizes from the preamble), immediate
     admission, no insert limit; batches are one per layer for a turn's whole prefill, then one
@@ -19,7 +25,8 @@ global (--budget-mib): BigMoeOnEdge's route-replay model (moecache.budget). One 
     project reports.
 
 Rates are fractions (hit_rate 0.578) in results and CSV, as in engine.stats() and the live
-stats; the printed tables show them as percent (hit% 57.8).
+stats; the printed tables show them as percent (hit% 57.8). Every table also shows MODELLED
+expert milliseconds per decode token (moecache.cost, from --host-gbps and --link-gbps).
 """
 
 from __future__ import annotations
@@ -36,15 +43,17 @@ from dataclasses import dataclass
 import numpy as np
 
 from .budget import BUDGET_POLICIES, BudgetPolicy, ByteBudgetCache, make_budget_policy
-from .engine import CacheEngine
+from .cost import DEFAULT_HOST_GBPS, DEFAULT_LINK_GBPS, Bandwidth
+from .engine import ADMISSIONS, CacheEngine
 from .policies import DEFAULT_POLICY, POLICIES, Policy, make_policy, resolve_policy
 from .profile import UsageProfile
 from .traces import DECODE, PREFILL, RouteTrace, read_trace, require_memory
+from .upstream import DEFAULT_UBATCH, UpstreamCache, equal_bytes
 from .util import OneLineParser, Progress, atomic_write, int_arg, int_list_arg
 
 MIB = 1 << 20
-PER_LAYER, GLOBAL = "per-layer", "global"
-MODELS = {PER_LAYER: POLICIES, GLOBAL: BUDGET_POLICIES}
+PER_LAYER, GLOBAL, UPSTREAM = "per-layer", "global", "upstream"
+MODELS = {PER_LAYER: POLICIES, GLOBAL: BUDGET_POLICIES, UPSTREAM: {"upstream": UpstreamCache}}
 ENGINE_BYTES_PER_ENTRY = 48  # the engine's and a policy's (layer, expert) tables, per entry
 
 
@@ -61,14 +70,15 @@ class ReplayResult:
 
     model: str
     policy: str
-    slots: int | None           # per-layer K
-    budget_mib: float | None    # global budget
-    inserts: int | None         # per-layer; None: unlimited (and for the global model)
+    slots: int | None           # per-layer K (upstream: the K whose device bytes it was given)
+    budget_mib: float | None    # global and upstream budget
+    inserts: int | None         # per-layer; None: unlimited (and for the other models)
     decode_steps: int
     totals: dict
     totals_all: dict
     seconds: float
     step_seconds: np.ndarray | None = None  # with simulate(step_times=True)
+    admission: str | None = None            # per-layer: the engine's admission timing
 
     @property
     def hit_rate(self) -> float | None:
@@ -90,6 +100,23 @@ class ReplayResult:
     def lookups_per_s(self) -> float:
         return self.lookups / self.seconds if self.seconds > 0 else float("inf")
 
+    def modelled_ms(self, bandwidth: Bandwidth) -> float | None:
+        """MODELLED expert milliseconds per decode token of this cache (moecache.cost); None
+        for the global model, whose cost is not modelled, or without decode tokens."""
+        if self.model == GLOBAL or not self.decode_steps:
+            return None
+        miss, upload = (self.totals[name] / self.decode_steps for name in ("miss_bytes", "upload_bytes"))
+        if self.model == UPSTREAM:
+            return bandwidth.upstream_ms(upload, host_bytes=miss - upload)
+        return bandwidth.moecache_ms(miss, upload)
+
+    def stock_ms(self, bandwidth: Bandwidth) -> float | None:
+        """MODELLED expert milliseconds per decode token of llama.cpp's stock --cpu-moe on the
+        same routing (every lookup read on the host)."""
+        if self.model == GLOBAL or not self.decode_steps:
+            return None
+        return bandwidth.stock_ms(self.totals["lookup_bytes"] / self.decode_steps)
+
 
 def _rate(totals):
     lookups = totals["hits"] + totals["misses"]
@@ -99,35 +126,40 @@ def _rate(totals):
 # --- the driver --------------------------------------------------------------------------
 
 def simulate(trace: RouteTrace, model: str, policy, size=None, *, inserts: int | None = 2,
-             include_prefill: bool = False, profile: UsageProfile | None = None, seed: int = 0,
-             step_times: bool = False, before_step=None) -> ReplayResult:
+             admission: str = "boundary", include_prefill: bool = False,
+             profile: UsageProfile | None = None, seed: int = 0, step_times: bool = False,
+             before_step=None) -> ReplayResult:
     """Replay `trace` (RouteTrace.from_routing makes one of bare routing) through one model.
 
-    model: "per-layer" (size: K slots per layer) or "global" (size: the budget in MiB).
+    model: "per-layer" (size: K slots per layer), "global" (size: the budget in MiB) or
+    "upstream" (policy "upstream"; size: the budget in MiB, equal_bytes() for a K's).
     policy: a name of that model's registry ("default": DEFAULT_POLICY), a policy object of
     it, or (per-layer) a prepared CacheEngine not stepped yet, which brings its own size,
-    inserts and warm start. inserts, include_prefill, profile (warm start as the live cache
-    does it: the profile's top experts preloaded, its rates the policy's prior): per-layer
-    only. seed: the random policies'. step_times: keep each step's duration;
+    inserts, admission and warm start. inserts, admission (engine.ADMISSIONS),
+    include_prefill, profile (warm start as the live cache does it: the profile's top experts
+    preloaded, its rates the policy's prior): per-layer only. seed: the random policies'. step_times: keep each step's duration;
     before_step: called before each step (a benchmark evicting the CPU caches)."""
     if model == PER_LAYER:
-        cache, label, slots, inserts = _per_layer_cache(trace, policy, size, inserts,
+        cache, label, slots, inserts = _per_layer_cache(trace, policy, size, inserts, admission,
                                                         include_prefill, profile, seed)
         segments = _segments(trace, PER_LAYER, include_prefill)
         totals = lambda: cache.stats(trace.expert_bytes)["totals"]  # noqa: E731
-        budget = None
-    elif model == GLOBAL:
-        if include_prefill or profile is not None:
-            raise ValueError("include_prefill and profile are per-layer model options")
-        cache, label = _global_cache(trace, policy, size, seed)
-        segments = _segments(trace, GLOBAL)
+        budget, admission = None, cache.admission
+    elif model in (GLOBAL, UPSTREAM):
+        if include_prefill or profile is not None or admission != "boundary":
+            raise ValueError("include_prefill, profile and admission are per-layer model options")
+        if model == GLOBAL:
+            cache, label = _global_cache(trace, policy, size, seed)
+        else:
+            cache, label = _upstream_cache(trace, policy, size)
+        segments = _segments(trace, model)
         totals = lambda: cache.stats()["totals"]  # noqa: E731
-        slots, inserts, budget = None, None, size
+        slots, inserts, budget, admission = None, None, size, None
     else:
         raise ValueError(f"unknown model {model!r}; valid: {', '.join(MODELS)}")
     decode, final, seconds, times = _drive(cache.step, totals, segments, step_times, before_step)
     return ReplayResult(model, label, slots, budget, inserts, int((trace.phase == DECODE).sum()),
-                        decode, final, seconds, times)
+                        decode, final, seconds, times, admission)
 
 
 def _drive(step, totals, segments, step_times, before_step):
@@ -160,12 +192,12 @@ def _drive(step, totals, segments, step_times, before_step):
     return decode, before, seconds, None if times is None else np.array(times)
 
 
-def _per_layer_cache(trace, policy, slots, inserts, include_prefill, profile, seed):
+def _per_layer_cache(trace, policy, slots, inserts, admission, include_prefill, profile, seed):
     """(engine after its first boundary, label, K, inserts)."""
     if isinstance(policy, CacheEngine):
-        if slots is not None or profile is not None or policy.step_index:
-            raise ValueError("a prepared engine brings its own size and warm start, and must not "
-                             "have been stepped")
+        if slots is not None or profile is not None or admission != "boundary" or policy.step_index:
+            raise ValueError("a prepared engine brings its own size, admission and warm start, "
+                             "and must not have been stepped")
         engine = policy
         label = engine.policy.name
     else:
@@ -180,7 +212,8 @@ def _per_layer_cache(trace, policy, slots, inserts, include_prefill, profile, se
             label = policy.name
         else:
             raise ValueError(f"policy must be a name, a Policy or a CacheEngine, got {policy!r}")
-        engine = CacheEngine(L, E, int(slots), policy, inserts=inserts, offline=True)
+        engine = CacheEngine(L, E, int(slots), policy, inserts=inserts, offline=True,
+                             admission=admission)
         if profile is not None:
             engine.preload(profile.top(slots), rates=profile.rates(trace.n_expert_used))
     engine.step(None)
@@ -202,6 +235,17 @@ def _global_cache(trace, policy, budget_mib, seed):
     return cache, label
 
 
+def _upstream_cache(trace, policy, budget_mib):
+    if policy not in MODELS[UPSTREAM]:
+        raise ValueError(f"unknown policy {policy!r} for the upstream model; valid: "
+                         f"{', '.join(MODELS[UPSTREAM])}")
+    if isinstance(budget_mib, bool) or not isinstance(budget_mib, (int, float, np.number)) \
+            or not math.isfinite(budget_mib) or budget_mib <= 0:
+        raise ValueError(f"the upstream model's size is a finite budget in MiB > 0, got {budget_mib!r}")
+    return UpstreamCache(trace.expert_bytes, trace.n_expert, trace.n_expert_used,
+                         int(budget_mib * MIB)), policy
+
+
 # --- a trace as each model's steps --------------------------------------------------------
 
 _prepared: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # trace -> {key: steps}
@@ -217,7 +261,8 @@ def _memo(trace, key, build):
 
 def _segments(trace, model, include_prefill=False):
     """[(is_decode, [step input, ...])], adjacent steps of one phase together."""
-    build = (lambda: _observations(trace, include_prefill)) if model == PER_LAYER else (lambda: _batches(trace))
+    build = {PER_LAYER: lambda: _observations(trace, include_prefill),
+             GLOBAL: lambda: _batches(trace), UPSTREAM: lambda: _ubatches(trace)}[model]
     return _memo(trace, (model, include_prefill), build)
 
 
@@ -296,6 +341,23 @@ def _batches(trace):
     return _merged(segments)
 
 
+def _ubatches(trace, n_ubatch=DEFAULT_UBATCH):
+    """The upstream model's steps: (layer index, expert ids, n_tokens) per layer of each
+    ubatch: a turn's prompt in ubatches of n_ubatch tokens, then each decode token alone."""
+    segments = []
+    for turn in _turns(trace):
+        ids, phase = trace.ids[turn], trace.phase[turn]
+        prefill = ids[phase == PREFILL]  # (tokens, L, k)
+        steps = []
+        for start in range(0, len(prefill), n_ubatch):
+            ubatch = prefill[start:start + n_ubatch]
+            steps += [(li, ubatch[:, li, :].ravel().tolist(), len(ubatch)) for li in range(trace.layers.size)]
+        segments.append((False, steps))
+        segments.append((True, [(li, row, 1) for rows in ids[phase == DECODE].tolist()
+                                for li, row in enumerate(rows)]))
+    return _merged(segments)
+
+
 # --- command line ----------------------------------------------------------------------
 
 def _budgets_arg(text):
@@ -314,7 +376,28 @@ def _inserts_arg(text):
     return None if text == "unlimited" else int_arg(minimum=1)(text)
 
 
+def _gbps_arg(text):
+    """--host-gbps, --link-gbps: one finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: a bandwidth must be a finite number of GB/s > 0")
+    return value
+
+
+def admission_list_arg(text):
+    """--admission: comma-separated engine.ADMISSIONS names."""
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [v for v in values if v not in ADMISSIONS]
+    if bad or not values:
+        raise argparse.ArgumentTypeError(f"{text!r}: each must be one of {', '.join(ADMISSIONS)}")
+    return values
+
+
 _budgets_arg.__name__, _inserts_arg.__name__ = "budget list", "inserts"
+_gbps_arg.__name__, admission_list_arg.__name__ = "bandwidth", "admission list"
 
 
 def parser() -> OneLineParser:
@@ -326,15 +409,25 @@ def parser() -> OneLineParser:
                          "--budget-mib is given)")
     ap.add_argument("--policies", default="lru,belady,default",
                     help=f"comma separated; per-layer: default ({DEFAULT_POLICY}), "
-                         f"{', '.join(POLICIES)}; --budget-mib: {', '.join(BUDGET_POLICIES)}")
+                         f"{', '.join(POLICIES)}; --budget-mib: {', '.join(BUDGET_POLICIES)}; both: "
+                         f"upstream (llama.cpp's own cache, at each K's device bytes and each budget)")
     ap.add_argument("--inserts", type=_inserts_arg, default=2,
                     help="uploads per layer per step, or 'unlimited'")
+    ap.add_argument("--admission", type=admission_list_arg, default=["boundary"],
+                    help=f"per-layer admission timings, comma separated: {', '.join(ADMISSIONS)} "
+                         f"(default boundary)")
     ap.add_argument("--budget-mib", type=_budgets_arg, default=[],
                     help="global byte budgets (BigMoeOnEdge model), comma separated")
     ap.add_argument("--include-prefill", action="store_true",
                     help="per-layer model: feed each turn's prefill as one batched observation")
     ap.add_argument("--preload-profile", metavar="JSON",
                     help="per-layer model: warm start from a saved usage profile")
+    ap.add_argument("--host-gbps", type=_gbps_arg, default=DEFAULT_HOST_GBPS,
+                    help="host memory read bandwidth for experts, GB/s, for the MODELLED ms/token "
+                         f"(default {DEFAULT_HOST_GBPS:g}: a dual-channel DDR5 desktop)")
+    ap.add_argument("--link-gbps", type=_gbps_arg, default=DEFAULT_LINK_GBPS,
+                    help="host-to-device copy bandwidth, GB/s, for the MODELLED ms/token "
+                         f"(default {DEFAULT_LINK_GBPS:g}: PCIe 4.0 x16)")
     ap.add_argument("--seed", type=int_arg(minimum=0), default=0, help="seed of the random policies")
     ap.add_argument("--csv", help="also write the results here")
     ap.add_argument("--plot", help="also plot hit%% vs cache size here (needs matplotlib)")
@@ -351,13 +444,14 @@ def check_args(args) -> None:
         args.slots = [] if args.budget_mib else [8, 16, 32, 64]
     # A name runs in every requested model that has it; one that no requested model has is
     # rejected, never tabulated under a policy that did not run.
-    models = ([("--slots", policy_names(PER_LAYER))] if args.slots else []) + \
-             ([("--budget-mib", policy_names(GLOBAL))] if args.budget_mib else [])
+    models = ([("--slots", policy_names(PER_LAYER) + policy_names(UPSTREAM))] if args.slots else []) + \
+             ([("--budget-mib", policy_names(GLOBAL) + policy_names(UPSTREAM))] if args.budget_mib else [])
     unknown = [p for p in args.policies if not any(p in names for _, names in models)]
     if unknown:
         valid = "; ".join(f"{flag}: {', '.join(names)}" for flag, names in models)
         raise ValueError(f"unknown policy {', '.join(unknown)} for "
                          f"{' and '.join(f for f, _ in models)}; valid {valid}")
+    args.bandwidth = Bandwidth(args.host_gbps, args.link_gbps)
     for flag, path in (("--csv", args.csv), ("--plot", args.plot)):
         if path:
             _check_output(path, flag)
@@ -392,21 +486,35 @@ def load_inputs(args):
 
 
 def run(args, trace, profile) -> list[ReplayResult]:
-    runs = [(PER_LAYER, p, k) for p in args.policies if p in policy_names(PER_LAYER) for k in args.slots] + \
-           [(GLOBAL, p, b) for p in args.policies if p in policy_names(GLOBAL) for b in args.budget_mib]
-    per_layer_options = {"inserts": args.inserts, "include_prefill": args.include_prefill,
-                         "profile": profile}
+    """Every requested run; the upstream model runs at each K's device bytes (equal_bytes),
+    then at each --budget-mib."""
+    def equal(k):
+        return equal_bytes(trace.expert_bytes, k) / MIB
+    # (model, policy, size, options, the K an upstream run stands against)
+    per_layer = {"inserts": args.inserts, "include_prefill": args.include_prefill, "profile": profile}
+    runs = [(PER_LAYER, p, k, {**per_layer, "admission": a}, None) for p in args.policies
+            if p in policy_names(PER_LAYER) for a in args.admission for k in args.slots] + \
+           [(UPSTREAM, p, equal(k), {}, k) for p in args.policies if p in policy_names(UPSTREAM)
+            for k in args.slots] + \
+           [(model, p, b, {}, None) for model in (GLOBAL, UPSTREAM) for p in args.policies
+            if p in policy_names(model) for b in args.budget_mib]
     results = []
     with Progress(len(runs)) as progress:
-        for model, policy, size in runs:
-            results.append(simulate(trace, model, policy, size, seed=args.seed,
-                                    **(per_layer_options if model == PER_LAYER else {})))
-            progress.advance(f"{policy} {size}")
+        for model, policy, size, options, k in runs:
+            result = simulate(trace, model, policy, size, seed=args.seed, **options)
+            if k is not None:
+                result.slots = k
+            results.append(result)
+            progress.advance(f"{policy} {k or size:g}")
     return results
 
 
 def _pct(rate):
     return "-" if rate is None else f"{100 * rate:.1f}"
+
+
+def _ms(value):
+    return "-" if value is None else f"{value:.2f}"
 
 
 def print_tables(args, trace, results) -> None:
@@ -415,37 +523,53 @@ def print_tables(args, trace, results) -> None:
     print(f"{args.trace}: {trace.arch}, {trace.layers.size} MoE layers x {trace.n_expert} experts, "
           f"top-{trace.n_expert_used}; {n_prefill} prefill + {n_decode} decode tokens; one token's "
           f"working set {trace.working_set_bytes() / MIB:.0f} MiB")
+    bandwidth = args.bandwidth
+    stock = next((r.stock_ms(bandwidth) for r in results if r.stock_ms(bandwidth) is not None), None)
+    if stock is not None:
+        print(f"ms/tok: MODELLED expert milliseconds per decode token (moecache.cost), host "
+              f"{bandwidth.host_gbps:g} GB/s, link {bandwidth.link_gbps:g} GB/s; stock --cpu-moe "
+              f"{stock:.2f}")
     for model in MODELS:
         rows = [r for r in results if r.model == model]
         if not rows:
             continue
         if model == PER_LAYER:
             print(f"\nper-layer cache: K slots per layer, inserts={'unlimited' if args.inserts is None else args.inserts}, "
-                  f"publication delay 1 step, prefill {'fed' if args.include_prefill else 'not fed'}"
+                  f"prefill {'fed' if args.include_prefill else 'not fed'}"
                   f"{', warm start from ' + args.preload_profile if args.preload_profile else ''}")
-            head = f"{'policy':<16}{'K':>6}"
-        else:
+            head = f"{'policy':<16}{'admission':>10}{'K':>6}"
+        elif model == GLOBAL:
             print("\nglobal cache (BigMoeOnEdge model): one byte budget over all layers, immediate admission")
             head = f"{'policy':<16}{'MiB':>6}"
-        print(f"{head}{'hit% dec':>10}{'hit% cum':>10}{'MiB up/tok':>12}{'Mlookup/s':>11}")
+        else:
+            print(f"\nupstream llama.cpp cache (--moe-cache-mib): one LRU per group of layers, every miss "
+                  f"copied synchronously; K: at the device bytes of K per-layer slots")
+            head = f"{'policy':<16}{'K':>6}{'MiB':>8}"
+        print(f"{head}{'hit% dec':>10}{'hit% cum':>10}{'MiB up/tok':>12}{'ms/tok':>8}{'Mlookup/s':>11}")
         for r in rows:
-            size = r.slots if model == PER_LAYER else f"{r.budget_mib:g}"
+            if model == PER_LAYER:
+                label = f"{r.policy:<16}{r.admission:>10}{r.slots:>6}"
+            elif model == GLOBAL:
+                label = f"{r.policy:<16}{r.budget_mib:>6g}"
+            else:
+                label = f"{r.policy:<16}{'-' if r.slots is None else r.slots:>6}{r.budget_mib:>8.0f}"
             per_token = "-" if r.upload_bytes_per_token is None else f"{r.upload_bytes_per_token / MIB:.1f}"
-            print(f"{r.policy:<16}{size:>6}{_pct(r.hit_rate):>10}{_pct(r.hit_rate_all):>10}"
-                  f"{per_token:>12}{r.lookups_per_s / 1e6:>11.2f}")
+            print(f"{label}{_pct(r.hit_rate):>10}{_pct(r.hit_rate_all):>10}{per_token:>12}"
+                  f"{_ms(r.modelled_ms(bandwidth)):>8}{r.lookups_per_s / 1e6:>11.2f}")
 
 
-CSV_COLUMNS = ("model", "policy", "slots", "budget_mib", "inserts", "decode_steps", "hits", "misses",
-               "uploads", "upload_bytes", "hit_rate", "hits_all", "misses_all", "hit_rate_all",
-               "upload_bytes_per_token", "seconds")
+CSV_COLUMNS = ("model", "policy", "slots", "budget_mib", "inserts", "admission", "decode_steps",
+               "hits", "misses", "uploads", "upload_bytes", "hit_rate", "hits_all", "misses_all",
+               "hit_rate_all", "upload_bytes_per_token", "modelled_ms_per_token", "seconds")
 
 
-def write_csv(path, results) -> None:
-    """One row per run; rates are fractions, empty where a run had no lookups."""
-    atomic_write(path, lambda tmp: _write_rows(tmp, results))
+def write_csv(path, results, bandwidth: Bandwidth) -> None:
+    """One row per run; rates are fractions, empty where a run had no lookups; the modelled
+    milliseconds per decode token use `bandwidth`."""
+    atomic_write(path, lambda tmp: _write_rows(tmp, results, bandwidth))
 
 
-def _write_rows(path, results):
+def _write_rows(path, results, bandwidth):
     with open(path, "w", encoding="utf-8", newline="") as f:
         writer = csv.DictWriter(f, CSV_COLUMNS)
         writer.writeheader()
@@ -453,13 +577,14 @@ def _write_rows(path, results):
             writer.writerow({
                 "model": r.model, "policy": r.policy, "slots": r.slots, "budget_mib": r.budget_mib,
                 "inserts": ("unlimited" if r.inserts is None else r.inserts) if r.model == PER_LAYER else None,
-                "decode_steps": r.decode_steps,
+                "admission": r.admission, "decode_steps": r.decode_steps,
                 **{name: r.totals[name] for name in ("hits", "misses", "uploads", "upload_bytes")},
                 "hit_rate": None if r.hit_rate is None else f"{r.hit_rate:.6f}",
                 "hits_all": r.totals_all["hits"], "misses_all": r.totals_all["misses"],
                 "hit_rate_all": None if r.hit_rate_all is None else f"{r.hit_rate_all:.6f}",
                 "upload_bytes_per_token": None if r.upload_bytes_per_token is None
                 else f"{r.upload_bytes_per_token:.0f}",
+                "modelled_ms_per_token": _ms(r.modelled_ms(bandwidth)).replace("-", ""),
                 "seconds": f"{r.seconds:.4f}"})
 
 
@@ -471,10 +596,12 @@ def plot(path, trace, results) -> None:
     models = [m for m in MODELS if any(r.model == m for r in results)]
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
     for ax, model in zip(axes[0], models):
-        for policy in dict.fromkeys(r.policy for r in results if r.model == model):
-            rows = [r for r in results if r.model == model and r.policy == policy and r.hit_rate is not None]
+        for policy, admission in dict.fromkeys((r.policy, r.admission) for r in results if r.model == model):
+            rows = [r for r in results if r.model == model and r.policy == policy
+                    and r.admission == admission and r.hit_rate is not None]
             xs = [r.slots if model == PER_LAYER else r.budget_mib for r in rows]
-            ax.plot(xs, [100 * r.hit_rate for r in rows], marker="o", label=policy,
+            ax.plot(xs, [100 * r.hit_rate for r in rows], marker="o",
+                    label=policy if admission in (None, "boundary") else f"{policy} {admission}",
                     linestyle="--" if policy == "belady" else "-")
         ax.set_xlabel("slots per layer (K)" if model == PER_LAYER else "budget (MiB)")
         ax.set_ylabel("decode hit %")
@@ -492,7 +619,7 @@ def replay(args) -> None:
     results = run(args, trace, profile)
     print_tables(args, trace, results)
     outputs = [(flag, path, write) for flag, path, write in (
-        ("--csv", args.csv, lambda p: write_csv(p, results)),
+        ("--csv", args.csv, lambda p: write_csv(p, results, args.bandwidth)),
         ("--plot", args.plot, lambda p: plot(p, trace, results))) if path]
     if outputs:
         print()

@@ -8,7 +8,6 @@ and everything else on it, the expert cache runs its real device path on CPU ker
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import os
 import signal
@@ -19,6 +18,7 @@ import time
 from pathlib import Path
 
 from . import ggml
+from .util import OneLineParser, int_arg
 
 _registered: list["RpcDevice"] = []
 
@@ -99,9 +99,9 @@ def _serve(endpoint: str, lib_dir: Path, threads: int) -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="serve this machine's CPU as a ggml RPC device")
+    parser = OneLineParser(description="serve this machine's CPU as a ggml RPC device")
     parser.add_argument("--serve", required=True, metavar="HOST:PORT")
     parser.add_argument("--lib-dir", required=True, type=Path)
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--threads", type=int_arg(minimum=1), default=os.cpu_count() or 1)
     args = parser.parse_args()
     _serve(args.serve, args.lib_dir, args.threads)

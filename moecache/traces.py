@@ -26,11 +26,14 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
+
+from .util import IntegerError, parse_int
 
 MAGIC = "# route_trace v1"
 REQUIRED_COLUMNS = ("turn", "phase", "step", "layer", "slot", "expert", "weight",
@@ -72,7 +75,12 @@ class RouteTrace:
     weights: np.ndarray         # (n_steps, n_layers, k) float32 router weights
     residency: np.ndarray       # (n_steps, n_layers, k) int8 recorded outcome
     dropped: np.ndarray         # (n_steps, n_layers, k) bool; all False if the column is absent
-    batch: np.ndarray           # (n_steps,) the observation (ubatch) of each step; -1 if the column is absent
+    batch: np.ndarray | None = None  # (n_steps,) the observation (ubatch) of each step; -1 (the
+                                     # default) when not recorded: every step its own
+
+    def __post_init__(self):
+        if self.batch is None:
+            self.batch = np.full(len(self.step), -1, dtype=np.int64)
 
     @property
     def decode_ids(self) -> np.ndarray:
@@ -105,8 +113,7 @@ class RouteTrace:
                    turn=np.zeros(n_steps, dtype=np.int64), step=np.arange(n_steps),
                    phase=np.full(n_steps, DECODE, dtype=np.int8), ids=ids,
                    weights=np.zeros(ids.shape, dtype=np.float32),
-                   residency=np.zeros(ids.shape, dtype=np.int8), dropped=np.zeros(ids.shape, dtype=bool),
-                   batch=np.full(n_steps, -1, dtype=np.int64))
+                   residency=np.zeros(ids.shape, dtype=np.int8), dropped=np.zeros(ids.shape, dtype=bool))
 
 
 # --- reading ---------------------------------------------------------------------------
@@ -172,16 +179,11 @@ def _parse_fields(path, lineno, text, wanted):
     return fields
 
 
-def _int_field(path, lineno, fields, key, minimum, maximum, maximum_name=None):
+def _int_field(path, lineno, fields, key, minimum, maximum, context=""):
     try:
-        value = int(fields[key])
-    except ValueError:
-        raise TraceError(f"{path}:{lineno}: {key}={fields[key]!r} is not an integer") from None
-    if value < minimum:
-        raise TraceError(f"{path}:{lineno}: {key}={value} must be >= {minimum}")
-    if value > maximum:
-        raise TraceError(f"{path}:{lineno}: {key}={value} must be <= {maximum_name or maximum}")
-    return value
+        return parse_int(fields[key], key, minimum=minimum, maximum=maximum)
+    except IntegerError as e:
+        raise TraceError(f"{path}:{lineno}: {e}{context}") from None
 
 
 def _read_preamble(path, f) -> _Preamble:
@@ -215,7 +217,7 @@ def _read_preamble(path, f) -> _Preamble:
         raise TraceError(f"{path}:{lineno + 1}: no column header")
     n_layer = _int_field(path, model_line, model, "n_layer", 1, MAX_LAYERS)
     n_expert = _int_field(path, model_line, model, "n_expert", 1, MAX_EXPERTS)
-    k = _int_field(path, model_line, model, "n_expert_used", 1, n_expert, f"n_expert={n_expert}")
+    k = _int_field(path, model_line, model, "n_expert_used", 1, n_expert, f" (n_expert={n_expert})")
     for layer in layer_bytes:
         if layer >= n_layer:
             raise TraceError(f"{path}: preamble layer {layer} >= n_layer={n_layer}")
@@ -467,7 +469,8 @@ class TraceWriter:
     Each step goes out as ONE write(2) on an O_APPEND descriptor, so a process that dies
     leaves whole steps behind: the file is always a readable prefix of the run.
     `layers` are (model layer number, expert_bytes, dense_bytes) for each cached layer, in
-    the order the rows of `ids` passed to write_step follow.
+    the order the rows of `ids` passed to write_step follow. Any model and arch name is
+    accepted; the preamble records it as one word (see _preamble_word).
     """
 
     def __init__(self, path: str, *, model: str, arch: str, n_layer: int, n_expert: int,
@@ -478,15 +481,13 @@ class TraceWriter:
             if not 0 <= layer < n_layer or expert_bytes <= 0:
                 raise ValueError(f"bad layer entry ({layer}, {expert_bytes}): layer must be in "
                                  f"[0, {n_layer}) and expert_bytes > 0")
-        for name, value in (("model", model), ("arch", arch)):
-            if any(c.isspace() for c in value) or not value:
-                raise ValueError(f"{name}={value!r} must be non-empty without whitespace")
         self.path = path
         self.n_expert = n_expert
         self.k = n_expert_used
         self.layers = np.array([l for l, _, _ in layers], dtype=np.int64)
         self.expert_bytes = np.array([b for _, b, _ in layers], dtype=np.int64)
-        preamble = [MAGIC, f"# model={model} arch={arch} n_layer={n_layer} n_expert={n_expert} "
+        preamble = [MAGIC, f"# model={_preamble_word(model)} arch={_preamble_word(arch)} "
+                           f"n_layer={n_layer} n_expert={n_expert} "
                            f"n_expert_used={n_expert_used}"]
         preamble += [f"# layer={l} expert_bytes={b} dense_bytes={d}" for l, b, d in layers]
         preamble.append(",".join(REQUIRED_COLUMNS + ("batch",)))
@@ -535,6 +536,13 @@ class TraceWriter:
         self._write("".join(out))
         self._batch += 1
 
+    def flush(self) -> None:
+        """To the disk: the steps are in the file already (one write each), this survives a
+        crash of the machine too."""
+        fd = self._fd
+        if fd is not None:
+            os.fsync(fd)
+
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
@@ -545,6 +553,12 @@ class TraceWriter:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _preamble_word(text: str) -> str:
+    """`text` as one key=value word of the preamble: model names have spaces ("SmolLM2 135M
+    Instruct"), the reader splits on whitespace; every other run of characters becomes '_'."""
+    return re.sub(r"[^\w.+-]+", "_", str(text)).strip("_") or "unknown"
 
 
 def synthetic_routing(n_steps: int, n_layers: int, n_expert: int, k: int, *, skew: float = 1.0,

@@ -36,17 +36,21 @@ class IntegerError(ValueError):
 
 def parse_int(value, name: str, *, minimum: int | None = None, maximum: int | None = None) -> int:
     """value as an int, checked against [minimum, maximum]. Text must be ASCII decimal digits
-    with an optional leading '-' and nothing else (no whitespace, '_', '+' or other scripts'
-    digits, all of which Python's int() accepts and C's strtol does not); an int (numpy's too,
-    not bool) is range-checked only. Raises IntegerError naming `name` and the value."""
+    with an optional leading '-' and nothing else: Python's int() also takes surrounding
+    whitespace, '+', '_' between digits and other scripts' digits, which C's strtol reads
+    differently or not at all. An int (numpy's too, not bool) is range-checked only. Raises
+    IntegerError naming `name` and the value (shortened when long)."""
     if isinstance(value, str):
-        if not _DECIMAL.fullmatch(value):
-            raise IntegerError(name, f"{value!r} is not an integer")
-        number = int(value)
+        try:
+            number = int(value) if _DECIMAL.fullmatch(value) else None
+        except ValueError:  # more digits than Python converts (sys.get_int_max_str_digits)
+            number = None
+        if number is None:
+            raise IntegerError(name, f"{_shown(value)} is not an integer")
     elif not isinstance(value, bool) and hasattr(value, "__index__"):
         number = value.__index__()
     else:
-        raise IntegerError(name, f"{value!r} is not an integer")
+        raise IntegerError(name, f"{_shown(value)} is not an integer")
     if (minimum is not None and number < minimum) or (maximum is not None and number > maximum):
         if maximum is None:
             bound = f">= {minimum}"
@@ -54,8 +58,13 @@ def parse_int(value, name: str, *, minimum: int | None = None, maximum: int | No
             bound = f"<= {maximum}"
         else:
             bound = f"in [{minimum}, {maximum}]"
-        raise IntegerError(name, f"{number} must be {bound}")
+        raise IntegerError(name, f"{_shown(number)} must be {bound}")
     return number
+
+
+def _shown(value, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def parse_int_list(text: str, name: str, *, minimum: int | None = None,

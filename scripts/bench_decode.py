@@ -24,11 +24,13 @@ token's. Reported: decode tok/s (median, min, max over the runs), ratio to stock
 baseline its users know), and for
 cache rows the hit rate, uploads per token and the time in the cache's step callback per
 token over the timed runs, and the device memory the cache took. The cache stays warm across runs, as in a server.
+
+Like every script here it imports the installed moecache package (scripts/bootstrap.sh installs
+it, editable, with the patched llama-cpp-python).
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
@@ -36,74 +38,47 @@ import platform
 import shlex
 import statistics
 import sys
-import time
+
+from moecache.util import OneLineParser, Progress, atomic_write, int_arg, int_list_arg
 
 PROG = "bench_decode.py"
 DEFAULT_PROMPT = "Explain how a mixture-of-experts model decides which experts handle each token."
 
 
-class BenchError(Exception):
+class BenchError(ValueError):
     """A one-line error for the user (exit status 2)."""
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise BenchError(message)
-
-
-def _int(minimum):
-    def parse(text):
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-        return value
-    return parse
-
-
-def _slot_list(text):
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}") from None
-    if not values or min(values) < 0:
-        raise argparse.ArgumentTypeError(f"needs integers >= 0, got {text!r}")
-    return sorted(set(values))
-
-
-def parse_args(argv=None):
-    p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0])
+def parser() -> OneLineParser:
+    p = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("-m", "--model", required=True, help="GGUF file of a MoE model")
     p.add_argument("-p", "--prompt", default=DEFAULT_PROMPT)
-    p.add_argument("-n", "--n-predict", type=_int(1), default=32, help="decode tokens per run (default 32)")
-    p.add_argument("-r", "--repetitions", type=_int(1), default=3, help="timed runs per configuration (default 3)")
-    p.add_argument("-t", "--threads", type=_int(1), default=None, help="CPU threads (default: llama.cpp's)")
-    p.add_argument("-ngl", "--n-gpu-layers", type=_int(-1), default=-1,
+    p.add_argument("-n", "--n-predict", type=int_arg(minimum=1), default=32, help="decode tokens per run (default 32)")
+    p.add_argument("-r", "--repetitions", type=int_arg(minimum=1), default=3, help="timed runs per configuration (default 3)")
+    p.add_argument("-t", "--threads", type=int_arg(minimum=1), default=None, help="CPU threads (default: llama.cpp's)")
+    p.add_argument("-ngl", "--n-gpu-layers", type=int_arg(minimum=-1), default=-1,
                    help="layers on the device in the host-experts configurations (default -1: all)")
-    p.add_argument("-c", "--ctx-size", type=_int(16), default=2048)
-    p.add_argument("--seed", type=_int(0), default=0)
-    p.add_argument("--slots", type=_slot_list, default=[0, 8, 16, 32, 64],
+    p.add_argument("-c", "--ctx-size", type=int_arg(minimum=16), default=2048)
+    p.add_argument("--seed", type=int_arg(minimum=0), default=0)
+    p.add_argument("--slots", type=int_list_arg(minimum=0), default=[0, 8, 16, 32, 64],
                    help="cache sizes K, comma-separated (default 0,8,16,32,64; 0 is the stock row)")
-    p.add_argument("--inserts", type=_int(1), default=2, help="uploads per layer per step (default 2)")
+    p.add_argument("--inserts", type=int_arg(minimum=1), default=2, help="uploads per layer per step (default 2)")
     p.add_argument("--policy", default="default", help="cache policy (default: the shipped default)")
     p.add_argument("--stock-repack", action="store_true", help="also measure stock with repacked CPU experts")
     p.add_argument("--all-device", action="store_true", help="also measure everything on the device")
     p.add_argument("--md", metavar="FILE", help="write the markdown table here")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON here")
     p.add_argument("--png", metavar="FILE", help="plot tok/s and hit rate against K (needs matplotlib)")
-    return p.parse_args(argv)
+    return p
 
 
 def main(argv=None) -> int:
-    try:
-        args = parse_args(argv)
-        _check_inputs(args)
-        report = run(args, on_row=lambda partial: _save(args, partial))
-    except BenchError as e:
-        print(f"{PROG}: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
+    return parser().run(_bench, argv)
+
+
+def _bench(args) -> int:
+    _check_inputs(args)
+    report = run(args, on_row=lambda partial: _save(args, partial))
     _save(args, report)
     print(markdown(report))
     if args.png:
@@ -115,9 +90,9 @@ def _save(args, report):
     """Write the table and the JSON; called after every configuration too, so that a run stopped
     by a time limit leaves what it measured."""
     if args.md:
-        _write(args.md, markdown(report) + "\n")
+        atomic_write(args.md, markdown(report) + "\n")
     if args.json:
-        _write(args.json, json.dumps(report, indent=1) + "\n")
+        atomic_write(args.json, json.dumps(report, indent=1) + "\n")
 
 
 def _check_inputs(args):
@@ -140,31 +115,7 @@ def _check_inputs(args):
             raise BenchError("--png needs matplotlib (pip install matplotlib)") from None
 
 
-def _write(path, text):
-    with open(path, "w") as f:
-        f.write(text)
-
-
 # --- measuring ---------------------------------------------------------------------------------
-
-class Progress:
-    """A one-line progress bar on stderr (a line per update when stderr is not a terminal)."""
-
-    def __init__(self, total):
-        self.total, self.done = total, 0
-        self.tty = sys.stderr.isatty()
-
-    def update(self, label, advance=1):
-        self.done += advance
-        filled = round(30 * self.done / self.total)
-        line = f"[{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} {label}"
-        print(("\r" + line.ljust(78)) if self.tty else line, end="" if self.tty else "\n",
-              file=sys.stderr, flush=True)
-
-    def close(self):
-        if self.tty:
-            print(file=sys.stderr)
-
 
 def run(args, on_row=None) -> dict:
     """All configurations; on_row(report so far) after each one."""
@@ -192,7 +143,8 @@ def run(args, on_row=None) -> dict:
     if args.all_device:
         configs.append(("all-device", 0))
 
-    progress = Progress(len(configs) * (1 + args.repetitions))
+    # a line per step when stderr is a log file: a run stopped by a time limit shows how far it got
+    progress = Progress(len(configs) * (1 + args.repetitions), unit="run", log_lines=True)
     rows, notes, n_expert, prompt_tokens = [], [], None, None
 
     def report(done):
@@ -207,7 +159,7 @@ def run(args, on_row=None) -> dict:
     for done, (name, slots) in enumerate(configs, 1):
         if n_expert is not None and slots > n_expert:
             notes.append(f"K={slots} skipped: the model has {n_expert} experts per layer")
-            progress.update(f"{name} skipped", 1 + args.repetitions)
+            progress.advance(f"{name} skipped", 1 + args.repetitions)
             continue
         row, info = _measure(args, name, slots, progress)
         rows.append(row)
@@ -245,6 +197,7 @@ def _measure(args, name, slots, progress):
     import llama_cpp
 
     from moecache.activate import attach
+    from moecache.decode import greedy
     from moecache.live import CacheUnavailable
     from moecache.placement import experts_on_host
 
@@ -263,7 +216,7 @@ def _measure(args, name, slots, progress):
         if name != "all-device":
             raise BenchError(f"{name}: could not load {args.model}: {e}") from None
         row["status"] = "did not fit"
-        progress.update(f"{name} did not fit", 1 + args.repetitions)
+        progress.advance(f"{name} did not fit", 1 + args.repetitions)
         return row, None
 
     cache = None
@@ -280,18 +233,18 @@ def _measure(args, name, slots, progress):
                 cache = attach(llm, slots=slots, inserts=args.inserts, policy=args.policy)
             except CacheUnavailable as e:
                 row["status"] = f"no cache: {e}"
-                progress.update(f"{name} no cache", 1 + args.repetitions)
+                progress.advance(f"{name} no cache", 1 + args.repetitions)
                 return row, info
             row["device_bytes"] = cache.device_bytes
             row["cache_device"] = cache.layers[0]["device"]
 
-        _decode_run(llm, prompt, args.n_predict)  # warm-up: untimed
-        progress.update(f"{name} warm-up")
+        greedy(llm, prompt, args.n_predict)  # warm-up: untimed
+        progress.advance(f"{name} warm-up")
         before = _cache_counters(cache)
         for i in range(args.repetitions):
-            seconds = _decode_run(llm, prompt, args.n_predict)
-            row["tok_s_runs"].append(args.n_predict / seconds)
-            progress.update(f"{name} run {i + 1}/{args.repetitions}")
+            # timed from the prompt's logits to the last token's
+            row["tok_s_runs"].append(args.n_predict / greedy(llm, prompt, args.n_predict).seconds)
+            progress.advance(f"{name} run {i + 1}/{args.repetitions}")
         runs = row["tok_s_runs"]
         row.update(tok_s_median=statistics.median(runs), tok_s_min=min(runs), tok_s_max=max(runs))
         if cache is not None:
@@ -310,31 +263,6 @@ def _measure(args, name, slots, progress):
         llm.close()
         del llm
         gc.collect()
-
-
-def _decode_run(llm, prompt, n):
-    """Evaluate the prompt (untimed), then n greedy tokens; returns the decode seconds.
-
-    llama_decode may return before the graph has run (backends compute asynchronously);
-    llama_get_logits_ith waits for it, so the clock runs from the prompt's logits to the last
-    token's logits."""
-    import llama_cpp
-    import numpy as np
-
-    n_vocab = llm.n_vocab()
-
-    def next_token():
-        logits = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
-        return int(np.argmax(np.ctypeslib.as_array(logits, shape=(n_vocab,))))
-
-    llm.reset()
-    llm.eval(prompt)
-    token = next_token()
-    start = time.perf_counter()
-    for _ in range(n):
-        llm.eval([token])
-        token = next_token()
-    return time.perf_counter() - start
 
 
 def _cache_counters(cache):
@@ -432,5 +360,4 @@ def plot(report, path):
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo's moecache
     sys.exit(main())

@@ -6,11 +6,12 @@ the two alternate, each round in fresh subprocesses, and the medians are compare
     python scripts/bench_inert.py --stock-lib DIR [-m MODEL] [-n 64] [-r 7] [-t 2] [-ngl 0]
 
 DIR holds an unpatched libllama.so and its ggml libraries (e.g. a CMake build of the pristine
-sdist: build/bin). The patched side is the installed llama_cpp's own library."""
+sdist: build/bin). The patched side is the installed llama_cpp's own library. Like every script
+here it imports the installed moecache package (scripts/bootstrap.sh installs it, editable,
+with the patched llama-cpp-python)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -18,19 +19,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+from moecache.util import OneLineParser, atomic_write, int_arg
+
+# one measurement in a fresh process, whose llama_cpp loads the library LLAMA_CPP_LIB_PATH names
 ONE_RUN = r"""
-import json, sys, time
+import json, sys
 import llama_cpp
+from moecache.decode import greedy
 path, n, threads, ngl = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 llm = llama_cpp.Llama(path, n_gpu_layers=ngl, n_ctx=512, n_threads=threads, n_threads_batch=threads, verbose=False)
-llm.eval(llm.tokenize(b"The three primary colors are"))
-token = int(llm.scores[llm.n_tokens - 1].argmax())
-llm.eval([token])  # warm-up token, not timed
-start = time.perf_counter()
-for _ in range(n):
-    token = int(llm.scores[llm.n_tokens - 1].argmax())
-    llm.eval([token])
-print(json.dumps({"tok_s": n / (time.perf_counter() - start), "lib": llama_cpp.llama_cpp._lib._name}))
+greedy(llm, b"The three primary colors are", 1)  # warm-up, not timed
+run = greedy(llm, b"The three primary colors are", n)
+print(json.dumps({"tok_s": n / run.seconds, "lib": llama_cpp.llama_cpp._lib._name}))
 """
 
 
@@ -47,24 +47,23 @@ def one(model: str, n: int, threads: int, ngl: int, lib_dir: str | None) -> dict
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="bench_inert.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--stock-lib", required=True, help="directory with an unpatched libllama.so")
     p.add_argument("-m", "--model", help="GGUF (default: smol-moe)")
-    p.add_argument("-n", type=int, default=64, help="timed decode tokens per run")
-    p.add_argument("-r", type=int, default=7, help="rounds (each runs both builds once)")
-    p.add_argument("-t", "--threads", type=int, default=2)
-    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0)
+    p.add_argument("-n", type=int_arg(minimum=1), default=64, help="timed decode tokens per run")
+    p.add_argument("-r", type=int_arg(minimum=1), default=7, help="rounds (each runs both builds once)")
+    p.add_argument("-t", "--threads", type=int_arg(minimum=1), default=2)
+    p.add_argument("-ngl", "--n-gpu-layers", type=int_arg(minimum=-1), default=0)
     p.add_argument("--json", help="write the results here")
-    args = p.parse_args(argv)
+    return p.run(_bench, argv)
+
+
+def _bench(args) -> int:
     if not (Path(args.stock_lib) / "libllama.so").exists():
-        print(f"bench_inert: error: {args.stock_lib}/libllama.so not found", file=sys.stderr)
-        return 2
-    if args.n < 1 or args.r < 1 or args.threads < 1:
-        print("bench_inert: error: -n, -r and -t must be >= 1", file=sys.stderr)
-        return 2
+        raise ValueError(f"{args.stock_lib}/libllama.so not found")
     model = args.model
     if model is None:
-        from moecache.fixtures import smol_moe
+        from moecache.models import smol_moe
 
         model = str(smol_moe())
 
@@ -83,7 +82,7 @@ def main(argv=None) -> int:
         print(f"| {name} | {med[name]:.1f} | {min(v):.1f} | {max(v):.1f} |")
     print(f"patched / stock = {result['patched_over_stock']:.3f}")
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        atomic_write(args.json, json.dumps(result, indent=1))
     return 0
 
 

@@ -1,7 +1,7 @@
 """Time CacheEngine.step() on synthetic decode routing with locality.
 
     python scripts/bench_step.py [--layers 48 --experts 128 --top-k 8 --slots 64 --inserts 2
-                                  --policy lru --steps 2000 --evict-mib 0]
+                                  --policy lru --admission boundary --steps 2000 --evict-mib 0]
 
 --evict-mib N reads N MiB before each timed step, as a decode graph streaming the experts does
 between two live steps: the step then runs with cold CPU caches.
@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 
-from moecache.replay import PER_LAYER, simulate
+from moecache.replay import PER_LAYER, admission_list_arg, simulate
 from moecache.traces import RouteTrace, synthetic_routing
 from moecache.util import OneLineParser, int_arg
 
@@ -24,6 +24,9 @@ def main(argv=None) -> int:
     ap.add_argument("--slots", type=int_arg(minimum=1), default=64)
     ap.add_argument("--inserts", type=int_arg(minimum=1), default=2)
     ap.add_argument("--policy", default="lru", help="comma separated policy names")
+    ap.add_argument("--admission", type=admission_list_arg, default=["boundary"],
+                    help="comma separated admission timings (boundary, eager: the step then also "
+                         "models the graph's admissions and computes the next handover)")
     ap.add_argument("--steps", type=int_arg(minimum=10), default=2000)
     ap.add_argument("--evict-mib", type=int_arg(minimum=0), default=0,
                     help="MiB read before each step to evict the CPU caches (0: warm loop)")
@@ -38,12 +41,13 @@ def bench(args):
     print(f"{args.layers} layers x top-{args.top_k}, {args.experts} experts, K={args.slots}, "
           f"inserts={args.inserts}, {args.steps} steps"
           + (f", {args.evict_mib} MiB read before each step" if args.evict_mib else ""))
-    for name in args.policy.split(","):
-        result = simulate(trace, PER_LAYER, name, args.slots, inserts=args.inserts, step_times=True,
-                          before_step=streamed.sum)
-        times = result.step_seconds[args.steps // 10:] * 1e6  # skip the cold-start fill
-        print(f"{name:>8}: step() median {np.median(times):6.1f} us  min {times.min():6.1f}  "
-              f"max {times.max():7.1f}  hit {100 * result.hit_rate:.1f}%")
+    for admission in args.admission:
+        for name in args.policy.split(","):
+            result = simulate(trace, PER_LAYER, name, args.slots, inserts=args.inserts,
+                              admission=admission, step_times=True, before_step=streamed.sum)
+            times = result.step_seconds[args.steps // 10:] * 1e6  # skip the cold-start fill
+            print(f"{name:>8} {admission:>8}: step() median {np.median(times):6.1f} us  min "
+                  f"{times.min():6.1f}  max {times.max():7.1f}  hit {100 * result.hit_rate:.1f}%")
 
 
 if __name__ == "__main__":

@@ -171,7 +171,7 @@ if command -v ccache >/dev/null; then
     [ -n "$cuda_archs" ] && flags="$flags -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache"
     export CCACHE_BASEDIR=$cache/build CCACHE_NOHASHDIR=1
 else
-    echo "build_wheel: ccache not found: a full build (about 10 minutes on 2 cores)"
+    echo "build_wheel: ccache not found: a full build (510 s on a fresh 2-core machine, docs/build.md)"
 fi
 
 echo "build_wheel: building $(sed -n 's/^__version__ = "\(.*\)"$/\1/p' "$src/llama_cpp/__init__.py") ($flags)"

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Pack what scripts/gpu_check.sh needs on a lent GPU machine, which has no network, into one
-# directory to carry there (the device tool's `carry`, 64 MiB in all):
+# Pack what scripts/gpu_check.sh needs on a GPU machine without network into one directory to
+# copy there:
 #
-#   scripts/gpu_bundle.sh [--cuda-wheel] [DIR]        (DIR default: gpu-bundle/, ignored by git)
+#   scripts/gpu_bundle.sh [--cuda-wheel] [--max-mib N] [DIR]   (DIR default: gpu-bundle/, ignored by git)
+#
+#   --max-mib N     fail (exit 1) when the bundle is larger than N MiB (default: no limit), for a
+#                   transfer with a size limit
 #
 #   DIR/src.tar.gz  the patched llama-cpp-python tree, without what the build never reads
 #                   (models, docs, tests, examples, tools): the sdist itself is 76 MB
@@ -11,17 +14,20 @@
 #   DIR/dist/       with --cuda-wheel: the CUDA wheel, built here from that tree (sm_90, the
 #                   flags gpu_check.sh builds with, but portable AVX2 CPU code instead of
 #                   -march=native, since the GPU machine's CPU is not known here), so that the
-#                   GPU check is one device call with no build. Needs nvcc and cuBLAS (where the
+#                   GPU check is one run with no build. Needs nvcc and cuBLAS (where the
 #                   toolkit has none: pip install nvidia-cublas); about 20 minutes on 2 cores
 #                   with a cold ccache (docs/build.md).
 set -euo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cuda_wheel=0
+max_mib=0
 out=$repo/gpu-bundle
 while [ $# -gt 0 ]; do
     case "$1" in
         --cuda-wheel) cuda_wheel=1 ;;
+        --max-mib) [[ $# -gt 1 && $2 =~ ^[0-9]+$ ]] || { echo "gpu_bundle: error: --max-mib needs a number of MiB" >&2; exit 2; }
+                   max_mib=$2; shift ;;
         -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;;
         -*) echo "gpu_bundle: error: unknown argument '$1' (see --help)" >&2; exit 2 ;;
         *) out=$1 ;;
@@ -87,4 +93,9 @@ EOF
     fi
 fi
 
-echo "gpu_bundle: $(du -sh "$out" | cut -f1) in $out (carry it; gpu_check.sh --bundle $out)"
+mib=$(( ($(du -sk "$out" | cut -f1) + 1023) / 1024 ))
+if [ "$max_mib" -gt 0 ] && [ "$mib" -gt "$max_mib" ]; then
+    echo "gpu_bundle: error: $out is $mib MiB, more than --max-mib $max_mib" >&2
+    exit 1
+fi
+echo "gpu_bundle: $mib MiB in $out (copy it there; gpu_check.sh --bundle $out)"

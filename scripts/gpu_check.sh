@@ -1,42 +1,45 @@
 #!/usr/bin/env bash
-# One command for a lent GPU machine: build, install, generate the benchmark model, check
-# exactness, benchmark. No network is needed; everything lands under the output directory.
+# One command for a GPU machine without network: build, install, generate the benchmark model,
+# check exactness, benchmark. Everything lands under the output directory.
 #
-#   scripts/gpu_check.sh [--bundle DIR] [--wheel PATH] [--build-only] [--out DIR] [--cpu-rehearsal]
+#   scripts/gpu_check.sh [--bundle DIR] [--wheel PATH] [--build-only] [--out DIR] [--results DIR]
+#                        [--limit PHASE=SECONDS]... [--cpu-rehearsal]
 #
-#   --bundle DIR     offline inputs made here by scripts/gpu_bundle.sh (the patched source and the
-#                    wheels the GPU image lacks); carry it to the GPU machine
+#   --bundle DIR     offline inputs made by scripts/gpu_bundle.sh (the patched source and the
+#                    wheels the GPU image lacks); copy it to the GPU machine
 #   --wheel PATH     install this llama-cpp-python wheel instead of building the CUDA one
-#   --build-only     stop after building the wheel (into OUT/dist), for a first device call
-#   --out DIR        working directory (default ./gpu-out); small results are also copied to
-#                    $OUT when it is set (the device tool's result folder)
+#   --build-only     stop after building the wheel (into <out>/dist)
+#   --out DIR        working directory, <out> below (default ./gpu-out)
+#   --results DIR    also copy the small results there: machine.txt, phases.tsv, the JSON, table
+#                    and plot, and the logs as one logs.tar.gz
+#   --limit P=S      time box of phase P in seconds (repeatable; defaults below)
 #   --cpu-rehearsal  the same phases on a CPU-only machine: no build or install (the llama_cpp
-#                    already importable is used, with the loopback RPC device as the device), a
-#                    4-layer model and few tokens
+#                    already importable is used, with the loopback RPC device as the device, and
+#                    moecache from this checkout), a 4-layer model and few tokens
 #
-# On a lent machine (10 minutes a command, 15 minutes of device time a session), one call:
-#   here:        scripts/gpu_bundle.sh --cuda-wheel               (builds the CUDA wheel here)
-#   device call: scripts/gpu_check.sh --bundle gpu-bundle --wheel gpu-bundle/dist/*.whl
-#                (carry gpu-bundle, timeout_s 600: the phases take 525 s at most)
-# or, should that wheel not load there, building there (the machine stays warm between calls):
-#   device call: scripts/gpu_check.sh --bundle gpu-bundle --build-only
-#   device call: scripts/gpu_check.sh --bundle gpu-bundle --wheel gpu-out/dist/*.whl
+# With the CUDA wheel built beforehand (scripts/gpu_bundle.sh --cuda-wheel), one run:
+#   scripts/gpu_check.sh --bundle gpu-bundle --wheel gpu-bundle/dist/*.whl
+#   (the phases after the build take 525 s at most with the default limits)
+# or, should that wheel not load there, building there first:
+#   scripts/gpu_check.sh --bundle gpu-bundle --build-only
+#   scripts/gpu_check.sh --bundle gpu-bundle --wheel gpu-out/dist/*.whl
 #
-# Phases, each time-boxed with `timeout` (seconds):
+# Phases, each time-boxed with `timeout` (default seconds):
 #   build 540   build_wheel.sh --cuda 90 --cmake-args -DGGML_CUDA_FA=OFF (from the bundle's
 #               source when given; FlashAttention kernels are left out to fit the time box:
 #               stock and cached runs use the same build)
-#   install 45  the bundle's wheels into OUT/site (PYTHONPATH), the llama-cpp-python wheel and
+#   install 45  the bundle's wheels into <out>/site (PYTHONPATH), the llama-cpp-python wheel and
 #               moecache with pip --no-deps --no-build-isolation --no-index; fails unless ggml
 #               sees a GPU (cuBLAS is put on LD_LIBRARY_PATH, see scripts/cuda_env.sh)
-#   model 210   python -m moecache.synth qwen3-30b-a3b (48 layers, ~17 GB, default locality), in
-#               /dev/shm when it has 40 GiB free, else in OUT/cache (MOECACHE_CACHE_DIR overrides)
+#   model 210   python -m moecache.models synth qwen3-30b-a3b (48 layers, ~17 GB, default
+#               locality), in /dev/shm when it has 40 GiB free, else in <out>/cache
+#               (MOECACHE_CACHE_DIR overrides)
 #   exact 90    scripts/check_exact.py: greedy tokens with a cache of 16 slots identical to the
 #               same placement without a cache over 128 tokens; prints max |logit difference|
 #   bench 180   scripts/bench_decode.py: stock, stock-repack, K=64,32,16, all-device (its table
 #               and JSON are rewritten after every configuration: a timeout keeps what ran)
 # Output: machine.txt (CPU, memory, GPU, driver, nvcc), phases.tsv (phase, exit status, seconds),
-# <phase>.log, exact.json, bench.{md,json,png}; $OUT gets the same with the logs in logs.tar.gz.
+# <phase>.log, exact.json, bench.{md,json,png}.
 # Exit status: 0 when every phase passed, 1 otherwise, 2 for bad arguments.
 set -uo pipefail
 
@@ -44,8 +47,10 @@ repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 out=./gpu-out
 wheel=""
 bundle=""
+results=""
 build_only=0
 rehearsal=0
+declare -A limit=([build]=540 [install]=45 [model]=210 [exact]=90 [bench]=180)
 
 usage() { sed -n '2,/^[^#]/s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"; }
 bad() { echo "gpu_check: error: $*" >&2; exit 2; }
@@ -57,6 +62,10 @@ while [ $# -gt 0 ]; do
                   bundle=$(cd "$2" && pwd); shift ;;
         --build-only) build_only=1 ;;
         --out) [ $# -gt 1 ] || bad "--out needs a directory"; out=$2; shift ;;
+        --results) [ $# -gt 1 ] || bad "--results needs a directory"; results=$2; shift ;;
+        --limit) [ $# -gt 1 ] && [[ $2 =~ ^([a-z]+)=([0-9]+)$ ]] && [ -n "${limit[${BASH_REMATCH[1]}]:-}" ] \
+                     || bad "--limit needs PHASE=SECONDS, PHASE one of build, install, model, exact, bench"
+                 limit[${BASH_REMATCH[1]}]=${BASH_REMATCH[2]}; shift ;;
         --cpu-rehearsal) rehearsal=1 ;;
         -h|--help) usage; exit 0 ;;
         *) bad "unknown argument '$1' (see --help)" ;;
@@ -70,8 +79,12 @@ done
 
 mkdir -p "$out" || bad "cannot create $out"
 out=$(cd "$out" && pwd)
+if [ -n "$results" ]; then
+    mkdir -p "$results" || bad "cannot create $results"
+    results=$(cd "$results" && pwd)
+fi
 # the 17 GB model is written at memory speed to /dev/shm when it has room (the GPU machine's
-# disk speed is not known), else under OUT
+# disk speed is not known), else under <out>
 if [ -z "${MOECACHE_CACHE_DIR:-}" ]; then
     export MOECACHE_CACHE_DIR=$out/cache
     shm_free_kib=$(df --output=avail /dev/shm 2>/dev/null | tail -n 1)
@@ -89,29 +102,28 @@ fi
 
 status=0
 printf 'phase\texit\tseconds\n' > "$out/phases.tsv"
-# phase NAME SECONDS COMMAND...: run it under timeout, log to NAME.log, record the outcome
+# phase NAME COMMAND...: run it under timeout (--limit), log to NAME.log, record the outcome
 phase() {
-    local name=$1 limit=$2; shift 2
-    local start=$SECONDS rc
-    echo "gpu_check: $name (at most ${limit} s)" >&2
-    timeout --kill-after=10 "$limit" "$@" > "$out/$name.log" 2>&1
+    local name=$1; shift
+    local start=$SECONDS rc seconds=${limit[$name]}
+    echo "gpu_check: $name (at most ${seconds} s)" >&2
+    timeout --kill-after=10 "$seconds" "$@" > "$out/$name.log" 2>&1
     rc=$?
     printf '%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - start))" >> "$out/phases.tsv"
     if [ "$rc" != 0 ]; then
         status=1
-        [ "$rc" = 124 ] && echo "gpu_check: $name timed out after $limit s" >&2
+        [ "$rc" = 124 ] && echo "gpu_check: $name timed out after $seconds s" >&2
         echo "gpu_check: $name failed (exit $rc); last lines of $out/$name.log:" >&2
         tail -n 5 "$out/$name.log" >&2
     fi
     return "$rc"
 }
 
-# small results go back through the device tool's result folder, which takes at most 8 files:
-# the logs travel as one archive
+# --results: the small results, the logs as one archive
 report() {
-    [ -n "${OUT:-}" ] && [ "$OUT" != "$out" ] || return 0
-    mkdir -p "$OUT" && cp "$out"/*.tsv "$out"/machine.txt "$out"/*.json "$out"/*.md "$out"/*.png "$OUT"/ 2>/dev/null
-    (cd "$out" && tar czf "$OUT/logs.tar.gz" -- *.log) 2>/dev/null
+    [ -n "$results" ] && [ "$results" != "$out" ] || return 0
+    mkdir -p "$results" && cp "$out"/*.tsv "$out"/machine.txt "$out"/*.json "$out"/*.md "$out"/*.png "$results"/ 2>/dev/null
+    (cd "$out" && tar czf "$results/logs.tar.gz" -- *.log) 2>/dev/null
     return 0
 }
 trap report EXIT
@@ -147,28 +159,28 @@ if [ "$rehearsal" = 0 ]; then
             rm -rf "$out/src" && mkdir -p "$out/src" && tar xzf "$bundle/src.tar.gz" -C "$out/src"
             source_args=(--source "$out/src")
         fi
-        phase build 540 "$repo/scripts/build_wheel.sh" --cuda 90 --cmake-args "-DGGML_CUDA_FA=OFF" \
+        phase build "$repo/scripts/build_wheel.sh" --cuda 90 --cmake-args "-DGGML_CUDA_FA=OFF" \
             "${source_args[@]}" --out "$out/dist" || exit 1
         wheel=$(ls "$out"/dist/llama_cpp_python-*.whl | head -n 1)
         [ "$build_only" = 0 ] || { echo "gpu_check: built $wheel" >&2; exit 0; }
     fi
-    phase install 45 bash -c '{ [ -z "$3" ] || python3 -m pip install -q --no-index --no-deps --upgrade --target "$4" "$3"/wheels/*.whl; } \
+    phase install bash -c '{ [ -z "$3" ] || python3 -m pip install -q --no-index --no-deps --upgrade --target "$4" "$3"/wheels/*.whl; } \
         && python3 -m pip install --no-deps --no-build-isolation --no-index --force-reinstall "$1" \
         && python3 -m pip install --no-deps --no-build-isolation --no-index "$2" \
         && cd / && python3 -c "import llama_cpp, moecache.native as n, moecache.ggml as g; print(llama_cpp.__version__, n.patch_version()); g.has_gpu() or exit(\"ggml sees no GPU: the CUDA backend did not start\")"' \
         _ "$wheel" "$repo" "$bundle" "$out/site" || exit 1
 fi
 
-phase model 210 python3 -m moecache.synth qwen3-30b-a3b "${model_args[@]}" --threads "$threads" || exit 1
+phase model python3 -m moecache.models synth qwen3-30b-a3b "${model_args[@]}" --threads "$threads" || exit 1
 model=$(tail -n 1 "$out/model.log")
 
-phase exact 90 python3 "$repo/scripts/check_exact.py" -m "$model" -n "$exact_tokens" --slots 16 \
+phase exact python3 "$repo/scripts/check_exact.py" -m "$model" -n "$exact_tokens" --slots 16 \
     -t "$threads" --json "$out/exact.json"
 grep '^check_exact:' "$out/exact.log" >&2
 
 png=()
 python3 -c "import matplotlib" 2>/dev/null && png=(--png "$out/bench.png")
-phase bench 180 python3 "$repo/scripts/bench_decode.py" -m "$model" "${bench_args[@]}" -t "$threads" \
+phase bench python3 "$repo/scripts/bench_decode.py" -m "$model" "${bench_args[@]}" -t "$threads" \
     --slots 0,16,32,64 --stock-repack --all-device --md "$out/bench.md" --json "$out/bench.json" "${png[@]}"
 [ -f "$out/bench.md" ] && cat "$out/bench.md" >&2
 

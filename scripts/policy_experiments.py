@@ -1,6 +1,7 @@
 """Candidate default policies that were tried against `heat` and NOT shipped (issue 4).
 
-    PYTHONPATH=. python scripts/policy_experiments.py   (15 s on a loaded 2-core machine)
+    python scripts/policy_experiments.py   (15 s on a loaded 2-core machine; imports the installed
+                                           moecache, as every script here)
 
 Prints decode hit% at K = n_expert/8, INSERTS=2, with the share of the LRU->Belady gap
 closed, on both shipped traces (plus uploads per layer per step) and on synthetic locality

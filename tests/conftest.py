@@ -8,11 +8,11 @@ import os
 import weakref
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 N_THREADS = max(1, min(2, os.cpu_count() or 1))
 
+from moecache import decode  # noqa: E402
 from moecache.traces import TRACES_DIR as TRACES  # noqa: E402  (the shipped real traces)
 
 # every model load() made; the device fixture frees those still alive before stopping the server
@@ -35,14 +35,14 @@ def rpc_device():
 
 @pytest.fixture(scope="session")
 def smol_path():
-    from moecache.fixtures import smol_moe
+    from moecache.models import smol_moe
 
     return str(smol_moe())
 
 
 @pytest.fixture(scope="session")
 def tiny_path():
-    from moecache.fixtures import tiny_moe
+    from moecache.models import tiny_moe
 
     return str(tiny_moe(n_layer=2, n_expert=8))
 
@@ -85,19 +85,7 @@ def default_params(name: str, **fields):
 
 
 def greedy(llm, prompt: bytes, n: int):
-    """Greedy decode of n tokens one at a time; returns (tokens, logits[n, n_vocab]) where
-    logits[i] is the distribution token i was picked from."""
-    import llama_cpp
-
-    n_vocab = llm.n_vocab()
-    llm.reset()
-    llm.eval(llm.tokenize(prompt))
-    tokens, rows = [], []
-    for _ in range(n):
-        ptr = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
-        logits = np.ctypeslib.as_array(ptr, shape=(n_vocab,)).copy()
-        token = int(np.argmax(logits))
-        tokens.append(token)
-        rows.append(logits)
-        llm.eval([token])
-    return tokens, np.stack(rows)
+    """moecache.decode.greedy as (tokens, logits[n, n_vocab]), logits[i] the distribution token
+    i was picked from."""
+    run = decode.greedy(llm, prompt, n, keep_logits=True)
+    return run.tokens, run.logits[:n]

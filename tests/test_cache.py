@@ -6,10 +6,12 @@ same placement with the cache off."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -232,6 +234,14 @@ def test_waiting_for_uploads_is_an_option(rpc_device, tiny_path):
      "LLAMA_MOE_CACHE_STATS='/nonexistent/s.json': directory /nonexistent does not exist"),
     ({"LLAMA_MOE_CACHE_TRACE": "/nonexistent/t.csv"}, {"slots": 2},
      "LLAMA_MOE_CACHE_TRACE='/nonexistent/t.csv': directory /nonexistent does not exist"),
+    ({"LLAMA_MOE_CACHE_STATS": "/tmp"}, {"slots": 2}, "LLAMA_MOE_CACHE_STATS='/tmp': is a directory"),
+    ({"LLAMA_MOE_CACHE_STATS": "/tmp/stats/"}, {"slots": 2},
+     "LLAMA_MOE_CACHE_STATS='/tmp/stats/': ends with '/': a file name is needed"),
+    ({"LLAMA_MOE_CACHE_STATS": "/proc/self/stats.json"}, {"slots": 2},
+     "LLAMA_MOE_CACHE_STATS='/proc/self/stats.json': cannot create a file in /proc/self"),
+    ({"LLAMA_MOE_CACHE_PROFILE": "/dev/null"}, {"slots": 2},
+     "LLAMA_MOE_CACHE_PROFILE='/dev/null': is not a regular file"),
+    ({"LLAMA_MOE_CACHE_SLOT": "2"}, {}, "LLAMA_MOE_CACHE_SLOT is not a moecache variable"),
 ])
 def test_bad_configuration_is_one_line(monkeypatch, rpc_device, tiny_path, env, overrides, message):
     for name, value in env.items():
@@ -259,7 +269,7 @@ def test_a_bad_profile_releases_the_cache(tmp_path, rpc_device, tiny_path, conte
 
 
 def test_repacked_experts_are_refused_and_decode_stays_stock(rpc_device):
-    from moecache.fixtures import tiny_moe
+    from moecache.models import tiny_moe
 
     path = str(tiny_moe(n_layer=2, n_expert=8, expert_type="q4_0"))
     stock = greedy(load(path, repack=True), PROMPT, 16)
@@ -277,6 +287,52 @@ def test_device_allocation_failure_keeps_decode_stock(rpc_device, tiny_path):
     assert native.lib().llama_moe_cache_n_layers(ctx) == 0
     tokens, logits = greedy(llm, PROMPT, 16)
     assert tokens == stock[0] and np.array_equal(logits, stock[1])
+
+
+def test_freed_contexts_do_not_keep_their_caches(tmp_path, rpc_device, tiny_path):
+    """50 contexts created, used and freed: each cache reports when its context is freed and
+    is then dropped (neither activate nor atexit keeps it)."""
+    import gc
+    import weakref
+
+    from moecache import activate
+
+    stats = tmp_path / "stats.json"
+    kept = len(activate._caches)
+    caches = []
+    for i in range(50):
+        llm = load(tiny_path)
+        cache = attach(llm, slots=2, stats=str(stats))
+        greedy(llm, PROMPT, 3)
+        caches.append(weakref.ref(cache))
+        del cache
+        llm.close()
+        # written at the free: the prompt's ubatch and two decodes (the last not observed yet)
+        assert json.loads(stats.read_text())["decode_steps"] == 3
+        stats.unlink()
+    gc.collect()
+    assert len(activate._caches) <= kept
+    assert [ref for ref in caches if ref() is not None] == []
+
+
+def test_zero_code_contexts_do_not_accumulate(tiny_path):
+    run = _run_python("""
+        import gc
+        from moecache.rpc import RpcDevice
+        device = RpcDevice(threads=1)
+        from llama_cpp import Llama
+        import moecache.activate as activate
+        counts = []
+        for i in range(50):
+            llm = Llama(model_path=%r, n_gpu_layers=-1, n_ctx=256, verbose=False)
+            llm.create_completion("hello", max_tokens=2)
+            counts.append(len(activate._caches))
+            llm.close()
+        gc.collect()
+        print("CACHES=%%d %%d" %% (max(counts), len(activate._caches)))
+    """ % tiny_path, {"LLAMA_MOE_CACHE_SLOTS": "2"})
+    assert run.returncode == 0, run.stderr
+    assert _line(run.stdout, "CACHES=") == "1 0"
 
 
 def _run_python(code: str, env: dict, timeout=300) -> subprocess.CompletedProcess:
@@ -313,6 +369,145 @@ def test_zero_code_activation(tmp_path, tiny_path):
     assert off.returncode == 0, off.stderr
     assert "LAYERS=0" in off.stdout
     assert _line(off.stdout, "TEXT=") == _line(on.stdout, "TEXT=")
+
+
+def test_zero_code_trace_of_a_model_whose_name_has_spaces(tmp_path, tiny_path):
+    from moecache.traces import read_trace
+
+    trace_path = tmp_path / "live.route.csv"
+    run = _run_python(UNMODIFIED_PROGRAM.format(path=tiny_path),
+                      {"LLAMA_MOE_CACHE_SLOTS": "2", "LLAMA_MOE_CACHE_TRACE": str(trace_path)})
+    assert run.returncode == 0, run.stderr
+    assert "LAYERS=2" in run.stdout, run.stderr  # general.name is "moecache tiny qwen3moe"
+    trace = read_trace(str(trace_path))
+    assert trace.model == "moecache_tiny_qwen3moe" and (trace.phase == 1).sum() > 0
+
+
+def test_zero_code_trace_of_a_long_non_ascii_model_name(tmp_path, tiny_path):
+    """general.name is read into 255 bytes: a long UTF-8 name is cut mid-character."""
+    from moecache.traces import read_trace
+
+    model = tmp_path / "named.gguf"
+    subprocess.run([sys.executable, "-m", "gguf.scripts.gguf_new_metadata", "--force", "--general-name",
+                    "x" + "模型" * 100, tiny_path, str(model)], check=True, capture_output=True)
+    trace_path = tmp_path / "live.route.csv"
+    run = _run_python(UNMODIFIED_PROGRAM.format(path=str(model)),
+                      {"LLAMA_MOE_CACHE_SLOTS": "2", "LLAMA_MOE_CACHE_TRACE": str(trace_path)})
+    assert run.returncode == 0, run.stderr
+    assert "LAYERS=2" in run.stdout, run.stderr
+    assert read_trace(str(trace_path)).model == "x" + ("模型" * 42)[:84]
+
+
+@pytest.mark.parametrize("broken", ["stats", "profile"])
+def test_a_failing_report_write_keeps_the_other(tmp_path, caplog, rpc_device, tiny_path, broken):
+    """The stats and the profile are written independently: one that cannot be written (its
+    path became a directory after the check) is one error line, the other is still saved."""
+    paths = {"stats": tmp_path / "stats.json", "profile": tmp_path / "profile.json"}
+    llm = load(tiny_path)
+    # max_batch=1: the prompt stays stock, every step one token (the counts below)
+    cache = attach(llm, slots=2, stats=str(paths["stats"]), profile=str(paths["profile"]), flush_steps=0,
+                   max_batch=1)
+    greedy(llm, PROMPT, 8)
+    paths[broken].mkdir()
+    moecache_log = logging.getLogger("moecache")  # it does not propagate to caplog's root handler
+    moecache_log.addHandler(caplog.handler)
+    try:
+        cache.close()
+    finally:
+        moecache_log.removeHandler(caplog.handler)
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and errors[0].startswith(f"moecache: error: LLAMA_MOE_CACHE_{broken.upper()}="), errors
+    if broken == "stats":
+        assert UsageProfile.load(str(paths["profile"])).counts.sum() == 7 * 2 * 2  # steps x layers x k
+    else:
+        assert json.loads(paths["stats"].read_text())["decode_steps"] == 7
+
+
+def test_a_failing_trace_write_stops_the_trace_not_the_cache(tmp_path, caplog, rpc_device, tiny_path):
+    stock = greedy(load(tiny_path), PROMPT, 16)
+    llm = load(tiny_path)
+    trace_path = tmp_path / "t.csv"
+    cache = attach(llm, slots=2, trace=str(trace_path))
+    greedy(llm, PROMPT, 4)
+    read_only = os.open(os.devnull, os.O_RDONLY)  # writes to it fail, as on a full disk
+    os.close(cache.trace._fd)
+    cache.trace._fd = read_only
+    moecache_log = logging.getLogger("moecache")  # it does not propagate to caplog's root handler
+    moecache_log.addHandler(caplog.handler)
+    try:
+        tokens, logits = greedy(llm, PROMPT, 16)
+    finally:
+        moecache_log.removeHandler(caplog.handler)
+    assert tokens == stock[0] and np.array_equal(logits, stock[1])
+    errors = [r.getMessage() for r in caplog.records if "LLAMA_MOE_CACHE_TRACE" in r.getMessage()]
+    assert len(errors) == 1 and "trace stopped after" in errors[0], errors
+    assert cache.trace is None and cache.failed is None and cache.stats()["decode_steps"] > 16
+
+
+DECODING_FOREVER = """
+    import llama_cpp, numpy as np
+    from moecache.rpc import RpcDevice
+    device = RpcDevice(threads=1)
+    print("DEVICE=%d" % device.process.pid, flush=True)
+    llm = llama_cpp.Llama(model_path={path!r}, n_gpu_layers=-1, n_ctx=4096, verbose=False)
+    llm.eval(llm.tokenize(b"The three primary colors are"))
+    for step in range(4000):
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(llm.n_vocab(),))
+        llm.eval([int(np.argmax(logits))])
+        print("STEP=%d" % step, flush=True)
+"""
+
+
+def _flushed_steps(stats_path) -> int:
+    return json.loads(stats_path.read_text())["decode_steps"] if stats_path.exists() else 0
+
+
+@pytest.mark.parametrize("killed", ["client", "device"])
+def test_stats_profile_and_trace_survive_a_crash(tmp_path, tiny_path, killed):
+    """SIGKILL of the decoding process, or of its device (the client then aborts in ggml-rpc):
+    the files hold the run up to the last flush (every FLUSH_STEPS decode steps)."""
+    import select
+    import signal
+
+    from moecache.traces import read_trace
+
+    files = {name: tmp_path / name for name in ("stats.json", "profile.json", "trace.csv")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_MOE_CACHE_")}
+    # MAX_BATCH=1: the prompt stays stock, every step one token (the counts below)
+    env.update({"LLAMA_MOE_CACHE_SLOTS": "2", "LLAMA_MOE_CACHE_FLUSH_STEPS": "4", "LLAMA_MOE_CACHE_MAX_BATCH": "1",
+                "LLAMA_MOE_CACHE_STATS": str(files["stats.json"]),
+                "LLAMA_MOE_CACHE_PROFILE": str(files["profile.json"]),
+                "LLAMA_MOE_CACHE_TRACE": str(files["trace.csv"])})
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(DECODING_FOREVER.format(path=tiny_path))],
+                            env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        # killed mid-decode once a flush of at least 8 steps is on disk (a thread writes them)
+        device, step, deadline = None, -1, time.monotonic() + 120
+        while step < 8 or _flushed_steps(files["stats.json"]) < 8 or not files["profile.json"].exists():
+            ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            line = proc.stdout.readline() if ready else ""
+            assert line, f"no progress: {proc.poll()} {proc.stderr.read() if proc.poll() is not None else ''}"
+            key, _, value = line.strip().partition("=")
+            device = int(value) if key == "DEVICE" else device
+            step = int(value) if key == "STEP" else step
+        os.kill(device if killed == "device" else proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=60) != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
+
+    stats = json.loads(files["stats.json"].read_text())
+    steps = stats["decode_steps"]
+    assert steps >= 8 and steps % 4 == 0, steps
+    assert stats["totals"]["hits"] + stats["totals"]["misses"] == steps * 2 * 2  # layers x top-k
+    profile = UsageProfile.load(str(files["profile.json"]))
+    profile_steps = profile.counts.sum(axis=1) // 2  # each step uses 2 distinct experts per layer
+    assert (profile_steps == profile_steps[0]).all() and profile_steps[0] % 4 == 0 and profile_steps[0] >= 4
+    trace = read_trace(str(files["trace.csv"]))
+    assert (trace.phase == 1).sum() >= steps
 
 
 def test_zero_code_bad_value_is_one_logged_line_and_stock(tiny_path):
@@ -474,7 +669,7 @@ def test_unsupported_architecture_is_refused_and_stock(capfd, rpc_device):
     libllama logs one line naming it, and decoding stays stock."""
     import logging
 
-    from moecache.fixtures import tiny_moe
+    from moecache.models import tiny_moe
 
     path = str(tiny_moe(n_layer=2, n_expert=8, arch="granitemoe"))
     stock = greedy(load(path), PROMPT, 16)

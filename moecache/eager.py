@@ -1,0 +1,109 @@
+"""Eager admission: what a boundary hands libllama, and the rule libllama follows with it.
+
+With eager admission a miss is uploaded while the graph that missed it still runs (the CPU
+observer of its layer starts the copy), so it is usable from the next graph instead of the
+one after. Policy stays in Python: at each boundary the engine computes a `Handover` for the
+graph about to run, and during that graph C only follows it, per cached layer:
+
+    victims[l]       slots in eviction order: free slots first (lowest first), then the
+                     evictable residents by ascending policy priority; -1 pads the row.
+                     Never listed: a slot whose upload is in flight, a pinned expert.
+    victim_worth[l]  the worth a victim keeps (its priority; -inf for a free slot)
+    worth[l, e]      the worth of expert e if this graph selects it and misses it (the
+                     policy's admission value counting that use; +inf for policies that admit
+                     everything; -inf: never upload, e.g. already resident or on its way)
+    budget[l]        uploads the layer may start during this graph
+
+    rule, when layer l's selected ids are known (router-rank order, one token or several):
+        next = 0; started = 0
+        for each distinct selected id e that misses (not resident, not on its way), in order:
+            if started == budget[l]: stop
+            skip victims[l][next...] whose expert is selected in this graph (its slot is read)
+            if no victim is left: stop
+            if worth[l, e] > victim_worth[l][next]:     (strictly)
+                start copying e into slot victims[l][next]; next += 1; started += 1
+            (else e stays a host-only miss; the next selected id may still beat the victim)
+
+C writes no table during the graph: the next boundary unpublishes each victim and publishes
+each completed upload (late ones at a later boundary). The engine models the rule itself
+(`admissions`), so replay and a live run that waits for its uploads agree exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class Handover:
+    """A boundary's instructions for the next graph (see the module docstring)."""
+
+    victims: np.ndarray        # (L, K) int32 slots, eviction order, -1 padded
+    victim_worth: np.ndarray   # (L, K) float64, aligned with victims (+inf in the padding)
+    worth: np.ndarray          # (L, E) float64
+    budget: np.ndarray         # (L,) int64
+
+
+_FINITE = np.finfo(np.float64).max
+
+
+def build_handover(free, evictable, priority, worth, budget) -> Handover:
+    """free, evictable: (L, K) bool slots (an empty slot not being loaded; a resident the
+    policy may evict); priority: (L, K) the residents' priority (read where evictable);
+    worth: (L, E); budget: (L,) or a number. Ties go to the lowest slot."""
+    keep = np.where(free, -np.inf, np.where(evictable, priority, np.inf))
+    # free slots sort first and unlisted ones last even against infinite priorities
+    order_key = np.where(free, -np.inf, np.where(evictable, np.clip(priority, -_FINITE, _FINITE), np.inf))
+    victims = np.argsort(order_key, axis=1, kind="stable").astype(np.int32)
+    rows = np.arange(free.shape[0])[:, None]
+    victim_worth = keep[rows, victims]
+    victims[~(free | evictable)[rows, victims]] = -1
+    budget = np.broadcast_to(np.asarray(budget, dtype=np.int64), (free.shape[0],)).copy()
+    return Handover(victims, victim_worth, np.asarray(worth, dtype=np.float64), budget)
+
+
+def admissions(handover: Handover, ids: np.ndarray, slot_expert: np.ndarray) -> np.ndarray:
+    """The uploads C starts during a graph that selects `ids` ((L, n) int, router-rank order,
+    -1 = none), given the handover of its boundary and the slot contents it was computed
+    from (slot_expert (L, K), -1 empty). Returns (n_admitted, 3) rows of (layer, expert, slot)
+    in the order C starts them (layer by layer, rank order within a layer)."""
+    ids = np.asarray(ids)
+    L, n = ids.shape
+    E = handover.worth.shape[1]
+    rows = np.arange(L)[:, None]
+    col = np.where(ids >= 0, ids, E)                       # -1 lands in a spare column
+    selected = np.zeros((L, E + 1), dtype=bool)
+    selected[rows, col] = True
+    selected[:, E] = False
+    # candidates: the first selection of an expert that misses (not held, not on its way)
+    in_slot = np.zeros((L, E + 1), dtype=bool)
+    in_slot[rows, np.where(slot_expert >= 0, slot_expert, E)] = True
+    candidate = (ids >= 0) & ~in_slot[rows, col]
+    ordered = np.sort(col, axis=1)
+    if n > 1 and (ordered[:, 1:] == ordered[:, :-1]).any():  # a multi-token step repeats ids
+        candidate &= ~((ids[:, :, None] == ids[:, None, :]) & np.tri(n, k=-1, dtype=bool)).any(axis=2)
+    # the running graph reads the slots of the experts it selects: those victims are skipped
+    victims = handover.victims
+    held = slot_expert[rows, victims]
+    usable = (victims >= 0) & ~selected[rows, np.where((victims >= 0) & (held >= 0), held, E)]
+    usable_row, usable_at = np.nonzero(usable)             # row-major: each row's in list order
+    first_usable = np.searchsorted(usable_row, np.arange(L))
+    limit = np.minimum(np.bincount(usable_row, minlength=L), handover.budget)
+    worth = handover.worth[rows, np.maximum(ids, 0)]
+
+    started = np.zeros(L, dtype=np.int64)
+    go = np.zeros((L, n), dtype=bool)
+    victim_at = np.zeros((L, n), dtype=np.int64)           # the list position each one took
+    for j in range(n):
+        can = candidate[:, j] & (started < limit)
+        at = usable_at[np.minimum(first_usable + started, max(usable_at.size - 1, 0))] if usable_at.size \
+            else np.zeros(L, dtype=np.int64)
+        go[:, j] = can & (worth[:, j] > handover.victim_worth[rows[:, 0], at])
+        victim_at[:, j] = at
+        started += go[:, j]
+    layer, rank = np.nonzero(go)                           # layer by layer, rank order within
+    jobs = np.empty((layer.size, 3), dtype=np.int32)
+    jobs[:, 0], jobs[:, 1], jobs[:, 2] = layer, ids[layer, rank], victims[layer, victim_at[layer, rank]]
+    return jobs

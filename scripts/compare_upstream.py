@@ -1,0 +1,144 @@
+"""Eager admission against upstream llama.cpp's own cache at equal device bytes: the tables
+of docs/policies.md ("Eager admission, upstream llama.cpp's cache and modelled cost").
+
+    python scripts/compare_upstream.py [TRACE ...]   (default: the shipped traces; imports the
+                                                     installed moecache, as every script here)
+
+Per trace and K = 8, 16, 32: decode hit%, MiB uploaded per decode token and MODELLED expert
+milliseconds per decode token (moecache.cost: host 60 GB/s; link PCIe 4.0 x16, 25 GB/s, and
+PCIe 5.0 x16, 50 GB/s) for today's default (heat, boundary admission), heat and LRU with
+eager admission, and the upstream model given the same device bytes (moecache.upstream).
+Then the issue's K=16 targets, and the eager-timing policy candidates tried against heat,
+on the traces and on the synthetic routing of scripts/replay_table.py. The candidates live
+here, outside moecache.policies.
+"""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from moecache.cost import DEFAULT_HOST_GBPS, DEFAULT_LINK_GBPS, PCIE5_LINK_GBPS, Bandwidth
+from moecache.policies import Heat, make_policy
+from moecache.replay import MIB, PER_LAYER, UPSTREAM, simulate
+from moecache.traces import SHIPPED_TRACES, RouteTrace, read_trace, synthetic_routing
+from moecache.upstream import equal_bytes
+from replay_table import SYNTHETIC
+
+LINKS = [("PCIe 4.0", Bandwidth(DEFAULT_HOST_GBPS, DEFAULT_LINK_GBPS)),
+         ("PCIe 5.0", Bandwidth(DEFAULT_HOST_GBPS, PCIE5_LINK_GBPS))]
+ROWS = [  # (label, policy, admission)
+    ("heat, boundary (today's default)", "heat", "boundary"),
+    ("heat, eager", "heat", "eager"),
+    ("lru, eager", "lru", "eager"),
+]
+
+
+class HeatSeenBefore(Heat):
+    """Candidate: heat whose eager admission refuses an expert not used within about the last
+    half-life (its heat before this use is under half a fresh use), TinyLFU's doorkeeper idea:
+    first uses are rarely reused soon on these traces, and each refused upload saves host
+    bandwidth."""
+    name = "heat-seen-before"
+
+    def worth_if_used(self, step, keys):
+        worth = super().worth_if_used(step, keys)
+        fresh = self.growth ** (step - self.origin)
+        return np.where(self.scaled.take(keys) >= 0.5 * fresh, worth, -np.inf)
+
+
+class HeatStaleWorth(Heat):
+    """Not a candidate: the eager rule fed heat's plain admit() (the count before the running
+    graph's use), to show why worth_if_used exists."""
+    name = "heat-stale-worth"
+
+    def worth_if_used(self, step, keys):
+        return self.admit(step, keys)
+
+
+CANDIDATES = [  # (label, policy factory, inserts, admission)
+    ("today's default: heat, boundary", lambda: make_policy("heat"), 2, "boundary"),
+    ("lru, eager", lambda: make_policy("lru"), 2, "eager"),
+    ("heat, eager (half-life 16)", lambda: make_policy("heat"), 2, "eager"),
+    ("heat, eager, unlimited inserts", lambda: make_policy("heat"), None, "eager"),
+    ("heat, eager, half-life 8", lambda: make_policy("heat", half_life=8), 2, "eager"),
+    ("heat, eager, half-life 32", lambda: make_policy("heat", half_life=32), 2, "eager"),
+    ("lfu, eager (no admission test)", lambda: make_policy("lfu"), 2, "eager"),
+    ("heat, eager, seen before", HeatSeenBefore, 2, "eager"),
+    ("heat, eager, stale worth (admit())", HeatStaleWorth, 2, "eager"),
+]
+
+
+def upstream(trace, k):
+    return simulate(trace, UPSTREAM, "upstream", equal_bytes(trace.expert_bytes, k) / MIB)
+
+
+def cells(result):
+    ms = " | ".join(f"{result.modelled_ms(bw):.2f}" for _, bw in LINKS)
+    return f"{100 * result.hit_rate:.1f} | {result.upload_bytes_per_token / MIB:.1f} | {ms}"
+
+
+def comparison_table(trace):
+    runs = {}
+    print(f"\n{Path(trace.path).name}\n")
+    print("| K | cache | decode hit% | MiB up/token | ms/token, PCIe 4.0 | ms/token, PCIe 5.0 |")
+    print("|---:|---|---:|---:|---:|---:|")
+    for k in (8, 16, 32):
+        for label, policy, admission in ROWS:
+            runs[k, label] = simulate(trace, PER_LAYER, policy, k, admission=admission)
+            print(f"| {k} | {label} | {cells(runs[k, label])} |")
+        runs[k, "upstream"] = upstream(trace, k)
+        print(f"| {k} | upstream llama.cpp, same bytes ({runs[k, 'upstream'].budget_mib:.0f} MiB) | "
+              f"{cells(runs[k, 'upstream'])} |")
+    print(f"\nstock --cpu-moe (every selected expert read on the host): "
+          f"{runs[8, 'upstream'].stock_ms(LINKS[0][1]):.2f} modelled ms/token")
+    return runs
+
+
+def targets(all_runs):
+    """The issue's K=16 criteria, from the comparison tables' runs."""
+    print("\nK=16 targets (decode hit% points; upload bytes per token):\n")
+    gains_up, gains_default = [], []
+    for name, runs in all_runs.items():
+        eager, default, up = runs[16, ROWS[1][0]], runs[16, ROWS[0][0]], runs[16, "upstream"]
+        gains_up.append(100 * (eager.hit_rate - up.hit_rate))
+        gains_default.append(100 * (eager.hit_rate - default.hit_rate))
+        print(f"- {name}: eager heat {100 * eager.hit_rate:.1f} vs upstream {100 * up.hit_rate:.1f} "
+              f"({gains_up[-1]:+.1f}), uploading {eager.upload_bytes_per_token / up.upload_bytes_per_token:.0%} "
+              f"of its bytes; vs today's default {100 * default.hit_rate:.1f} ({gains_default[-1]:+.1f})")
+    print(f"- mean: {np.mean(gains_up):+.1f} over upstream, {np.mean(gains_default):+.1f} over today's default")
+
+
+def candidate_table(traces):
+    print("\nCandidates: decode hit% at K = n_expert/8, INSERTS=2 unless said (on the real traces: "
+          "MiB up/token, modelled ms/token at PCIe 4.0 / 5.0)\n")
+    routings = [(Path(t.path).name.split(".")[0], t) for t in traces]
+    routings += [(label, RouteTrace.from_routing(synthetic_routing(300, layers, experts, k, seed=seed, **options), experts))
+                 for seed, (label, layers, experts, k, options) in enumerate(SYNTHETIC, start=3)]
+    print("| candidate | " + " | ".join(label for label, _ in routings) + " |")
+    print("|---|" + "---:|" * len(routings))
+    for label, factory, inserts, admission in CANDIDATES:
+        row = []
+        for i, (name, trace) in enumerate(routings):
+            r = simulate(trace, PER_LAYER, factory(), trace.n_expert // 8, inserts=inserts, admission=admission)
+            ms = " / ".join(f"{r.modelled_ms(bw):.2f}" for _, bw in LINKS)
+            row.append(f"{100 * r.hit_rate:.1f}" + (f" ({r.upload_bytes_per_token / MIB:.0f}, {ms})"
+                                                     if i < len(traces) else ""))
+        print(f"| {label} | " + " | ".join(row) + " |")
+    row = []
+    for _, trace in routings[:len(traces)]:
+        r = upstream(trace, trace.n_expert // 8)
+        ms = " / ".join(f"{r.modelled_ms(bw):.2f}" for _, bw in LINKS)
+        row.append(f"{100 * r.hit_rate:.1f} ({r.upload_bytes_per_token / MIB:.0f}, {ms})")
+    print("| upstream, same bytes | " + " | ".join(row) + " |" + " |" * (len(routings) - len(traces)))
+
+
+def main():
+    traces = [read_trace(p) for p in (sys.argv[1:] or [str(p) for p in SHIPPED_TRACES])]
+    all_runs = {Path(t.path).name: comparison_table(t) for t in traces}
+    targets(all_runs)
+    candidate_table(traces)
+
+
+if __name__ == "__main__":
+    main()
