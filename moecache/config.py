@@ -33,10 +33,13 @@ class CacheConfig:
                                    # they survive a crash; 0 = only when the cache closes
     max_batch: int = 32            # ubatches of up to this many tokens use the cache (decode,
                                    # speculative verification); larger ones are stock
+    repack: int = 1                # 1: host experts repacked as stock --cpu-moe does (slots are
+                                   # read from the model file); 0: plain buffers (copied from RAM)
 
     def __post_init__(self):
         for name, minimum, maximum in (("slots", 0, None), ("inserts", 1, None), ("debug", 0, None),
-                                       ("wait", 0, 1), ("flush_steps", 0, None), ("max_batch", 1, MAX_BATCH)):
+                                       ("wait", 0, 1), ("flush_steps", 0, None), ("max_batch", 1, MAX_BATCH),
+                                       ("repack", 0, 1)):
             # keyword values too (attach(slots=...)): ints, or text parse_int reads, kept as int
             object.__setattr__(self, name, _parse_int(ENV_PREFIX + name.upper(), getattr(self, name),
                                                       minimum, maximum))

@@ -79,9 +79,10 @@ class LiveCache:
         self._callback = self.ffi.callback("llama_moe_cache_step_callback", self._on_step)
         self.lib.llama_moe_cache_set_step_callback(self.ctx, self._callback, self.ffi.NULL)
         atexit.register(self.close)
-        log.info("moecache: %d layers x %d slots (%.1f MiB on %s), policy %s, %d inserts/step",
-                 n_layers, config.slots, self.device_bytes / 2**20, self.layers[0]["device"],
-                 config.policy, config.inserts)
+        log.info("moecache: %d layers x %d slots (%.1f MiB on %s), policy %s, %d inserts/step, "
+                 "slots filled from %s", n_layers, config.slots, self.device_bytes / 2**20,
+                 self.layers[0]["device"], config.policy, config.inserts,
+                 "the model file (repacked host experts)" if self.layers[0]["from_file"] else "host memory")
 
     def _setup(self, n_layers: int, arch: str, model_name: str) -> None:
         """Layers, engine, warm start and trace of a freshly allocated cache."""
@@ -121,7 +122,7 @@ class LiveCache:
         if not self.lib.llama_moe_cache_layer_info(self.ctx, i, info):
             raise CacheUnavailable(f"no info for cached layer {i}")
         return {"il": info.il, "n_expert": info.n_expert, "n_expert_used": info.n_expert_used,
-                "expert_bytes": int(info.expert_bytes),
+                "expert_bytes": int(info.expert_bytes), "from_file": bool(info.from_file),
                 "device": self.ffi.string(info.device).decode()}
 
     # --- the decode boundary (called by libllama) ---------------------------------------
@@ -151,8 +152,12 @@ class LiveCache:
             ready = self.engine.uploads_due - lib.llama_moe_cache_uploads_pending(ctx)
         ids = self._read_observed()
         plan = self.engine.step(ids, ready)
-        if not lib.llama_moe_cache_apply(ctx, *self._rows(plan.publish), *self._rows(plan.evict),
-                                         *self._rows(plan.upload)):
+        status = lib.llama_moe_cache_apply(ctx, *self._rows(plan.publish), *self._rows(plan.evict),
+                                           *self._rows(plan.upload))
+        if status == lib.LLAMA_MOE_CACHE_FILE_CHANGED:
+            raise RuntimeError("the model file changed since it was loaded: slot uploads stopped, "
+                               "every expert runs on the CPU")
+        if status != lib.LLAMA_MOE_CACHE_OK:
             raise RuntimeError(f"libllama refused the plan of step {plan.step} (publish "
                                f"{plan.publish.tolist()}, evict {plan.evict.tolist()}, upload "
                                f"{plan.upload.tolist()})")
