@@ -344,6 +344,15 @@ def test_a_model_file_changed_after_load_stops_uploads_and_decoding_stays_stock(
     assert sum(c["uploads"] for c in cache.native_counters()) == 0
 
 
+def test_a_relative_model_path_keeps_working_after_a_chdir(tmp_path, monkeypatch, rpc_device, q4_synth):
+    monkeypatch.chdir(os.path.dirname(q4_synth))
+    llm = load(os.path.basename(q4_synth), repack=True)
+    cache = attach(llm, slots=4, inserts=2, policy="lru", wait=1)
+    monkeypatch.chdir(tmp_path)
+    greedy(llm, PROMPT, 16)
+    assert cache.failed is None and sum(c["uploads"] for c in cache.native_counters()) > 0
+
+
 def test_repacked_experts_of_a_split_model_are_read_from_their_split(tmp_path, rpc_device, q4_synth):
     """A model in several GGUF files: each expert tensor's bytes come from the split that
     holds it (llama_model::paths, in order)."""
