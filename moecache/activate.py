@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from . import native, placement
+from . import native, placement, sizing
 from .config import CacheConfig, ConfigError
 from .live import CacheUnavailable, LiveCache
 
@@ -34,7 +34,7 @@ def context_of(target):
 
 def attach(target, **overrides) -> LiveCache:
     """Give a llama_cpp.Llama (or a llama_context pointer) an expert cache. Configuration comes
-    from LLAMA_MOE_CACHE_* with keyword arguments (slots=, inserts=, policy=, ...) winning.
+    from LLAMA_MOE_CACHE_* with keyword arguments (slots=, mib=, inserts=, policy=, ...) winning.
     Raises ConfigError for bad values, CacheUnavailable when the model cannot be cached."""
     config = CacheConfig.from_env(**overrides)
     _setup_logging(config.debug > 0)
@@ -43,8 +43,10 @@ def attach(target, **overrides) -> LiveCache:
     # a context freed and another allocated at its address has no native cache yet
     if existing is not None and existing.config == config and native.lib().llama_moe_cache_n_layers(ctx) > 0:
         return existing  # e.g. attached already by LLAMA_MOE_CACHE_SLOTS
-    name = getattr(target, "model_path", None) or native.model_metadata(ctx, "general.name") or "model"
-    return _register(LiveCache(ctx, config, model_name=name))
+    path = getattr(target, "model_path", None) or sizing.model_file(ctx)
+    name = path or native.model_metadata(ctx, "general.name") or "model"
+    return _register(LiveCache(ctx, config, model_name=name, model_path=path,
+                               tensor_split=getattr(target, "tensor_split", None)))
 
 
 def _register(cache: LiveCache) -> LiveCache:
@@ -102,7 +104,8 @@ def install() -> bool:
 
     def on_context(ctx, user_data):
         try:
-            cache = LiveCache(ctx, config, model_name=native.model_metadata(ctx, "general.name") or "model")
+            cache = LiveCache(ctx, config, model_name=native.model_metadata(ctx, "general.name") or "model",
+                              model_path=sizing.model_file(ctx))
         except (ConfigError, CacheUnavailable) as e:
             log.warning("moecache: no expert cache for this context: %s", e)
         except Exception as e:  # never break context creation
@@ -110,6 +113,7 @@ def install() -> bool:
         else:
             _register(cache)
 
+    sizing.track_model_files()  # sizing by memory reads the model's expert shapes from its file
     _context_callback = native.ffi.callback("llama_moe_cache_context_callback", on_context)
     lib.llama_moe_cache_set_context_callback(_context_callback, native.ffi.NULL)
     placement.place_experts_on_host(repack=bool(config.repack))

@@ -26,14 +26,33 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("-t", "--threads", type=int_arg(minimum=1, maximum=GGML_MAX_N_THREADS), default=None)
     p.add_argument("--seed", type=int_arg(minimum=0), default=0)
     p.add_argument("--slots", type=int_arg(minimum=0), default=None,
-                   help="experts cached per layer (default LLAMA_MOE_CACHE_SLOTS, else a quarter of the experts; 0 = off)")
+                   help="experts cached per layer (default LLAMA_MOE_CACHE_SLOTS or _MIB, else a quarter of the experts; 0 = off)")
+    p.add_argument("--cache-mib", type=_mib_arg, default=None, metavar="N|auto",
+                   help="size the cache by device memory instead: N MiB over all devices, or auto (their free "
+                        "memory less LLAMA_MOE_CACHE_RESERVE_MIB)")
     p.add_argument("--inserts", type=int_arg(minimum=1), default=None, help="uploads per layer per step (default 2)")
     p.add_argument("--policy", default=None, help="cache policy (default: the shipped default)")
     p.add_argument("--no-chat", action="store_true", help="raw completion instead of the chat template")
     args = p.parse_args(argv)
     if args.no_chat and not args.prompt:
         p.error("argument -p/--prompt: empty, and --no-chat has no template: nothing to continue from")
+    if args.slots is not None and args.cache_mib is not None:
+        p.error("--slots and --cache-mib both size the cache: give one")
     return args
+
+
+def _mib_arg(text: str):
+    if text == "auto":
+        return text
+    try:
+        return int_arg(minimum=0)(text)
+    except argparse.ArgumentTypeError as e:
+        if "not an integer" in str(e):
+            raise argparse.ArgumentTypeError(f"{text!r} is neither a number of MiB nor auto") from None
+        raise
+
+
+_mib_arg.__name__ = "MiB or auto"
 
 
 def main(argv=None) -> int:
@@ -49,8 +68,10 @@ def _run(args) -> int:
     from .models import smol_moe
     from .config import CacheConfig
 
-    # validate the cache settings before anything slow happens
-    config = CacheConfig.from_env(inserts=args.inserts, policy=args.policy)
+    # validate the cache settings before anything slow happens; a flag's size replaces the variables'
+    sizing = ({"mib": args.cache_mib, "slots": 0} if args.cache_mib is not None else
+              {"slots": args.slots, "mib": 0} if args.slots is not None else {})
+    config = CacheConfig.from_env(inserts=args.inserts, policy=args.policy, **sizing)
     if args.model is None:
         model = str(smol_moe())
     elif not os.path.isfile(args.model):
@@ -81,8 +102,12 @@ def _run(args) -> int:
     n_expert = int(next((v for k, v in llm.metadata.items() if k.endswith(".expert_count")), 0))
     if n_expert == 0:
         raise ValueError(f"{model} is not a MoE model (no expert_count)")
-    slots = args.slots if args.slots is not None else (config.slots or max(1, n_expert // 4))
-    cache = _attach_or_stock(llm, slots=slots, inserts=config.inserts, policy=config.policy) if slots else None
+    if not sizing and not config.enabled:  # no size given: a quarter of the experts
+        sizing = {"slots": max(1, n_expert // 4)}
+    enabled = CacheConfig.from_env(**sizing).enabled
+    cache = _attach_or_stock(llm, inserts=config.inserts, policy=config.policy, **sizing) if enabled else None
+    for line in cache.plan.lines() if cache else []:
+        print(line, file=sys.stderr)
 
     if args.no_chat:
         stream = llm.create_completion(args.prompt, max_tokens=args.n_predict, temperature=0.0, stream=True)
@@ -111,8 +136,8 @@ def _run(args) -> int:
     print(f"run.py: {n_tokens} pieces, decode {decode}", file=sys.stderr)
     if cache:
         print(cache.summary(), file=sys.stderr)
-    elif not slots:
-        print("run.py: expert cache off (--slots 0)", file=sys.stderr)
+    elif not enabled:
+        print("run.py: expert cache off (--slots 0 or --cache-mib 0)", file=sys.stderr)
     return 0
 
 

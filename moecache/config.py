@@ -20,7 +20,11 @@ MAX_BATCH = 512  # libllama's limit on max_batch
 
 @dataclass(frozen=True)
 class CacheConfig:
-    slots: int = 0                 # experts cached per layer; 0 = off
+    slots: int | str = 0           # experts cached per layer; 0 = off; "auto": as MIB=auto
+    mib: int | str = 0             # or a device budget in MiB over all devices (0 = off); "auto":
+                                   # each device's free memory less RESERVE_MIB (moecache.sizing)
+    reserve_mib: int = 1024        # MiB that auto sizing (and a failed allocation's retry) leaves
+                                   # free on each device: llama.cpp's own --fit margin
     inserts: int = 2               # uploads per layer per decode step
     policy: str = DEFAULT_POLICY
     wait: int = 0                  # 1: each boundary waits for the last step's uploads
@@ -37,9 +41,15 @@ class CacheConfig:
                                    # read from the model file); 0: plain buffers (copied from RAM)
 
     def __post_init__(self):
-        for name, minimum, maximum in (("slots", 0, None), ("inserts", 1, None), ("debug", 0, None),
-                                       ("wait", 0, 1), ("flush_steps", 0, None), ("max_batch", 1, MAX_BATCH),
-                                       ("repack", 0, 1)):
+        for name in ("slots", "mib"):  # an integer, or auto
+            if getattr(self, name) != "auto":
+                object.__setattr__(self, name, _parse_int(ENV_PREFIX + name.upper(), getattr(self, name), 0))
+        if self.slots and self.mib and (self.slots, self.mib) != ("auto", "auto"):
+            raise ConfigError(f"{ENV_PREFIX}SLOTS={self.slots} and {ENV_PREFIX}MIB={self.mib} both size "
+                              f"the cache: set one")
+        for name, minimum, maximum in (("reserve_mib", 0, None), ("inserts", 1, None), ("debug", 0, None),
+                                       ("wait", 0, 1), ("flush_steps", 0, None),
+                                       ("max_batch", 1, MAX_BATCH), ("repack", 0, 1)):
             # keyword values too (attach(slots=...)): ints, or text parse_int reads, kept as int
             object.__setattr__(self, name, _parse_int(ENV_PREFIX + name.upper(), getattr(self, name),
                                                       minimum, maximum))
@@ -59,7 +69,18 @@ class CacheConfig:
 
     @property
     def enabled(self) -> bool:
-        return self.slots > 0
+        return self.slots != 0 or self.mib != 0
+
+    @property
+    def budget_mib(self) -> int | str | None:
+        """The memory budget: MiB, "auto", or None when SLOTS=K sizes the cache."""
+        return "auto" if "auto" in (self.slots, self.mib) else (self.mib or None)
+
+    @property
+    def sized_by(self) -> str:
+        """The setting that sizes the cache, as the user wrote it."""
+        name = "slots" if self.slots else "mib"
+        return f"{ENV_PREFIX}{name.upper()}={getattr(self, name)}"
 
     @classmethod
     def from_env(cls, environ=None, **overrides) -> "CacheConfig":

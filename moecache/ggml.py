@@ -70,15 +70,92 @@ def cpu_buffer_type() -> int:
 
 
 GGML_BACKEND_DEVICE_TYPE_GPU = 1
+GGML_BACKEND_DEVICE_TYPE_IGPU = 2
 
 
 def has_gpu() -> bool:
     """Whether ggml has a GPU device (registered RPC devices count too)."""
-    lib = libggml()
-    lib.ggml_backend_dev_count.restype = ctypes.c_size_t
-    lib.ggml_backend_dev_get.restype = ctypes.c_void_p
-    lib.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
-    lib.ggml_backend_dev_type.restype = ctypes.c_int
-    lib.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
-    return any(lib.ggml_backend_dev_type(lib.ggml_backend_dev_get(i)) == GGML_BACKEND_DEVICE_TYPE_GPU
-               for i in range(lib.ggml_backend_dev_count()))
+    return any(device_type(dev) == GGML_BACKEND_DEVICE_TYPE_GPU for dev in devices())
+
+
+@functools.lru_cache(maxsize=None)
+def _api() -> ctypes.CDLL:
+    """libggml-base with the signatures of the device, buffer type and tensor calls used here
+    (the registry's own calls, ggml_backend_dev_count/get, are in libggml)."""
+    lib = libggml_base()
+    for name, restype, argtypes in (
+            ("ggml_backend_dev_name", ctypes.c_char_p, [ctypes.c_void_p]),
+            ("ggml_backend_dev_type", ctypes.c_int, [ctypes.c_void_p]),
+            ("ggml_backend_dev_memory", None, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t),
+                                                ctypes.POINTER(ctypes.c_size_t)]),
+            ("ggml_backend_buft_name", ctypes.c_char_p, [ctypes.c_void_p]),
+            ("ggml_backend_buft_get_alignment", ctypes.c_size_t, [ctypes.c_void_p]),
+            ("ggml_tensor_overhead", ctypes.c_size_t, []),
+            ("ggml_init", ctypes.c_void_p, [_InitParams]),
+            ("ggml_free", None, [ctypes.c_void_p]),
+            ("ggml_new_tensor_3d", ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,
+                                                     ctypes.c_int64, ctypes.c_int64]),
+            ("ggml_backend_alloc_ctx_tensors_from_buft_size", ctypes.c_size_t, [ctypes.c_void_p, ctypes.c_void_p])):
+        function = getattr(lib, name)
+        function.restype, function.argtypes = restype, argtypes
+    registry = libggml()
+    registry.ggml_backend_dev_count.restype = ctypes.c_size_t
+    registry.ggml_backend_dev_get.restype = ctypes.c_void_p
+    registry.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
+    return lib
+
+
+class _InitParams(ctypes.Structure):
+    _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
+
+
+def devices() -> list[int]:
+    """Every device ggml has registered, in registry order."""
+    _api()
+    registry = libggml()
+    return [registry.ggml_backend_dev_get(i) for i in range(registry.ggml_backend_dev_count())]
+
+
+def device_type(dev: int) -> int:
+    return _api().ggml_backend_dev_type(dev)
+
+
+def device_name(dev: int) -> str:
+    return _api().ggml_backend_dev_name(dev).decode(errors="replace")
+
+
+def device_memory(dev: int) -> tuple[int, int]:
+    """(free, total) bytes as the device reports them; (0, 0): it reports nothing."""
+    free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+    _api().ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+    return free.value, total.value
+
+
+def device_buffer_type(dev: int) -> int:
+    return libggml_base().ggml_backend_dev_buffer_type(dev)
+
+
+def buffer_type_name(buft: int) -> str:
+    return _api().ggml_backend_buft_name(buft).decode(errors="replace")
+
+
+def buffer_type_alignment(buft: int) -> int:
+    return _api().ggml_backend_buft_get_alignment(buft)
+
+
+def buffer_bytes(buft: int, tensors) -> int:
+    """The size of the buffer(s) ggml_backend_alloc_ctx_tensors_from_buft would allocate in
+    `buft` for tensors [(ggml type, ne0, ne1, ne2), ...] created in this order: each tensor's
+    alloc size in that buffer type, padded to its alignment (ggml's own computation)."""
+    tensors = list(tensors)
+    api = _api()
+    ctx = api.ggml_init(_InitParams(api.ggml_tensor_overhead() * max(1, len(tensors)), None, True))
+    if not ctx:
+        raise MemoryError("ggml_init failed")
+    try:
+        for ggml_type, ne0, ne1, ne2 in tensors:
+            if not api.ggml_new_tensor_3d(ctx, ggml_type, ne0, ne1, ne2):
+                raise ValueError(f"ggml cannot make a tensor of type {ggml_type} [{ne0}, {ne1}, {ne2}]")
+        return api.ggml_backend_alloc_ctx_tensors_from_buft_size(ctx, buft) if tensors else 0
+    finally:
+        api.ggml_free(ctx)

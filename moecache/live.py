@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from . import native
+from . import native, sizing
 from .config import CacheConfig, ConfigError
 from .engine import COUNTERS, CacheEngine
 from .policies import make_policy
@@ -39,7 +39,8 @@ class CacheUnavailable(RuntimeError):
 
 
 class LiveCache:
-    def __init__(self, ctx, config: CacheConfig, *, model_name: str = "model"):
+    def __init__(self, ctx, config: CacheConfig, *, model_name: str = "model", model_path: str | None = None,
+                 tensor_split=None):
         if not config.enabled:
             raise ConfigError("LLAMA_MOE_CACHE_SLOTS is 0: the cache is off")
         self.config = config
@@ -51,13 +52,16 @@ class LiveCache:
         n_expert_text = native.model_metadata(self.ctx, f"{arch}.expert_count")
         if not n_expert_text or int(n_expert_text) == 0:
             raise CacheUnavailable(f"model architecture '{arch}' has no experts")
-        if config.slots > int(n_expert_text):
+        if config.budget_mib is None and config.slots > int(n_expert_text):
             raise ConfigError(f"LLAMA_MOE_CACHE_SLOTS={config.slots} exceeds the {n_expert_text} "
                               f"experts per layer of this model")
 
-        n_layers = native.init(self.ctx, config.slots, max_batch=config.max_batch)
+        # K from the setting: SLOTS=K, or the largest that a memory budget holds
+        self.plan = sizing.allocate(self.ctx, config, n_expert=int(n_expert_text), model_path=model_path,
+                                    tensor_split=tensor_split)
+        n_layers, self.slots = self.plan.n_layers, self.plan.slots
         if n_layers <= 0:
-            raise CacheUnavailable("libllama cached no layer (its log says why); decoding stays stock")
+            raise CacheUnavailable(self.plan.reason)
         try:
             self._setup(n_layers, arch, model_name)
         except BaseException:
@@ -79,9 +83,9 @@ class LiveCache:
         self._callback = self.ffi.callback("llama_moe_cache_step_callback", self._on_step)
         self.lib.llama_moe_cache_set_step_callback(self.ctx, self._callback, self.ffi.NULL)
         atexit.register(self.close)
-        log.info("moecache: %d layers x %d slots (%.1f MiB on %s), policy %s, %d inserts/step, "
-                 "slots filled from %s", n_layers, config.slots, self.device_bytes / 2**20,
-                 self.layers[0]["device"], config.policy, config.inserts,
+        for line in self.plan.lines():
+            log.info("%s", line)
+        log.info("moecache: policy %s, %d inserts/step, slots filled from %s", config.policy, config.inserts,
                  "the model file (repacked host experts)" if self.layers[0]["from_file"] else "host memory")
 
     def _setup(self, n_layers: int, arch: str, model_name: str) -> None:
@@ -94,7 +98,7 @@ class LiveCache:
         self.n_used = max(layer["n_expert_used"] for layer in self.layers)
         self.device_bytes = int(self.lib.llama_moe_cache_device_bytes(self.ctx))
 
-        self.engine = CacheEngine(n_layers, n_expert, config.slots, make_policy(config.policy),
+        self.engine = CacheEngine(n_layers, n_expert, self.slots, make_policy(config.policy),
                                   inserts=config.inserts)
         model_layers = [layer["il"] for layer in self.layers]
         if config.profile and os.path.exists(config.profile):
@@ -102,7 +106,7 @@ class LiveCache:
                 profile = UsageProfile.load(config.profile, layers=model_layers, n_expert=n_expert)
             except ProfileError as e:
                 raise ConfigError(f"LLAMA_MOE_CACHE_PROFILE: {e}") from None
-            self.engine.preload(profile.top(config.slots), rates=profile.rates(self.n_used))
+            self.engine.preload(profile.top(self.slots), rates=profile.rates(self.n_used))
         self._profile_base = model_name
         self._profile_saved = np.zeros_like(self.engine.usage)  # usage already added to the file
         self._report_errors: set[str] = set()
@@ -203,7 +207,7 @@ class LiveCache:
         engine = self.engine.stats([layer["expert_bytes"] for layer in self.layers])
         counters = engine["layers"]
         return {
-            "slots": self.config.slots,
+            "slots": self.slots,
             "inserts": self.config.inserts,
             "policy": self.config.policy,
             "device_bytes": self.device_bytes,
@@ -218,6 +222,7 @@ class LiveCache:
             "failed": self.failed,
             "layers": [{"layer": layer["il"], **{name: counters[name][i] for name in COUNTERS}}
                        for i, layer in enumerate(self.layers)],
+            "plan": self.plan.to_json(),
         }
 
     def summary(self) -> str:

@@ -7,7 +7,9 @@ the command line, the scripts and the tests run.
 
 Three models (MODELS, each with its policy registry):
 
-per-layer (--slots): our live cache. K slots per layer, at most --inserts uploads per layer
+per-layer (--slots, and --budget-mib at the largest K whose K + 1 copies of each layer's
+    experts fit it, as LLAMA_MOE_CACHE_MIB sizes the live cache: moecache.sizing): our live
+    cache. K slots per layer, at most --inserts uploads per layer
     per step. It runs moecache.engine.CacheEngine itself, the code the live glue calls, with
     either admission timing (--admission): "boundary" uploads a miss at the next boundary
     (one-step publication delay, experts of the step just observed protected), "eager" while
@@ -47,6 +49,7 @@ from .cost import DEFAULT_HOST_GBPS, DEFAULT_LINK_GBPS, Bandwidth
 from .engine import ADMISSIONS, CacheEngine
 from .policies import DEFAULT_POLICY, POLICIES, Policy, make_policy, resolve_policy
 from .profile import UsageProfile
+from .sizing import slots_for_budget
 from .traces import DECODE, PREFILL, RouteTrace, read_trace, require_memory
 from .upstream import DEFAULT_UBATCH, UpstreamCache, equal_bytes
 from .util import OneLineParser, Progress, atomic_write, int_arg, int_list_arg
@@ -71,7 +74,7 @@ class ReplayResult:
     model: str
     policy: str
     slots: int | None           # per-layer K (upstream: the K whose device bytes it was given)
-    budget_mib: float | None    # global and upstream budget
+    budget_mib: float | None    # global and upstream budget; per-layer: the budget its K fits
     inserts: int | None         # per-layer; None: unlimited (and for the other models)
     decode_steps: int
     totals: dict
@@ -233,6 +236,15 @@ def _global_cache(trace, policy, budget_mib, seed):
     cache = ByteBudgetCache(policy, int(budget_mib * MIB), trace.expert_bytes, trace.n_expert,
                             _future(trace, GLOBAL))
     return cache, label
+
+
+def per_layer_slots(trace: RouteTrace, budget_mib: float) -> int:
+    """The per-layer model's K at a budget: the largest whose device bytes (equal_bytes) fit it."""
+    k = slots_for_budget(lambda k: equal_bytes(trace.expert_bytes, k), int(budget_mib * MIB), trace.n_expert)
+    if k == 0:
+        raise ValueError(f"--budget-mib {budget_mib:g} is below one slot per layer for the per-layer "
+                         f"model: this trace needs at least {math.ceil(equal_bytes(trace.expert_bytes, 1) / MIB)} MiB")
+    return k
 
 
 def _upstream_cache(trace, policy, budget_mib):
@@ -408,8 +420,8 @@ def parser() -> OneLineParser:
                     help="per-layer cache sizes K, comma separated (default 8,16,32,64 unless "
                          "--budget-mib is given)")
     ap.add_argument("--policies", default="lru,belady,default",
-                    help=f"comma separated; per-layer: default ({DEFAULT_POLICY}), "
-                         f"{', '.join(POLICIES)}; --budget-mib: {', '.join(BUDGET_POLICIES)}; both: "
+                    help=f"comma separated; per-layer (--slots, --budget-mib): default ({DEFAULT_POLICY}), "
+                         f"{', '.join(POLICIES)}; global (--budget-mib): {', '.join(BUDGET_POLICIES)}; both: "
                          f"upstream (llama.cpp's own cache, at each K's device bytes and each budget)")
     ap.add_argument("--inserts", type=_inserts_arg, default=2,
                     help="uploads per layer per step, or 'unlimited'")
@@ -417,7 +429,8 @@ def parser() -> OneLineParser:
                     help=f"per-layer admission timings, comma separated: {', '.join(ADMISSIONS)} "
                          f"(default boundary)")
     ap.add_argument("--budget-mib", type=_budgets_arg, default=[],
-                    help="global byte budgets (BigMoeOnEdge model), comma separated")
+                    help="byte budgets, comma separated: the global model's (BigMoeOnEdge), and the "
+                         "per-layer model at the largest K that fits")
     ap.add_argument("--include-prefill", action="store_true",
                     help="per-layer model: feed each turn's prefill as one batched observation")
     ap.add_argument("--preload-profile", metavar="JSON",
@@ -445,7 +458,8 @@ def check_args(args) -> None:
     # A name runs in every requested model that has it; one that no requested model has is
     # rejected, never tabulated under a policy that did not run.
     models = ([("--slots", policy_names(PER_LAYER) + policy_names(UPSTREAM))] if args.slots else []) + \
-             ([("--budget-mib", policy_names(GLOBAL) + policy_names(UPSTREAM))] if args.budget_mib else [])
+             ([("--budget-mib", list(dict.fromkeys(policy_names(PER_LAYER) + policy_names(GLOBAL)
+                                                    + policy_names(UPSTREAM))))] if args.budget_mib else [])
     unknown = [p for p in args.policies if not any(p in names for _, names in models)]
     if unknown:
         valid = "; ".join(f"{flag}: {', '.join(names)}" for flag, names in models)
@@ -478,6 +492,8 @@ def load_inputs(args):
     trace = read_trace(args.trace)
     if args.slots and max(args.slots) > trace.n_expert:
         raise ValueError(f"--slots {max(args.slots)} exceeds n_expert={trace.n_expert}")
+    per_layer = any(p in policy_names(PER_LAYER) for p in args.policies)
+    args.budget_slots = {b: per_layer_slots(trace, b) for b in args.budget_mib} if per_layer else {}
     profile = None
     if args.preload_profile:
         profile = UsageProfile.load(args.preload_profile, layers=trace.layers.tolist(),
@@ -486,26 +502,30 @@ def load_inputs(args):
 
 
 def run(args, trace, profile) -> list[ReplayResult]:
-    """Every requested run; the upstream model runs at each K's device bytes (equal_bytes),
-    then at each --budget-mib."""
+    """Every requested run; the per-layer model runs at each K, then at the K of each
+    --budget-mib; the upstream model at each K's device bytes (equal_bytes), then at each
+    --budget-mib."""
     def equal(k):
         return equal_bytes(trace.expert_bytes, k) / MIB
-    # (model, policy, size, options, the K an upstream run stands against)
-    per_layer = {"inserts": args.inserts, "include_prefill": args.include_prefill, "profile": profile}
-    runs = [(PER_LAYER, p, k, {**per_layer, "admission": a}, None) for p in args.policies
-            if p in policy_names(PER_LAYER) for a in args.admission for k in args.slots] + \
-           [(UPSTREAM, p, equal(k), {}, k) for p in args.policies if p in policy_names(UPSTREAM)
+    # (model, policy, size, options, what the result stands against: the K of an upstream run,
+    # the budget of a per-layer run sized by one)
+    per_layer = [(p, {"inserts": args.inserts, "include_prefill": args.include_prefill, "profile": profile,
+                      "admission": a}) for p in args.policies if p in policy_names(PER_LAYER) for a in args.admission]
+    runs = [(PER_LAYER, p, k, options, {}) for p, options in per_layer for k in args.slots] + \
+           [(PER_LAYER, p, args.budget_slots[b], options, {"budget_mib": b}) for p, options in per_layer
+            for b in args.budget_mib] + \
+           [(UPSTREAM, p, equal(k), {}, {"slots": k}) for p in args.policies if p in policy_names(UPSTREAM)
             for k in args.slots] + \
-           [(model, p, b, {}, None) for model in (GLOBAL, UPSTREAM) for p in args.policies
+           [(model, p, b, {}, {}) for model in (GLOBAL, UPSTREAM) for p in args.policies
             if p in policy_names(model) for b in args.budget_mib]
     results = []
     with Progress(len(runs)) as progress:
-        for model, policy, size, options, k in runs:
+        for model, policy, size, options, against in runs:
             result = simulate(trace, model, policy, size, seed=args.seed, **options)
-            if k is not None:
-                result.slots = k
+            for name, value in against.items():
+                setattr(result, name, value)
             results.append(result)
-            progress.advance(f"{policy} {k or size:g}")
+            progress.advance(f"{policy} {size:g}")
     return results
 
 
@@ -537,7 +557,8 @@ def print_tables(args, trace, results) -> None:
             print(f"\nper-layer cache: K slots per layer, inserts={'unlimited' if args.inserts is None else args.inserts}, "
                   f"prefill {'fed' if args.include_prefill else 'not fed'}"
                   f"{', warm start from ' + args.preload_profile if args.preload_profile else ''}")
-            head = f"{'policy':<16}{'admission':>10}{'K':>6}"
+            # MiB: the device bytes of the K slots (equal_bytes); budget: the --budget-mib they fit
+            head = f"{'policy':<16}{'admission':>10}{'K':>6}{'MiB':>8}" + (f"{'budget':>8}" if args.budget_mib else "")
         elif model == GLOBAL:
             print("\nglobal cache (BigMoeOnEdge model): one byte budget over all layers, immediate admission")
             head = f"{'policy':<16}{'MiB':>6}"
@@ -548,7 +569,9 @@ def print_tables(args, trace, results) -> None:
         print(f"{head}{'hit% dec':>10}{'hit% cum':>10}{'MiB up/tok':>12}{'ms/tok':>8}{'Mlookup/s':>11}")
         for r in rows:
             if model == PER_LAYER:
-                label = f"{r.policy:<16}{r.admission:>10}{r.slots:>6}"
+                label = f"{r.policy:<16}{r.admission:>10}{r.slots:>6}{equal_bytes(trace.expert_bytes, r.slots) / MIB:>8.0f}"
+                if args.budget_mib:
+                    label += f"{'-' if r.budget_mib is None else format(r.budget_mib, 'g'):>8}"
             elif model == GLOBAL:
                 label = f"{r.policy:<16}{r.budget_mib:>6g}"
             else:

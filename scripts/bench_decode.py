@@ -2,8 +2,8 @@
 """Decode speed of a MoE model with the expert cache at several sizes, against stock placements.
 
     python scripts/bench_decode.py -m MODEL [-p PROMPT] [-n 32] [-r 3] [-t THREADS] [-ngl -1]
-        [--slots 0,8,16,32,64] [--policy default] [--inserts 2] [--stock-repack] [--all-device]
-        [--md FILE] [--json FILE] [--png FILE]
+        [--slots 0,8,16,32,64] [--mib 1024,4096] [--policy default] [--inserts 2]
+        [--stock-repack] [--all-device] [--md FILE] [--json FILE] [--png FILE]
 
 Configurations, each in a freshly loaded model (the previous one freed first):
   stock         experts in host memory (plain buffers, as the cache needs), the rest on the
@@ -12,6 +12,8 @@ Configurations, each in a freshly loaded model (the previous one freed first):
                 CPU kernels, as stock --cpu-moe does
   K=k           the stock placement plus a cache of k experts per layer (--slots, largest first;
                 values above the model's expert count are skipped with a note)
+  MiB=n         the same with the cache sized by device memory (--mib, largest first): the
+                largest K whose slots fit n MiB over all devices (LLAMA_MOE_CACHE_MIB=n)
   all-device    (--all-device) n_gpu_layers=-1 without overrides, everything on the device;
                 "did not fit" when loading fails
 The device is the GPU when ggml has one, else a loopback RPC device (a CPU backend in a
@@ -64,6 +66,8 @@ def parser() -> OneLineParser:
                    help="cache sizes K, comma-separated (default 0,8,16,32,64; 0 is the stock row)")
     p.add_argument("--inserts", type=int_arg(minimum=1), default=2, help="uploads per layer per step (default 2)")
     p.add_argument("--policy", default="default", help="cache policy (default: the shipped default)")
+    p.add_argument("--mib", type=int_list_arg(minimum=1), default=[],
+                   help="cache sizes by device memory, MiB over all devices, comma-separated")
     p.add_argument("--stock-repack", action="store_true", help="also measure stock with repacked CPU experts")
     p.add_argument("--all-device", action="store_true", help="also measure everything on the device")
     p.add_argument("--md", metavar="FILE", help="write the markdown table here")
@@ -140,6 +144,8 @@ def run(args, on_row=None) -> dict:
         configs.append(("stock-repack", 0))
     # largest cache first: it is the row that matters most if a time limit stops the run
     configs += [(f"K={k}", k) for k in sorted(args.slots, reverse=True) if k > 0]
+    budgets = {f"MiB={n}": n for n in sorted(args.mib, reverse=True)}  # sized at attach
+    configs += [(name, 0) for name in budgets]
     if args.all_device:
         configs.append(("all-device", 0))
 
@@ -161,7 +167,7 @@ def run(args, on_row=None) -> dict:
             notes.append(f"K={slots} skipped: the model has {n_expert} experts per layer")
             progress.advance(f"{name} skipped", 1 + args.repetitions)
             continue
-        row, info = _measure(args, name, slots, progress)
+        row, info = _measure(args, name, slots, progress, mib=budgets.get(name))
         rows.append(row)
         if info:
             n_expert = n_expert or info["n_expert"]
@@ -192,18 +198,20 @@ def _report(args, device, rows, notes, n_expert, prompt_tokens) -> dict:
     }
 
 
-def _measure(args, name, slots, progress):
-    """One configuration: load, warm up, time; returns (row, model info or None)."""
+def _measure(args, name, slots, progress, mib=None):
+    """One configuration: load, warm up, time; returns (row, model info or None). A cache of
+    `slots` per layer, or of the largest K that `mib` MiB hold."""
     import llama_cpp
 
     from moecache.activate import attach
+    from moecache.config import ConfigError
     from moecache.decode import greedy
     from moecache.live import CacheUnavailable
     from moecache.placement import experts_on_host
 
     row = {"config": name, "slots": slots, "status": "ok", "tok_s_runs": [], "tok_s_median": None,
            "tok_s_min": None, "tok_s_max": None, "hit_rate": None, "uploads_per_token": None,
-           "step_us_per_token": None, "device_bytes": None, "cache_device": None}
+           "step_us_per_token": None, "device_bytes": None, "cache_device": None, "mib": mib}
     common = dict(n_ctx=args.ctx_size, n_threads=args.threads, n_threads_batch=args.threads,
                   seed=args.seed, verbose=False)
     try:
@@ -228,14 +236,15 @@ def _measure(args, name, slots, progress):
         if len(prompt) + args.n_predict > args.ctx_size:
             raise BenchError(f"prompt ({len(prompt)} tokens) + -n {args.n_predict} exceed -c {args.ctx_size}")
         info = {"n_expert": n_expert, "prompt_tokens": len(prompt)}
-        if slots:
+        if slots or mib:
             try:
-                cache = attach(llm, slots=slots, inserts=args.inserts, policy=args.policy)
-            except CacheUnavailable as e:
+                cache = attach(llm, **({"mib": mib} if mib else {"slots": slots}), inserts=args.inserts,
+                               policy=args.policy)
+            except (CacheUnavailable, ConfigError) as e:  # ConfigError: a budget below one slot per layer
                 row["status"] = f"no cache: {e}"
                 progress.advance(f"{name} no cache", 1 + args.repetitions)
                 return row, info
-            row["device_bytes"] = cache.device_bytes
+            row["slots"], row["device_bytes"] = cache.slots, cache.device_bytes
             row["cache_device"] = cache.layers[0]["device"]
 
         greedy(llm, prompt, args.n_predict)  # warm-up: untimed
@@ -317,6 +326,8 @@ def markdown(report) -> str:
         hit = _fmt(None if r["hit_rate"] is None else 100 * r["hit_rate"], ".1f")
         mib = _fmt(None if r["device_bytes"] is None else r["device_bytes"] / 2**20, ".1f")
         status = "" if r["status"] == "ok" else f" ({r['status']})"
+        if r.get("mib") and r["slots"]:
+            status = f" (K={r['slots']})" + status
         lines.append(f"| {r['config']}{status} | {speed} | {ratios} | {hit} | "
                      f"{_fmt(r['uploads_per_token'], '.1f')} | {_fmt(r['step_us_per_token'], '.0f')} | {mib} |")
     lines += [f"\nNote: {note}" for note in report["notes"]]
@@ -330,7 +341,7 @@ def plot(report, path):
     import matplotlib.pyplot as plt
 
     measured = [r for r in report["rows"] if r["tok_s_median"] is not None]
-    curve = sorted((r for r in measured if r["config"] == "stock" or r["config"].startswith("K=")),
+    curve = sorted((r for r in measured if r["config"] == "stock" or r["config"].startswith(("K=", "MiB="))),
                    key=lambda r: r["slots"])
     ks = [r["slots"] for r in curve]
     fig, speed_axis = plt.subplots(figsize=(7, 4))

@@ -23,7 +23,7 @@ import numpy as np
 from moecache.engine import CacheEngine
 from moecache.policies import make_policy
 from moecache.profile import UsageProfile
-from moecache.replay import GLOBAL, MIB, PER_LAYER, simulate
+from moecache.replay import GLOBAL, MIB, PER_LAYER, per_layer_slots, simulate
 from moecache.traces import DECODE, SHIPPED_TRACES, RouteTrace, read_trace, synthetic_routing
 
 REPO = Path(__file__).resolve().parents[1]
@@ -87,7 +87,13 @@ def trace_values(trace, name, table, experiments):
         values[f"{name} {replayed}-half per-layer heat K={k16} inserts=2 preloaded <- {source}"] = \
             value(preloaded(part, k16, profile))
 
-    budgets = [500, 750, 780, 1000, 3000, 4000]
+    for budget in (1000, 2000, 3000, 4000):  # the per-layer model at a byte budget
+        k = per_layer_slots(trace, budget)
+        for policy in ("lru", "heat", "belady"):
+            values[f"{name} per-layer {policy} MiB={budget} K={k} inserts=2"] = value(
+                simulate(trace, PER_LAYER, policy, k))
+
+    budgets = [500, 750, 780, 1000, 2000, 3000, 4000]
     working_set = trace.working_set_bytes() / MIB
     runs = [(p, b) for p in GLOBAL_POLICIES for b in budgets]
     runs += [("lru", f * working_set) for f in (0.25, 0.5, 0.9, 0.95, 2.0)] + [("belady", 0.5 * working_set)]

@@ -57,7 +57,7 @@ def test_bench_decode_saves_after_every_configuration(tmp_path, tiny_path, monke
     monkeypatch.setattr(ggml, "has_gpu", lambda: True)  # no RPC server: _measure is replaced too
     measured = []
 
-    def measure(args, name, slots, progress):
+    def measure(args, name, slots, progress, mib=None):
         measured.append(name)
         row = {"config": name, "slots": slots, "status": "ok", "tok_s_runs": [10.0 * len(measured)],
                "tok_s_median": 10.0 * len(measured), "tok_s_min": 10.0 * len(measured),

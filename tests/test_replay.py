@@ -94,7 +94,7 @@ def test_cli_table_and_csv(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--policies", "lru,lur"], "unknown policy lur for --slots; valid --slots: default, lru"),
-    (["--budget-mib", "3000", "--policies", "heat"], "unknown policy heat for --budget-mib;"),
+    (["--budget-mib", "3000", "--policies", "lur"], "unknown policy lur for --budget-mib; valid --budget-mib: default,"),
     (["--slots", "8", "--budget-mib", "3000", "--policies", "lfu,x"],
      "unknown policy x for --slots and --budget-mib; valid --slots: default"),
     (["--slots", "8,x"], "argument --slots: 'x' is not an integer"),

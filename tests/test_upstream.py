@@ -212,8 +212,8 @@ def test_cli_runs_both_timings_and_upstream_at_equal_bytes_with_modelled_cost(ca
     out = capsys.readouterr().out
     assert "MODELLED" in out and "host 60 GB/s, link 50 GB/s; stock --cpu-moe 15.86" in out
     assert [line.split()[:5] for line in rows_of(out, "default(heat)", "upstream")] == [
-        ["default(heat)", "boundary", "16", "61.2", "61.2"],
-        ["default(heat)", "eager", "16", "64.0", "64.0"],
+        ["default(heat)", "boundary", "16", "7715", "61.2"],
+        ["default(heat)", "eager", "16", "7715", "64.0"],
         ["upstream", "16", "7715", "63.3", "45.8"]]
     rows = out_csv.read_text().splitlines()
     assert rows[0].split(",")[5] == "admission" and "modelled_ms_per_token" in rows[0]
