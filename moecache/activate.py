@@ -116,5 +116,5 @@ def install() -> bool:
     sizing.track_model_files()  # sizing by memory reads the model's expert shapes from its file
     _context_callback = native.ffi.callback("llama_moe_cache_context_callback", on_context)
     lib.llama_moe_cache_set_context_callback(_context_callback, native.ffi.NULL)
-    placement.place_experts_on_host()
+    placement.place_experts_on_host(repack=bool(config.repack))
     return True

@@ -96,7 +96,7 @@ def _run(args) -> int:
     # llama.cpp pads the context to a multiple of 256 while llama_cpp sizes its token buffer by
     # the request: ask for the padded size, or a prompt longer than -c breaks that buffer
     n_ctx = -(-args.ctx_size // 256) * 256
-    with experts_on_host():
+    with experts_on_host(repack=bool(config.repack)):
         llm = llama_cpp.Llama(model, n_gpu_layers=args.n_gpu_layers, n_ctx=n_ctx, seed=args.seed,
                               n_threads=args.threads, verbose=False)
     n_expert = int(next((v for k, v in llm.metadata.items() if k.endswith(".expert_count")), 0))

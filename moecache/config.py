@@ -15,6 +15,7 @@ class ConfigError(ValueError):
 
 
 ENV_PREFIX = "LLAMA_MOE_CACHE_"
+MAX_BATCH = 512  # libllama's limit on max_batch
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,10 @@ class CacheConfig:
     profile: str | None = None     # usage profile: load at start to warm the cache, save at exit
     flush_steps: int = 64          # also write stats and profile every N decode steps, so that
                                    # they survive a crash; 0 = only when the cache closes
+    max_batch: int = 32            # ubatches of up to this many tokens use the cache (decode,
+                                   # speculative verification); larger ones are stock
+    repack: int = 1                # 1: host experts repacked as stock --cpu-moe does (slots are
+                                   # read from the model file); 0: plain buffers (copied from RAM)
 
     def __post_init__(self):
         for name in ("slots", "mib"):  # an integer, or auto
@@ -43,7 +48,8 @@ class CacheConfig:
             raise ConfigError(f"{ENV_PREFIX}SLOTS={self.slots} and {ENV_PREFIX}MIB={self.mib} both size "
                               f"the cache: set one")
         for name, minimum, maximum in (("reserve_mib", 0, None), ("inserts", 1, None), ("debug", 0, None),
-                                       ("wait", 0, 1), ("flush_steps", 0, None)):
+                                       ("wait", 0, 1), ("flush_steps", 0, None),
+                                       ("max_batch", 1, MAX_BATCH), ("repack", 0, 1)):
             # keyword values too (attach(slots=...)): ints, or text parse_int reads, kept as int
             object.__setattr__(self, name, _parse_int(ENV_PREFIX + name.upper(), getattr(self, name),
                                                       minimum, maximum))

@@ -290,7 +290,8 @@ class CacheEngine:
         evict_parts, upload_parts = [], []
         if self._warm:
             self._upload_warm(t, evict_parts, upload_parts)
-        budget = self.inserts if self.inserts is not None else self.n_slots
+        # no more uploads per layer than slots (a multi-token step can miss more experts than both)
+        budget = self.n_slots if self.inserts is None else min(self.inserts, self.n_slots)
         used = None if seen is None else seen[3]
         blocked = self._pinned if used is None else (used | self._pinned if self._any_pinned else used)
         uploaded = spent

@@ -44,6 +44,10 @@ def libggml_base(directory: Path | None = None) -> ctypes.CDLL:
     return lib
 
 
+def libggml_cpu(directory: Path | None = None) -> ctypes.CDLL:
+    return _open("libggml-cpu.so.0", directory)
+
+
 def libggml_rpc(directory: Path | None = None) -> ctypes.CDLL:
     lib = _open("libggml-rpc.so.0", directory)
     lib.ggml_backend_rpc_add_server.restype = ctypes.c_void_p

@@ -1,7 +1,9 @@
 """The live expert cache of one llama_context: policy and engine here, mechanism in libllama.
 
-At every single-token decode boundary libllama calls the step callback while no graph runs:
-hand the last graph's selections to the engine, then apply its plan in one call: publish the
+Before every ubatch of up to LLAMA_MOE_CACHE_MAX_BATCH tokens (decode, speculative
+verification; larger ones are stock and unobserved) libllama calls the step callback while no
+graph runs: hand the last such ubatch's selections to the engine (every token's), then apply
+its plan in one call: publish the
 uploads that are due and complete, clear the evicted table entries and queue the new uploads
 (libllama starts them after the callback returns, once the tables are written). An upload
 still running when it is due stays unpublished and its slot untouchable until a later
@@ -26,7 +28,7 @@ from .config import CacheConfig, ConfigError
 from .engine import COUNTERS, CacheEngine
 from .policies import make_policy
 from .profile import ProfileError, UsageProfile
-from .traces import TraceWriter
+from .traces import DECODE, TraceWriter
 from .util import atomic_write
 
 log = logging.getLogger("moecache")
@@ -63,17 +65,18 @@ class LiveCache:
         try:
             self._setup(n_layers, arch, model_name)
         except BaseException:
-            self.lib.llama_moe_cache_init(self.ctx, 0)  # release the slots: stock, not an idle split
+            native.init(self.ctx, 0)  # release the slots: stock, not an idle split
             raise
 
         self.steps = 0
-        self.decode_steps = 0
+        self.decode_steps = 0   # steps that observed a ubatch
+        self.decode_tokens = 0  # the tokens of those ubatches
         self.step_ns = 0
         self.step_ns_max = 0
         self.wait_us = 0
         self.failed = None
         self._observed = None
-        self._n_used_max = self.ffi.new("int32_t *")  # out-parameter, reused every step
+        self._shape = self.ffi.new("int32_t[2]")  # out-parameters (n_cols, stride), reused every step
         self._closed = False
         self._flusher = None  # the thread writing the last periodic snapshot
         self.detached = False
@@ -82,7 +85,8 @@ class LiveCache:
         atexit.register(self.close)
         for line in self.plan.lines():
             log.info("%s", line)
-        log.info("moecache: policy %s, %d inserts/step", config.policy, config.inserts)
+        log.info("moecache: policy %s, %d inserts/step, slots filled from %s", config.policy, config.inserts,
+                 "the model file (repacked host experts)" if self.layers[0]["from_file"] else "host memory")
 
     def _setup(self, n_layers: int, arch: str, model_name: str) -> None:
         """Layers, engine, warm start and trace of a freshly allocated cache."""
@@ -122,7 +126,7 @@ class LiveCache:
         if not self.lib.llama_moe_cache_layer_info(self.ctx, i, info):
             raise CacheUnavailable(f"no info for cached layer {i}")
         return {"il": info.il, "n_expert": info.n_expert, "n_expert_used": info.n_expert_used,
-                "expert_bytes": int(info.expert_bytes),
+                "expert_bytes": int(info.expert_bytes), "from_file": bool(info.from_file),
                 "device": self.ffi.string(info.device).decode()}
 
     # --- the decode boundary (called by libllama) ---------------------------------------
@@ -152,22 +156,28 @@ class LiveCache:
             ready = self.engine.uploads_due - lib.llama_moe_cache_uploads_pending(ctx)
         ids = self._read_observed()
         plan = self.engine.step(ids, ready)
-        if not lib.llama_moe_cache_apply(ctx, *self._rows(plan.publish), *self._rows(plan.evict),
-                                         *self._rows(plan.upload)):
+        status = lib.llama_moe_cache_apply(ctx, *self._rows(plan.publish), *self._rows(plan.evict),
+                                           *self._rows(plan.upload))
+        if status == lib.LLAMA_MOE_CACHE_FILE_CHANGED:
+            raise RuntimeError("the model file changed since it was loaded: slot uploads stopped, "
+                               "every expert runs on the CPU")
+        if status != lib.LLAMA_MOE_CACHE_OK:
             raise RuntimeError(f"libllama refused the plan of step {plan.step} (publish "
                                f"{plan.publish.tolist()}, evict {plan.evict.tolist()}, upload "
                                f"{plan.upload.tolist()})")
         self.steps += 1
         if ids is not None:
+            n_tokens = ids.shape[1] // self.n_used
             if self.trace:
                 self._write_trace(ids, plan.hit_mask.astype(np.int8))
             self.decode_steps += 1
+            self.decode_tokens += n_tokens
             if self.config.flush_steps and self.decode_steps % self.config.flush_steps == 0:
                 self._flush_in_background()
 
     def _write_trace(self, ids, residency):
         try:
-            self.trace.write_step(0, 1, self.decode_steps, ids, None, residency)
+            self.trace.write_step(0, DECODE, self.decode_tokens, ids, None, residency)
         except (OSError, ValueError) as e:  # e.g. a full disk: the trace stops, the cache goes on
             log.error("moecache: error: LLAMA_MOE_CACHE_TRACE=%r: %s - trace stopped after %d steps",
                       self.config.trace, getattr(e, "strerror", None) or e, self.decode_steps)
@@ -179,15 +189,17 @@ class LiveCache:
         return self.ffi.from_buffer("int32_t[]", np.ascontiguousarray(jobs, dtype=np.int32)), len(jobs)
 
     def _read_observed(self):
-        n_used_max = self._n_used_max
-        ptr = self.lib.llama_moe_cache_observed(self.ctx, n_used_max)
+        """(n_layers, n_tokens * n_used) ids of the last cached ubatch, token by token (-1 where a
+        layer ran fewer tokens), or None."""
+        shape = self._shape
+        ptr = self.lib.llama_moe_cache_observed(self.ctx, shape, shape + 1)
         if ptr == self.ffi.NULL:
             return None
         if self._observed is None:  # the buffer lives as long as the cache: map it once
-            n = len(self.layers) * n_used_max[0]
+            n = len(self.layers) * shape[1]
             self._observed = np.frombuffer(self.ffi.buffer(ptr, 4 * n), dtype=np.int32).reshape(
-                len(self.layers), n_used_max[0])
-        return self._observed.copy()
+                len(self.layers), shape[1])
+        return self._observed[:, :shape[0]].copy()
 
     # --- reporting ------------------------------------------------------------------------
 
@@ -201,6 +213,7 @@ class LiveCache:
             "device_bytes": self.device_bytes,
             "steps": self.steps,
             "decode_steps": self.decode_steps,
+            "decode_tokens": self.decode_tokens,
             "hit_rate": engine["hit_rate"],
             "totals": engine["totals"],
             "step_us_mean": self.step_ns / self.steps / 1e3 if self.steps else None,
@@ -215,7 +228,7 @@ class LiveCache:
     def summary(self) -> str:
         s = self.stats()
         rate = "n/a" if s["hit_rate"] is None else f"{100 * s['hit_rate']:.1f}%"
-        return (f"moecache: {s['decode_steps']} decode steps, hit rate {rate}, "
+        return (f"moecache: {s['decode_steps']} decode steps ({s['decode_tokens']} tokens), hit rate {rate}, "
                 f"{s['totals']['uploads']} uploads ({s['totals']['late']} late), {s['totals']['evictions']} evictions, "
                 f"step {s['step_us_mean'] or 0:.0f} us mean, upload wait {s['upload_wait_us'] / 1e3:.1f} ms")
 

@@ -8,7 +8,7 @@ from ._native import ffi
 
 
 # the patch series (patches/) this package is written against: llama_moe_cache_version()
-PATCH_VERSION = "3"
+PATCH_VERSION = "5"
 
 
 class NotPatchedError(RuntimeError):
@@ -35,6 +35,16 @@ def lib():
 
 def patch_version() -> str:
     return ffi.string(lib().llama_moe_cache_version()).decode()
+
+
+def init(ctx, slots: int, *, max_batch: int = 32) -> int:
+    """llama_moe_cache_init: allocate `slots` empty slots per cached layer for ubatches of up to
+    max_batch tokens; the number of cached layers, 0 when none (libllama logs why). slots=0
+    releases the cache: the stock graph from the next decode on."""
+    params = lib().llama_moe_cache_default_params()
+    params.n_slots = slots
+    params.max_batch = max_batch
+    return lib().llama_moe_cache_init(as_context(ctx), params)
 
 
 def as_context(ctx) -> "ffi.CData":

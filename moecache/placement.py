@@ -1,19 +1,28 @@
 """Placement for the expert cache: experts in host memory (llama.cpp's --cpu-moe), the rest on
 the device (n_gpu_layers=-1). llama-cpp-python leaves tensor_buft_overrides unexposed, so the
-override goes into the model parameters Llama starts from (llama_model_default_params): within a
-block (experts_on_host) or, for zero-code activation, for the rest of the process
-(place_experts_on_host). libllama itself reads no environment variable for this."""
+override goes into the model parameters Llama loads with (its llama_model_load_from_file call):
+within a block (experts_on_host) or, for zero-code activation, for the rest of the process
+(place_experts_on_host). libllama itself reads no environment variable for this.
+
+By default the host experts are repacked for the CPU's faster kernels, as stock --cpu-moe does;
+the cache then reads the bytes of its slots from the model file, the only place their standard
+layout still is. repack=False keeps them in plain buffers (the cache copies them from RAM; the
+bit-identical tests use it)."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import functools
+import logging
+import os
 
 import llama_cpp
 import llama_cpp.llama_cpp as llama_cpp_lib
 
 from . import ggml
+
+log = logging.getLogger("moecache")
 
 # the pattern of llama.cpp's --cpu-moe
 CPU_MOE_PATTERN = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
@@ -36,19 +45,17 @@ def _overrides(pattern: str) -> ctypes.Array:
     return (_BuftOverride * 2)(_BuftOverride(pattern.encode(), ggml.cpu_buffer_type()), _BuftOverride(None, None))
 
 
-def apply(params: llama_cpp_lib.llama_model_params, *, repack: bool = False) -> llama_cpp_lib.llama_model_params:
-    """Put the experts of `params` in host memory. repack=False keeps them in plain (standard
-    layout) buffers, which the cache needs; repack=True lets llama.cpp repack them for faster
-    CPU kernels, as stock --cpu-moe does (the cache then skips those layers)."""
-    if not isinstance(repack, bool):
-        raise ValueError(f"repack must be True or False, got {repack!r}")
+def apply(params: llama_cpp_lib.llama_model_params, *, repack: bool = True) -> llama_cpp_lib.llama_model_params:
+    """Put the experts of `params` in host memory, repacked (stock --cpu-moe) or in plain
+    (standard layout) buffers."""
+    _check_repack(repack)
     params.tensor_buft_overrides = ctypes.cast(expert_overrides(), ctypes.c_void_p)
     params.use_extra_bufts = repack
     return params
 
 
 @contextlib.contextmanager
-def experts_on_host(*, repack: bool = False):
+def experts_on_host(*, repack: bool = True):
     """Within this block, llama_cpp.Llama(...) loads models with their experts in host memory:
 
         with moecache.experts_on_host():
@@ -58,23 +65,38 @@ def experts_on_host(*, repack: bool = False):
     try:
         yield
     finally:
-        _set_default_params(stock)
+        _set_loader(stock)
 
 
-def place_experts_on_host(*, repack: bool = False):
+def place_experts_on_host(*, repack: bool = True):
     """From now on llama_cpp.Llama(...) loads models with their experts in host memory (what
-    LLAMA_MOE_CACHE_SLOTS does). Returns the default-params function it replaced."""
-    if not isinstance(repack, bool):
-        raise ValueError(f"repack must be True or False, got {repack!r}")
-    stock = llama_cpp_lib.llama_model_default_params
+    LLAMA_MOE_CACHE_SLOTS does). Returns the loader function it replaced. A repacked model whose
+    path is not a regular readable file (no source for the slots' bytes) is loaded with plain
+    buffers instead, with one logged line."""
+    _check_repack(repack)
+    stock = llama_cpp_lib.llama_model_load_from_file
 
-    def default_params():
-        return apply(stock(), repack=repack)
+    def load(path_model, params):
+        return stock(path_model, apply(params, repack=repack and _file_source(path_model)))
 
-    _set_default_params(default_params)
+    _set_loader(load)
     return stock
 
 
-def _set_default_params(function) -> None:
-    llama_cpp_lib.llama_model_default_params = function  # what Llama calls
-    llama_cpp.llama_model_default_params = function
+def _file_source(path_model) -> bool:
+    path = os.fsdecode(path_model)
+    if os.path.isfile(path) and os.access(path, os.R_OK):
+        return True
+    log.warning("moecache: %s is not a readable file to read repacked experts back from: "
+                "experts kept in plain buffers", path)
+    return False
+
+
+def _check_repack(repack) -> None:
+    if not isinstance(repack, bool):
+        raise ValueError(f"repack must be True or False, got {repack!r}")
+
+
+def _set_loader(function) -> None:
+    llama_cpp_lib.llama_model_load_from_file = function  # what Llama calls
+    llama_cpp.llama_model_load_from_file = function

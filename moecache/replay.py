@@ -303,17 +303,31 @@ def _merged(segments):
 
 def _observations(trace, include_prefill):
     """The per-layer model's steps: (n_layers, n) ids, what the live cache would observe, in
-    order. A turn's prefill is one batched observation."""
+    order. A turn's prefill is one batched observation, and so are the decode tokens of one
+    recorded batch (a multi-token ubatch)."""
     segments = []
     for turn in _turns(trace):
         ids, phase = trace.ids[turn], trace.phase[turn]
         if include_prefill:
             prefill = ids[phase == PREFILL]
             if prefill.size:
-                segments.append((False, [np.ascontiguousarray(prefill.transpose(1, 0, 2))
-                                         .reshape(prefill.shape[1], -1)]))
-        segments.append((True, list(ids[phase == DECODE])))
+                segments.append((False, [_together(prefill)]))
+        decode = phase == DECODE
+        segments.append((True, _by_batch(ids[decode], trace.batch[turn][decode])))
     return _merged(segments)
+
+
+def _together(ids):
+    """Steps (n, L, k) as one observation (L, n * k), token by token."""
+    return np.ascontiguousarray(ids.transpose(1, 0, 2)).reshape(ids.shape[1], -1)
+
+
+def _by_batch(ids, batch):
+    """Steps (n, L, k) as observations: consecutive steps of one recorded batch together."""
+    if len(ids) == 0 or (batch < 0).all():
+        return list(ids)
+    starts = np.flatnonzero((np.diff(batch) != 0) | (batch[1:] < 0)) + 1
+    return [group[0] if len(group) == 1 else _together(group) for group in np.split(ids, starts)]
 
 
 def _batches(trace):

@@ -231,12 +231,12 @@ def allocate(ctx, config: CacheConfig, *, n_expert: int, model_path: str | None 
     """Allocate the cache of ctx as config sizes it and return the plan (n_layers 0: libllama
     cached nothing, plan.reason says why). Raises ConfigError for a budget that cannot hold one
     slot per cached layer, or that cannot be computed."""
-    lib = _native().lib()
+    native = _native()
     plan = CachePlan(config.sized_by)
     devices = _Devices()  # their free memory before the cache
     budgeted = config.budget_mib is not None
     k = 1 if budgeted else config.slots  # a budget is sized on a trial allocation of one slot
-    n_layers = lib.llama_moe_cache_init(ctx, k)
+    n_layers = native.init(ctx, k, max_batch=config.max_batch)
     if n_layers <= 0:
         plan.reason = "libllama cached no layer (its log says why); decoding stays stock"
         return plan
@@ -256,9 +256,9 @@ def allocate(ctx, config: CacheConfig, *, n_expert: int, model_path: str | None 
                 raise ConfigError(f"{plan.sized_by}: {problem}")
             k = _size(plan, sizer, config, tensor_split)
         except ConfigError:
-            lib.llama_moe_cache_init(ctx, 0)
+            native.init(ctx, 0)
             raise
-        n_layers = lib.llama_moe_cache_init(ctx, k)
+        n_layers = native.init(ctx, k, max_batch=config.max_batch)
         if n_layers <= 0:
             n_layers, k = _retry(ctx, plan, sizer, devices, config, k)
             if n_layers <= 0:
@@ -369,7 +369,7 @@ def _retry(ctx, plan: CachePlan, sizer: _Sizer, devices: _Devices, config: Cache
                 "that fits the free memory less %sRESERVE_MIB=%d", plan.sized_by, failed, k, ENV_PREFIX,
                 config.reserve_mib)
     plan.retried_from = failed
-    n_layers = _native().lib().llama_moe_cache_init(ctx, k)
+    n_layers = _native().init(ctx, k, max_batch=config.max_batch)
     if n_layers <= 0:
         plan.reason = f"{plan.sized_by}: the retry at {k} slots per layer failed too (libllama's log says why)"
     return n_layers, k

@@ -5,7 +5,7 @@ Format (columns are read by name, so their order may change):
     # route_trace v1
     # model=... arch=... n_layer=48 n_expert=128 n_expert_used=6
     # layer=0 expert_bytes=3059712 dense_bytes=11953152      (one line per MoE layer)
-    turn,phase,step,layer,slot,expert,weight,residency,expert_bytes[,dropped]
+    turn,phase,step,layer,slot,expert,weight,residency,expert_bytes[,dropped][,batch]
 
 One row per (turn, step, layer, router rank). phase 0 is prefill, 1 decode; `slot` is the
 router rank; `residency` is the recording engine's outcome (0 miss, 1 hit, 2 prefetched hit).
@@ -15,6 +15,11 @@ is 0 for a hit and, in prefill, for an expert already read earlier in the same b
 (in the shared traces every non-zero value equals the layer's preamble size). Expert sizes
 therefore come from the preamble only, and a layer without a preamble line is an error.
 The optional `dropped` column is parsed and kept; the replay models do not use it.
+The optional `batch` column (written by moecache's live traces) numbers the observations: the
+tokens of one batch were evaluated in one ubatch (a multi-token decode, e.g. a speculative
+verification), between the same two cache steps, and the per-layer replay observes them
+together. Such a token may lack a layer as a whole (llama.cpp runs the last layer only for the
+tokens whose logits are wanted). Without the column every decode token is its own observation.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from .util import IntegerError, parse_int
 MAGIC = "# route_trace v1"
 REQUIRED_COLUMNS = ("turn", "phase", "step", "layer", "slot", "expert", "weight",
                     "residency", "expert_bytes")
-OPTIONAL_COLUMNS = ("dropped",)
+OPTIONAL_COLUMNS = ("dropped", "batch")
 PREFILL, DECODE = 0, 1
 
 # The real traces the repository ships (traces/README.md: source, licence): the one place that
@@ -70,6 +75,12 @@ class RouteTrace:
     weights: np.ndarray         # (n_steps, n_layers, k) float32 router weights
     residency: np.ndarray       # (n_steps, n_layers, k) int8 recorded outcome
     dropped: np.ndarray         # (n_steps, n_layers, k) bool; all False if the column is absent
+    batch: np.ndarray | None = None  # (n_steps,) the observation (ubatch) of each step; -1 (the
+                                     # default) when not recorded: every step its own
+
+    def __post_init__(self):
+        if self.batch is None:
+            self.batch = np.full(len(self.step), -1, dtype=np.int64)
 
     @property
     def decode_ids(self) -> np.ndarray:
@@ -81,7 +92,7 @@ class RouteTrace:
 
     def select(self, steps) -> "RouteTrace":
         """The trace of these steps only (an index or mask over steps, in trace order)."""
-        per_step = ("turn", "step", "phase", "ids", "weights", "residency", "dropped")
+        per_step = ("turn", "step", "phase", "ids", "weights", "residency", "dropped", "batch")
         return replace(self, **{name: getattr(self, name)[steps] for name in per_step})
 
     @classmethod
@@ -225,14 +236,13 @@ def _parse_header(path, preamble):
 
 
 def _read_rows(path, f, header, first_line):
-    """The data rows as (n, 7) int64 INT_COLUMNS, float32 weights, bool dropped. Rows are
-    converted a chunk at a time; a chunk that does not convert is scanned row by row for the
-    first bad field, so the error names it."""
+    """The data rows as (n, 7) int64 INT_COLUMNS, float32 weights and {optional column: int64
+    values} for those present. Rows are converted a chunk at a time; a chunk that does not
+    convert is scanned row by row for the first bad field, so the error names it."""
     col = {name: header.index(name) for name in header}
     n_cols = len(header)
-    converters = [(col[name], int) for name in INT_COLUMNS] + [(col["expert_bytes"], int)]
-    if "dropped" in col:
-        converters.append((col["dropped"], int))
+    optional = [name for name in OPTIONAL_COLUMNS if name in col]
+    converters = [(col[name], int) for name in INT_COLUMNS + ("expert_bytes",) + tuple(optional)]
     converters.append((col["weight"], float))
     parts, chunk, chunk_line, blank_line = [], [], 0, None
     reader = csv.reader(f, quoting=csv.QUOTE_NONE)
@@ -255,11 +265,10 @@ def _read_rows(path, f, header, first_line):
     if chunk:
         parts.append(_convert(path, chunk, chunk_line, header, converters))
     if not parts:
-        return np.empty((0, 7), dtype=np.int64), np.empty(0, np.float32), np.empty(0, bool)
+        return np.empty((0, 7), dtype=np.int64), np.empty(0, np.float32), {}
     columns = [np.concatenate(c) for c in zip(*parts)]
     rows = np.stack(columns[:7], axis=1)
-    dropped = columns[8] != 0 if "dropped" in col else np.zeros(len(rows), dtype=bool)
-    return rows, columns[-1].astype(np.float32), dropped
+    return rows, columns[-1].astype(np.float32), dict(zip(optional, columns[8:-1]))
 
 
 def _convert(path, chunk, first_line, header, converters):
@@ -298,7 +307,7 @@ def read_route_trace(path: str) -> RouteTrace:
         with open(path, "r", encoding="utf-8", newline="") as f:
             preamble = _read_preamble(path, f)
             header = _parse_header(path, preamble)
-            rows, weight, dropped = _read_rows(path, f, header, preamble.header_line + 1)
+            rows, weight, optional = _read_rows(path, f, header, preamble.header_line + 1)
     except OSError as e:
         raise TraceError(f"{path}: {e.strerror}") from None
     except UnicodeDecodeError:
@@ -306,7 +315,12 @@ def read_route_trace(path: str) -> RouteTrace:
     if len(rows) == 0:
         raise TraceError(f"{path}:{preamble.header_line}: no rows")
     _check_rows(path, preamble, rows)
-    return _to_trace(path, preamble, rows, weight, dropped)
+    dropped = optional["dropped"] != 0 if "dropped" in optional else np.zeros(len(rows), dtype=bool)
+    batch = optional.get("batch")
+    if batch is not None and (batch < 0).any():
+        r = int(np.flatnonzero(batch < 0)[0])
+        raise TraceError(f"{path}:{preamble.header_line + 1 + r}: batch={batch[r]} is negative")
+    return _to_trace(path, preamble, rows, weight, dropped, batch)
 
 
 def _check_rows(path, preamble, rows):
@@ -335,9 +349,9 @@ def _check_rows(path, preamble, rows):
     fail_at((residency < 0) | (residency > 2), lambda r: f"residency={residency[r]} is not 0, 1 or 2")
 
 
-def _to_trace(path, preamble, rows, weight, dropped) -> RouteTrace:
-    """Steps are identified by (turn, step); each must carry one phase and a full k x layers
-    grid (see the module docstring for prefill)."""
+def _to_trace(path, preamble, rows, weight, dropped, batch) -> RouteTrace:
+    """Steps are identified by (turn, step); each must carry one phase (and batch) and a full
+    k x layers grid (see the module docstring for prefill and batches)."""
     turn, phase, step, layer, slot, expert, residency = rows.T
     k, first_data_line = preamble.k, preamble.header_line + 1
     layers = np.unique(layer)
@@ -348,12 +362,18 @@ def _to_trace(path, preamble, rows, weight, dropped) -> RouteTrace:
     step_key = turn * (int(step.max()) + 1) + step
     keys, first_row, step_of_row = np.unique(step_key, return_index=True, return_inverse=True)
     n_steps = keys.size
-    step_phase = phase[first_row]
-    mixed = np.flatnonzero(phase != step_phase[step_of_row])
-    if mixed.size:
-        r = int(mixed[0])
-        raise TraceError(f"{path}:{first_data_line + r}: step {step[r]} of turn {turn[r]} mixes "
-                         f"prefill and decode rows")
+
+    def per_step(values, problem):
+        """The value of each step, which every row of the step must carry."""
+        of_step = values[first_row]
+        mixed = np.flatnonzero(values != of_step[step_of_row])
+        if mixed.size:
+            r = int(mixed[0])
+            raise TraceError(f"{path}:{first_data_line + r}: step {step[r]} of turn {turn[r]} {problem}")
+        return of_step
+
+    step_phase = per_step(phase, "mixes prefill and decode rows")
+    step_batch = np.full(n_steps, -1, dtype=np.int64) if batch is None else per_step(batch, "has rows of two batches")
     cells = n_steps * n_layers * k
     try:
         require_memory(16 * cells, f"{n_steps} steps x {n_layers} layers x {k} ranks")
@@ -372,7 +392,7 @@ def _to_trace(path, preamble, rows, weight, dropped) -> RouteTrace:
     # for the tokens whose logits are wanted); those cells read -1. Anything else is a hole.
     groups = seen.reshape(n_steps, n_layers, k)
     partial = groups.any(axis=2) & ~groups.all(axis=2)
-    partial |= ~groups.any(axis=2) & (step_phase == DECODE)[:, None]
+    partial |= ~groups.any(axis=2) & ((step_phase == DECODE) & ~_shares_batch(turn[first_row], step_batch))[:, None]
     if partial.any():
         s, li = (int(v[0]) for v in np.nonzero(partial))
         r = int(first_row[s])
@@ -393,7 +413,14 @@ def _to_trace(path, preamble, rows, weight, dropped) -> RouteTrace:
         dense_bytes=np.array([d for _, d in sizes], dtype=np.int64),
         turn=turn[first_row], step=step[first_row], phase=step_phase.astype(np.int8),
         ids=grid(expert, np.int32, -1), weights=grid(weight, np.float32, 0.0),
-        residency=grid(residency, np.int8, 0), dropped=grid(dropped, bool, False))
+        residency=grid(residency, np.int8, 0), dropped=grid(dropped, bool, False), batch=step_batch)
+
+
+def _shares_batch(turn, batch):
+    """True for the steps whose recorded batch (>= 0) holds another step of their turn."""
+    key = turn * (int(batch.max(initial=0)) + 1) + batch
+    _, inverse, counts = np.unique(key, return_inverse=True, return_counts=True)
+    return (batch >= 0) & (counts[inverse] > 1)
 
 
 # --- reader registry -------------------------------------------------------------------
@@ -463,7 +490,8 @@ class TraceWriter:
                            f"n_layer={n_layer} n_expert={n_expert} "
                            f"n_expert_used={n_expert_used}"]
         preamble += [f"# layer={l} expert_bytes={b} dense_bytes={d}" for l, b, d in layers]
-        preamble.append(",".join(REQUIRED_COLUMNS))
+        preamble.append(",".join(REQUIRED_COLUMNS + ("batch",)))
+        self._batch = 0
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
         self._write("\n".join(preamble) + "\n")
 
@@ -474,8 +502,9 @@ class TraceWriter:
 
     def write_step(self, turn: int, phase: int, step: int, ids, weights, residency) -> None:
         """ids, residency: (n_layers, n_used) ints; weights: same shape or None (written as nan).
-        n_used may be a multiple of k (several tokens); rank = position modulo k. A layer
-        whose k ids for a token are all -1 did not run for it and gets no rows."""
+        n_used may be a multiple of k (several tokens, steps step, step + 1, ...); rank =
+        position modulo k. A layer whose k ids for a token are all -1 did not run for it and
+        gets no rows. Each call is one batch (one observation of the cache)."""
         if self._fd is None:
             raise ValueError(f"{self.path}: TraceWriter is closed")
         ids = np.asarray(ids)
@@ -503,8 +532,9 @@ class TraceWriter:
                     j = token * self.k + rank
                     res = int(residency[li, j])
                     out.append(f"{turn},{phase},{step + token},{layer},{rank},{int(ids[li, j])},"
-                               f"{float(weights[li, j]):.6g},{res},{0 if res else size}\n")
+                               f"{float(weights[li, j]):.6g},{res},{0 if res else size},{self._batch}\n")
         self._write("".join(out))
+        self._batch += 1
 
     def flush(self) -> None:
         """To the disk: the steps are in the file already (one write each), this survives a

@@ -12,6 +12,12 @@ struct llama_moe_cache_layer_info {
     int32_t      n_slots;
     size_t       expert_bytes;
     const char * device;
+    bool         from_file;
+};
+
+struct llama_moe_cache_params {
+    int32_t n_slots;
+    int32_t max_batch;
 };
 
 struct llama_moe_cache_counters {
@@ -27,13 +33,19 @@ typedef void (*llama_moe_cache_context_callback)(struct llama_context * ctx, voi
 
 const char * llama_moe_cache_version(void);
 void    llama_moe_cache_set_context_callback(llama_moe_cache_context_callback cb, void * user_data);
-int32_t llama_moe_cache_init(struct llama_context * ctx, int32_t n_slots);
+struct llama_moe_cache_params llama_moe_cache_default_params(void);
+int32_t llama_moe_cache_init(struct llama_context * ctx, struct llama_moe_cache_params params);
 int32_t llama_moe_cache_n_layers(const struct llama_context * ctx);
 bool    llama_moe_cache_layer_info(const struct llama_context * ctx, int32_t i, struct llama_moe_cache_layer_info * info);
 size_t  llama_moe_cache_device_bytes(const struct llama_context * ctx);
 void    llama_moe_cache_set_step_callback(struct llama_context * ctx, llama_moe_cache_step_callback cb, void * user_data);
-const int32_t * llama_moe_cache_observed(struct llama_context * ctx, int32_t * n_used_max);
-bool    llama_moe_cache_apply(struct llama_context * ctx, const int32_t * publish, int32_t n_publish,
+const int32_t * llama_moe_cache_observed(struct llama_context * ctx, int32_t * n_cols, int32_t * stride);
+enum llama_moe_cache_status {
+    LLAMA_MOE_CACHE_OK           =  0,
+    LLAMA_MOE_CACHE_BAD_ROW      = -1,
+    LLAMA_MOE_CACHE_FILE_CHANGED = -2,
+};
+int32_t llama_moe_cache_apply(struct llama_context * ctx, const int32_t * publish, int32_t n_publish,
                               const int32_t * evict, int32_t n_evict, const int32_t * upload, int32_t n_upload);
 int64_t llama_moe_cache_wait_uploads(struct llama_context * ctx);
 int32_t llama_moe_cache_uploads_pending(struct llama_context * ctx);

@@ -47,7 +47,8 @@ def tiny_path():
     return str(tiny_moe(n_layer=2, n_expert=8))
 
 
-def load(path, *, n_gpu_layers=-1, experts_on_host=True, repack=False, n_ctx=512, **llama_kwargs):
+def load(path, *, n_gpu_layers=-1, experts_on_host=True, repack=False, n_ctx=512, verbose=False,
+         **llama_kwargs):
     import llama_cpp
 
     from moecache.placement import experts_on_host as host_experts
@@ -58,7 +59,7 @@ def load(path, *, n_gpu_layers=-1, experts_on_host=True, repack=False, n_ctx=512
                  else default_params("llama_model_default_params", use_extra_bufts=repack))
     with placement:
         llm = llama_cpp.Llama(path, n_gpu_layers=n_gpu_layers, n_ctx=n_ctx, n_threads=N_THREADS,
-                              n_threads_batch=N_THREADS, verbose=False, **llama_kwargs)
+                              n_threads_batch=N_THREADS, verbose=verbose, **llama_kwargs)
     _loaded.add(llm)
     return llm
 

@@ -96,6 +96,31 @@ def test_bench_decode_bad_flags_exit_2_with_one_line(tiny_path, argv, message):
     assert run.stderr.count("\n") == 1 and run.stdout == ""
 
 
+HOST_EXPERTS = os.path.join(REPO, "scripts", "bench_host_experts.py")
+
+
+def test_bench_host_experts_checks_the_repacked_skip_and_prints_ratios():
+    """The split graph's host MUL_MAT_ID in CPU_REPACK: missed rows bit-equal to stock's, cached
+    rows zero (the script exits 1 otherwise), then the timing table."""
+    pytest.importorskip("llama_cpp")
+    run = _run([sys.executable, HOST_EXPERTS, "--experts", "16", "--embd", "256", "--ff", "128",
+                "--top-k", "4", "--cached", "0,2", "--tokens", "3", "--runs", "2", "--reps", "2"])
+    assert run.returncode == 0, run.stderr
+    rows = [line for line in run.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [row.split("|")[1].strip() for row in rows] == ["0", "2"]
+    assert all(float(row.split("|")[4]) > 0 for row in rows)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--cached", "8"], "--cached must be below --top-k"),
+    (["--embd", "100"], "--embd must be a multiple of 32"),
+    (["--runs", "0"], "argument --runs: 0 must be >= 1"),
+])
+def test_bench_host_experts_bad_flags_exit_2_with_one_line(argv, message):
+    run = _run([sys.executable, HOST_EXPERTS, *argv])
+    assert run.returncode == 2 and len(run.stderr.strip().splitlines()) == 1 and message in run.stderr, run.stderr
+
+
 def test_gpu_check_help():
     run = _run(["bash", GPU_CHECK, "--help"])
     assert run.returncode == 0

@@ -272,6 +272,24 @@ def test_duplicate_and_absent_ids():
     assert plan.misses.tolist() == [3, 0] and plan.hits.tolist() == [0, 0]
 
 
+@pytest.mark.parametrize("name", ["lru", "heat"])
+def test_a_multi_token_step_with_more_misses_than_slots(name):
+    """A ubatch of several tokens (ids token by token, repeats, -1 where a layer ran fewer
+    tokens) can miss more distinct experts than there are slots and inserts: the best take the
+    slots, every lookup is counted."""
+    engine = CacheEngine(2, 16, 2, make_policy(name), inserts=8)
+    engine.step(None)
+    ids = np.array([[1, 2, 3, 4, 5, 6, 1, 7, 8, 9], [0, 1, 2, 3, -1, -1, -1, -1, -1, -1]])
+    plan = engine.step(ids)
+    assert plan.misses.tolist() == [10, 4] and plan.hits.tolist() == [0, 0]
+    assert np.bincount(plan.upload[:, 0], minlength=2).tolist() == [2, 2]
+    check_invariants(engine, plan, ids, 8)
+    plan = engine.step(ids)
+    assert plan.hits.tolist() == [0, 0]  # uploaded at the last boundary: published now
+    plan = engine.step(ids)
+    assert plan.hits.sum() > 0
+
+
 @pytest.mark.parametrize("ids, message", [
     (np.array([[1, 8], [0, 1]]), "in \\[-1, 8\\), got 8"),  # not layer 1's expert 0
     (np.array([[1, 2], [0, -2]]), "in \\[-1, 8\\), got -2"),

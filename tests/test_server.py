@@ -147,10 +147,11 @@ def test_server_burst_with_the_cache(tmp_path, rpc_device, tiny_path):
     assert len(set(stock_first)) > 5, f"a degenerate greedy text proves little: {stock_first!r}"
 
     report = json.loads(stats.read_text())
-    # single-token graphs: each request evaluates its sampled tokens but the last, and every
-    # request after the first its prompt's last token again (the prompt is in the KV cache);
-    # the cache observes each graph at the next one's step, so the very last goes uncounted
-    assert report["decode_steps"] == sum(n - 1 for _, _, n, _ in burst) + 39 - 1
+    # cached ubatches (up to LLAMA_MOE_CACHE_MAX_BATCH tokens): the first request's prompt, then
+    # each request's sampled tokens but the last, and every request after the first its prompt's
+    # last token again (the prompt is in the KV cache); the cache observes each graph at the next
+    # one's step, so the very last goes uncounted
+    assert report["decode_steps"] == 1 + sum(n - 1 for _, _, n, _ in burst) + 39 - 1
     assert report["totals"]["hits"] > 0 and report["totals"]["uploads"] > 0
     latencies = sorted(latency for *_, latency in sequential)
     print(f"\nserver burst: 20 concurrent in {t_concurrent:.2f} s, 20 sequential in {t_sequential:.2f} s "

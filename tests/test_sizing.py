@@ -176,7 +176,7 @@ SCENARIO = """
                 tokens, logits = greedy(llm, b"The three primary colors are", 24)
                 cache.detach()
                 from moecache import native
-                native.lib().llama_moe_cache_init(cache.ctx, 0)
+                native.init(cache.ctx, 0)
                 stock = greedy(llm, b"The three primary colors are", 24)
                 row["exact"] = tokens == stock[0] and bool((logits == stock[1]).all())
             else:

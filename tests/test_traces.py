@@ -209,6 +209,45 @@ def test_from_routing_and_select():
         RouteTrace.from_routing(routing + 8, 8)
 
 
+def test_a_multi_token_step_reads_back_as_one_batch_and_replays_as_one_observation(tmp_path):
+    """A live ubatch of several tokens is one write_step (one batch); its last layer may run
+    fewer tokens (the outputs only). The per-layer replay observes the batch as one step."""
+    from moecache.engine import CacheEngine
+    from moecache.policies import make_policy
+    from moecache.replay import PER_LAYER, simulate
+
+    path = str(tmp_path / "batches.csv")
+    single = np.array([[1, 2], [3, 0]])
+    batch = np.array([[1, 2, 0, 3, 2, 1], [3, 0, -1, -1, -1, -1]])  # 3 tokens, layer 1 ran one
+    with TraceWriter(path, model="m", arch="a", n_layer=2, n_expert=4, n_expert_used=2,
+                     layers=[(0, 10, 0), (1, 10, 0)]) as writer:
+        writer.write_step(0, DECODE, 0, single, None, np.zeros((2, 2), int))
+        writer.write_step(0, DECODE, 1, batch, None, np.zeros((2, 6), int))
+        writer.write_step(0, DECODE, 4, single, None, np.zeros((2, 2), int))
+    trace = read_trace(path)
+    assert trace.batch.tolist() == [0, 1, 1, 1, 2]
+    assert trace.ids[2:4, 1].tolist() == [[-1, -1], [-1, -1]]
+
+    engine = CacheEngine(2, 4, 2, make_policy("lru"), inserts=2)
+    engine.step(None)
+    for ids in (single, batch, single):
+        engine.step(ids)
+    replayed = simulate(trace, PER_LAYER, "lru", 2, inserts=2).totals
+    assert (replayed["hits"], replayed["misses"]) == (int(engine.counters["hits"].sum()),
+                                                      int(engine.counters["misses"].sum()))
+    assert replayed["hits"] + replayed["misses"] == 4 + 8 + 4
+
+
+def test_a_decode_token_without_a_layer_needs_a_shared_batch(tmp_path):
+    path = tmp_path / "hole.csv"
+    with TraceWriter(str(path), model="m", arch="a", n_layer=2, n_expert=4, n_expert_used=2,
+                     layers=[(0, 10, 0), (1, 10, 0)]) as writer:
+        writer.write_step(0, DECODE, 0, np.array([[1, 2], [2, 3]]), None, np.zeros((2, 2), int))
+        writer.write_step(0, DECODE, 1, np.array([[1, 2], [-1, -1]]), None, np.zeros((2, 2), int))
+    with pytest.raises(TraceError, match="step 1 lacks rows for layer 1"):
+        read_trace(str(path))
+
+
 @pytest.mark.parametrize("name, recorded", [
     ("SmolLM2 135M Instruct", "SmolLM2_135M_Instruct"),
     (" Qwen3-30B-A3B\tInstruct 2507\n", "Qwen3-30B-A3B_Instruct_2507"),
