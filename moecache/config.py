@@ -6,6 +6,7 @@ import os
 import tempfile
 from dataclasses import dataclass, fields
 
+from .engine import ADMISSIONS
 from .policies import DEFAULT_POLICY, POLICIES
 from .util import parse_int
 
@@ -27,6 +28,10 @@ class CacheConfig:
                                    # free on each device: llama.cpp's own --fit margin
     inserts: int = 2               # uploads per layer per decode step
     policy: str = DEFAULT_POLICY
+    admission: str | None = None   # when a miss is uploaded: "eager", by libllama while the graph
+                                   # that missed it runs (usable from the next token); "boundary",
+                                   # at the next decode boundary. None: eager, or boundary for a
+                                   # policy that picks its victims itself (arc, sieve)
     wait: int = 0                  # 1: each boundary waits for the last step's uploads
                                    # (replayable hit counts, may stall); 0: never stall
     debug: int = 0                 # print stats to stderr every N steps (and at exit); 0 = off
@@ -61,6 +66,15 @@ class CacheConfig:
         if POLICIES[self.policy].offline_only:
             raise ConfigError(f"{ENV_PREFIX}POLICY={self.policy!r} needs future routing and only "
                               f"runs in offline replay (python -m moecache.replay)")
+        ranks = not hasattr(POLICIES[self.policy], "choose_victims")
+        if self.admission is None:
+            object.__setattr__(self, "admission", "eager" if ranks else "boundary")
+        if self.admission not in ADMISSIONS:
+            raise ConfigError(f"{ENV_PREFIX}ADMISSION={self.admission!r} is not a timing; "
+                              f"choose from {', '.join(ADMISSIONS)}")
+        if self.admission == "eager" and not ranks:
+            raise ConfigError(f"{ENV_PREFIX}ADMISSION=eager needs a policy that ranks experts; "
+                              f"{ENV_PREFIX}POLICY={self.policy!r} picks its victims itself")
         for name in ("stats", "trace", "profile"):  # written later: say so now, not at exit
             path = getattr(self, name)
             problem = _unwritable(path) if path else None

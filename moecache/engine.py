@@ -177,18 +177,20 @@ class CacheEngine:
 
     # --- the boundary -------------------------------------------------------------------
 
-    def step(self, ids=None, ready: int | None = None) -> StepPlan:
+    def step(self, ids=None, ready: int | None = None, admitted=None) -> StepPlan:
         """ids: (n_layers, n_used) int expert ids the previous graph selected, router-rank
         order (-1 = no selection), or None at the first boundary. ready: how many of the
         uploads due now are complete, counted in the order they were issued (the live glue
         reads it off the upload worker, which completes them in that order); the others stay
         in flight, unpublished and unevictable, and are due again at the next boundary.
         None: all of them (offline replay, or a glue that waited). Eager admission: the
-        uploads due are the boundary's from the last boundary, then the graph's admissions."""
+        uploads due are the boundary's from the last boundary, then the graph's admissions;
+        admitted: those libllama reports (rows of eager.admissions, in the order it started
+        them), None: the modelled ones."""
         t = self.step_index
         self.step_index += 1
         eager = self.admission == "eager"
-        admitted, eager_evict = _NO_JOBS, []
+        reported, admitted, eager_evict = admitted, _NO_JOBS, []
         if ids is None:
             hit_mask, hits, misses, seen = None, np.zeros(self.n_layers, dtype=np.int64), \
                 np.zeros(self.n_layers, dtype=np.int64), None
@@ -196,7 +198,8 @@ class CacheEngine:
             ids = np.asarray(ids)
             hit_mask, hits, misses, seen = self._observe(t, ids)
             if eager and self.handover is not None:
-                admitted = admissions(self.handover, ids, self.slot_expert)
+                admitted = admissions(self.handover, ids, self.slot_expert) if reported is None \
+                    else reported
                 if admitted.size:
                     self._commit(t, *admitted.T, False, eager_evict, [])
                     self._pending[0] = _join([self._pending[0], admitted])  # issued last

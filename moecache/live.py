@@ -9,6 +9,12 @@ uploads that are due and complete, clear the evicted table entries and queue the
 still running when it is due stays unpublished and its slot untouchable until a later
 boundary ("late"), so a slow upload never stalls decoding; LLAMA_MOE_CACHE_WAIT=1 waits for
 it instead, which makes the hit count deterministic (what the offline replay reproduces).
+
+Eager admission (LLAMA_MOE_CACHE_ADMISSION=eager): the boundary also hands libllama the
+engine's Handover (moecache.eager), whose rule the CPU observers follow during the next graph
+to start the uploads of its misses at once; the next boundary reads back which uploads they
+started and gives them to the engine (with LLAMA_MOE_CACHE_WAIT=1 they must equal the
+engine's model of them, or the cache freezes).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import numpy as np
 
 from . import native, sizing
 from .config import CacheConfig, ConfigError
+from .eager import admissions
 from .engine import COUNTERS, CacheEngine
 from .policies import make_policy
 from .profile import ProfileError, UsageProfile
@@ -77,6 +84,7 @@ class LiveCache:
         self.failed = None
         self._observed = None
         self._shape = self.ffi.new("int32_t[2]")  # out-parameters (n_cols, stride), reused every step
+        self._handover = self.ffi.new("struct llama_moe_cache_handover *")
         self._closed = False
         self._flusher = None  # the thread writing the last periodic snapshot
         self.detached = False
@@ -85,7 +93,8 @@ class LiveCache:
         atexit.register(self.close)
         for line in self.plan.lines():
             log.info("%s", line)
-        log.info("moecache: policy %s, %d inserts/step, slots filled from %s", config.policy, config.inserts,
+        log.info("moecache: policy %s, %d inserts/step, %s admission, slots filled from %s", config.policy,
+                 config.inserts, config.admission,
                  "the model file (repacked host experts)" if self.layers[0]["from_file"] else "host memory")
 
     def _setup(self, n_layers: int, arch: str, model_name: str) -> None:
@@ -99,7 +108,7 @@ class LiveCache:
         self.device_bytes = int(self.lib.llama_moe_cache_device_bytes(self.ctx))
 
         self.engine = CacheEngine(n_layers, n_expert, self.slots, make_policy(config.policy),
-                                  inserts=config.inserts)
+                                  inserts=config.inserts, admission=config.admission)
         model_layers = [layer["il"] for layer in self.layers]
         if config.profile and os.path.exists(config.profile):
             try:
@@ -147,15 +156,19 @@ class LiveCache:
             log.error("moecache: scheduler failed, cache frozen: %s", self.failed)
 
     def _step(self):
-        lib, ctx = self.lib, self.ctx
+        lib, ctx, engine = self.lib, self.ctx, self.engine
+        admitted = self._read_admitted() if engine.admission == "eager" else None
         # an upload is due one step after it started: it had a whole token to finish
         if self.config.wait:
             self.wait_us += lib.llama_moe_cache_wait_uploads(ctx)
             ready = None
         else:  # the worker completes uploads in order: the first ones due are the ready ones
-            ready = self.engine.uploads_due - lib.llama_moe_cache_uploads_pending(ctx)
+            ready = engine.uploads_due + len(admitted if admitted is not None else ()) \
+                - lib.llama_moe_cache_uploads_pending(ctx)
         ids = self._read_observed()
-        plan = self.engine.step(ids, ready)
+        if admitted is not None and self.config.wait:
+            self._check_admitted(ids, admitted)
+        plan = engine.step(ids, ready, admitted)
         status = lib.llama_moe_cache_apply(ctx, *self._rows(plan.publish), *self._rows(plan.evict),
                                            *self._rows(plan.upload))
         if status == lib.LLAMA_MOE_CACHE_FILE_CHANGED:
@@ -165,6 +178,8 @@ class LiveCache:
             raise RuntimeError(f"libllama refused the plan of step {plan.step} (publish "
                                f"{plan.publish.tolist()}, evict {plan.evict.tolist()}, upload "
                                f"{plan.upload.tolist()})")
+        if engine.handover is not None and self._hand_over(engine.handover) != lib.LLAMA_MOE_CACHE_OK:
+            raise RuntimeError(f"libllama refused the handover of step {plan.step}")
         self.steps += 1
         if ids is not None:
             n_tokens = ids.shape[1] // self.n_used
@@ -183,6 +198,40 @@ class LiveCache:
                       self.config.trace, getattr(e, "strerror", None) or e, self.decode_steps)
             self.trace.close()
             self.trace = None
+
+    def _read_admitted(self):
+        """(n, 3) int32 rows (layer, expert, slot) of the uploads libllama's observers started
+        during the last cached graph, in the order they started."""
+        ptr = self.lib.llama_moe_cache_admitted(self.ctx, self._shape)
+        n = self._shape[0]
+        if n == 0:
+            return np.empty((0, 3), dtype=np.int32)
+        return np.frombuffer(self.ffi.buffer(ptr, 12 * n), dtype=np.int32).reshape(n, 3).copy()
+
+    def _check_admitted(self, ids, admitted):
+        """With every upload waited for, what libllama admitted must be the engine's model of it
+        (layer by layer; libllama's order follows the graph's, which groups layers otherwise
+        when they sit on several devices)."""
+        engine = self.engine
+        if ids is None or engine.handover is None:
+            modelled = np.empty((0, 3), dtype=np.int32)
+        else:
+            modelled = admissions(engine.handover, ids, engine.slot_expert)
+        by_layer = admitted[np.argsort(admitted[:, 0], kind="stable")]
+        if not np.array_equal(by_layer, modelled):
+            raise RuntimeError(f"libllama admitted {by_layer.tolist()}, the engine's model "
+                               f"{modelled.tolist()}")
+
+    def _hand_over(self, handover):
+        """The engine's Handover to libllama, for the next graph (one call; libllama copies it)."""
+        arrays = (np.ascontiguousarray(handover.victims, dtype=np.int32),
+                  np.ascontiguousarray(handover.victim_worth, dtype=np.float64),
+                  np.ascontiguousarray(handover.worth, dtype=np.float64),
+                  np.ascontiguousarray(handover.budget, dtype=np.int32))
+        h, cast = self._handover, self.ffi.from_buffer
+        h.victims, h.victim_worth = cast("int32_t[]", arrays[0]), cast("double[]", arrays[1])
+        h.worth, h.budget = cast("double[]", arrays[2]), cast("int32_t[]", arrays[3])
+        return self.lib.llama_moe_cache_hand_over(self.ctx, h)
 
     def _rows(self, jobs):
         """A job table as (pointer, row count) for libllama: (n, 3) int32, C order."""
@@ -210,6 +259,7 @@ class LiveCache:
             "slots": self.slots,
             "inserts": self.config.inserts,
             "policy": self.config.policy,
+            "admission": self.config.admission,
             "device_bytes": self.device_bytes,
             "steps": self.steps,
             "decode_steps": self.decode_steps,

@@ -47,6 +47,14 @@ enum llama_moe_cache_status {
 };
 int32_t llama_moe_cache_apply(struct llama_context * ctx, const int32_t * publish, int32_t n_publish,
                               const int32_t * evict, int32_t n_evict, const int32_t * upload, int32_t n_upload);
+struct llama_moe_cache_handover {
+    const int32_t * victims;
+    const double  * victim_worth;
+    const double  * worth;
+    const int32_t * budget;
+};
+int32_t llama_moe_cache_hand_over(struct llama_context * ctx, const struct llama_moe_cache_handover * handover);
+const int32_t * llama_moe_cache_admitted(struct llama_context * ctx, int32_t * n_rows);
 int64_t llama_moe_cache_wait_uploads(struct llama_context * ctx);
 int32_t llama_moe_cache_uploads_pending(struct llama_context * ctx);
 bool    llama_moe_cache_get_counters(struct llama_context * ctx, int32_t i, struct llama_moe_cache_counters * counters);

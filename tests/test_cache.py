@@ -15,6 +15,8 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import default_params, greedy, load
 
@@ -35,14 +37,20 @@ def record_plans(cache):
     plans = []
     step = cache.engine.step
 
-    def recording(ids=None, ready=None):
-        plan = step(ids, ready)
+    def recording(ids=None, ready=None, admitted=None):
+        plan = step(ids, ready, admitted)
         plan.observed = None if ids is None else np.array(ids)
         plans.append(plan)
         return plan
 
     cache.engine.step = recording
     return plans
+
+
+def unreported(cache) -> int:
+    """Eager admission: the uploads the last graph started, which no boundary has reported to
+    the engine yet (libllama counts them once they complete)."""
+    return len(cache._read_admitted())
 
 
 def test_llama_cpp_is_the_patched_build():
@@ -66,10 +74,13 @@ def smol_stock(rpc_device, smol_path):
     return greedy(llm, PROMPT, 256)
 
 
-@pytest.mark.parametrize("slots,inserts,n_tokens", [(2, 1, 256), (8, 2, 128), (1, 1, 128)])
-def test_cache_is_bit_identical_and_accounts_every_lookup(smol_stock, smol_path, slots, inserts, n_tokens):
+@pytest.mark.parametrize("slots,inserts,n_tokens,admission", [
+    (2, 1, 256, "boundary"), (2, 1, 256, "eager"), (8, 2, 128, "eager"), (1, 1, 128, "eager")])
+def test_cache_is_bit_identical_and_accounts_every_lookup(smol_stock, smol_path, slots, inserts, n_tokens,
+                                                          admission):
     llm = load(smol_path)
-    cache = attach(llm, slots=slots, inserts=inserts, policy="lru", wait=1)  # deterministic counts
+    cache = attach(llm, slots=slots, inserts=inserts, policy="lru", wait=1,  # deterministic counts
+                   admission=admission)
     plans = record_plans(cache)
     tokens, logits = greedy(llm, PROMPT, n_tokens)
 
@@ -91,14 +102,18 @@ def test_cache_is_bit_identical_and_accounts_every_lookup(smol_stock, smol_path,
     assert stats["totals"]["hits"] + stats["totals"]["misses"] == lookups
     for plan in plans:
         assert np.bincount(plan.upload[:, 0], minlength=n_layers).max(initial=0) <= inserts
+        assert np.bincount(plan.admitted[:, 0], minlength=n_layers).max(initial=0) <= inserts
+        assert plan.upload.size == 0 or admission == "boundary"
 
     # libllama's CPU observer saw the same hits, plus the graph not observed yet
     native_counters = cache.native_counters()
     assert sum(c["hits"] + c["misses"] for c in native_counters) == lookups + n_layers * k
     engine_hits = stats["totals"]["hits"]
     assert engine_hits <= sum(c["hits"] for c in native_counters) <= engine_hits + n_layers * k
-    assert sum(c["uploads"] for c in native_counters) == stats["totals"]["uploads"]
+    assert sum(c["uploads"] for c in native_counters) == stats["totals"]["uploads"] + unreported(cache)
 
+    if admission == "eager":
+        assert sum(len(p.admitted) for p in plans) == stats["totals"]["uploads"] > 0
     if slots == 8:
         # every expert fits: once its upload is issued (boundary t) an expert misses at most in
         # the graph that ran during the upload (observed at t + 1), then never again
@@ -110,6 +125,8 @@ def test_cache_is_bit_identical_and_accounts_every_lookup(smol_stock, smol_path,
                     assert key not in issued or plan.step <= issued[key] + 1, (key, plan.step, issued[key])
             for layer, expert, _ in plan.upload.tolist():
                 issued.setdefault((layer, expert), plan.step)
+            for layer, expert, _ in plan.admitted.tolist():  # issued during the graph it missed in
+                issued.setdefault((layer, expert), plan.step - 1)
         assert stats["totals"]["evictions"] == 0
         assert stats["hit_rate"] > 0.9
     if slots < 8:
@@ -172,7 +189,7 @@ def test_speculative_decoding_is_bit_identical_and_accounts_every_lookup(tmp_pat
     cache.close()
     trace = read_trace(str(trace_path))
     assert len(np.unique(trace.batch)) == len(sizes) - 1
-    replayed = simulate(trace, PER_LAYER, "lru", 2, inserts=2).totals
+    replayed = simulate(trace, PER_LAYER, "lru", 2, inserts=2, admission=cache.config.admission).totals
     assert (replayed["hits"], replayed["misses"]) == (stats["totals"]["hits"], stats["totals"]["misses"])
 
 
@@ -198,8 +215,8 @@ def test_a_refused_plan_freezes_the_cache_and_decoding_stays_exact(rpc_device, t
     step = cache.engine.step
     applied = []
 
-    def bad_plan(ids=None, ready=None):
-        plan = step(ids, ready)
+    def bad_plan(ids=None, ready=None, admitted=None):
+        plan = step(ids, ready, admitted)
         if plan.step == 3:
             applied.append(int(cache.engine.counters["uploads"].sum()) - len(plan.upload))
             plan.upload = np.vstack([plan.upload, [[0, 1, 2]]]).astype(np.int32)  # slot 2 of K=2
@@ -308,7 +325,7 @@ def test_repacked_host_experts_stay_repacked(capfd, rpc_device, q4_synth):
     native_counters = cache.native_counters()
     n_layers, k = len(cache.layers), cache.n_used
     assert sum(c["hits"] + c["misses"] for c in native_counters) == lookups + n_layers * k
-    assert sum(c["uploads"] for c in native_counters) == stats["totals"]["uploads"]
+    assert sum(c["uploads"] for c in native_counters) == stats["totals"]["uploads"] + unreported(cache)
 
 
 def moecache_log_lines(caplog, action) -> list[str]:
@@ -742,7 +759,8 @@ def test_live_trace_replays_to_the_live_hit_count(tmp_path, rpc_device, smol_pat
 
     trace = read_trace(str(trace_path))
     assert int((trace.residency[trace.phase == 1] > 0).sum()) == live["hits"]
-    replayed = simulate(trace, PER_LAYER, cache.config.policy, 2, inserts=1).totals
+    replayed = simulate(trace, PER_LAYER, cache.config.policy, 2, inserts=1,
+                        admission=cache.config.admission).totals
     assert (replayed["hits"], replayed["misses"]) == (live["hits"], live["misses"])
 
 
@@ -808,3 +826,94 @@ def test_unsupported_architecture_is_refused_and_stock(capfd, rpc_device):
     assert native.lib().llama_moe_cache_n_layers(native.as_context(llm._ctx.ctx)) == 0
     tokens, logits = greedy(llm, PROMPT, 16)
     assert tokens == stock[0] and np.array_equal(logits, stock[1])
+
+
+# --- eager admission: libllama's observers start the uploads of a graph's misses ------------------
+
+@pytest.fixture(scope="module")
+def synth48():
+    """The Qwen3-30B-A3B routing shape (48 layers, 128 experts, top-8), locality 0.6, with tiny
+    widths: 23 MB, a few ms per token."""
+    from moecache.models import synth
+
+    return str(synth.synth_moe("qwen3-30b-a3b", n_layer=48, n_embd=64, n_ff_exp=32, n_head=2, n_head_kv=1,
+                               head_dim=32))
+
+
+def test_eager_admission_raises_the_live_hit_rate_and_replays_exactly(tmp_path, rpc_device, synth48):
+    from moecache.replay import PER_LAYER, simulate
+    from moecache.traces import read_trace
+
+    n_tokens = 128
+    stock = greedy(load(synth48), PROMPT, n_tokens)
+    rates = {}
+    for admission in ("boundary", "eager"):
+        trace_path = tmp_path / f"{admission}.route.csv"
+        llm = load(synth48)
+        cache = attach(llm, slots=16, inserts=2, wait=1, admission=admission, trace=str(trace_path))
+        tokens, logits = greedy(llm, PROMPT, n_tokens)
+        cache.close()
+        live = cache.stats()
+        # eager: at every boundary what libllama admitted equalled the engine's model (or it freezes)
+        assert live["failed"] is None and live["admission"] == admission
+        assert tokens == stock[0] and np.array_equal(logits, stock[1])
+        trace = read_trace(str(trace_path))
+        replayed = simulate(trace, PER_LAYER, cache.config.policy, 16, inserts=2, admission=admission).totals
+        assert (replayed["hits"], replayed["misses"]) == (live["totals"]["hits"], live["totals"]["misses"])
+        decode = trace.batch > trace.batch[0]  # the one-token ubatches after the prompt's
+        rates[admission] = (trace.residency[decode] > 0).sum() / (trace.ids[decode] >= 0).sum()
+    print(f"live decode hit rate, {cache.config.policy}, K=16, {n_tokens} tokens: "
+          f"boundary {100 * rates['boundary']:.1f}%, eager {100 * rates['eager']:.1f}%")
+    assert rates["eager"] >= rates["boundary"] + 0.02
+
+
+def record_residency(cache):
+    """Per boundary: the table the next graph reads (published expert -> slot), the slots being
+    written while it runs (uploads in flight), the ids that graph selected and the uploads
+    libllama's observers started during it (both reported at the boundary after it)."""
+    steps = []
+    step = cache.engine.step
+
+    def recording(ids=None, ready=None, admitted=None):
+        plan = step(ids, ready, admitted)
+        if steps:  # about the graph that ran since the last boundary
+            steps[-1].update(ids=None if ids is None else np.array(ids), admitted=plan.admitted)
+        steps.append({"table": cache.engine.expert_slot.copy(), "writing": cache.engine._in_flight.copy()})
+        return plan
+
+    cache.engine.step = recording
+    return steps
+
+
+_stock_runs: dict = {}
+
+
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(slots=st.integers(1, 3), delay_us=st.sampled_from([0, 1000, 4000]), wait=st.integers(0, 1),
+       policy=st.sampled_from(["lru", "heat"]), inserts=st.integers(1, 3),
+       prompt=st.sampled_from([PROMPT, b"Once upon a time", b"1, 2, 3, 4,"]))
+def test_no_upload_ever_targets_a_slot_the_running_graph_reads(rpc_device, tiny_path, slots, delay_us, wait,
+                                                               policy, inserts, prompt):
+    if prompt not in _stock_runs:
+        _stock_runs[prompt] = greedy(load(tiny_path), prompt, 24)
+    stock = _stock_runs[prompt]
+    llm = load(tiny_path)
+    cache = attach(llm, slots=slots, inserts=inserts, policy=policy, wait=wait, admission="eager")
+    native.lib().llama_moe_cache_set_upload_delay_us(cache.ctx, delay_us)
+    steps = record_residency(cache)
+    tokens, logits = greedy(llm, prompt, 24)
+    llm.close()
+    assert cache.failed is None
+    assert tokens == stock[0] and np.array_equal(logits, stock[1])  # a torn slot changes the logits
+    n_admitted = 0
+    for before in steps:
+        if before.get("ids") is None:
+            continue
+        for layer, row in enumerate(before["ids"]):
+            table = before["table"][layer]
+            read = {int(table[e]) for e in row if e >= 0 and table[e] >= 0}
+            written = set(np.flatnonzero(before["writing"][layer]).tolist())
+            written |= {slot for l, _, slot in before["admitted"].tolist() if l == layer}
+            assert not read & written, (layer, sorted(read), sorted(written))
+        n_admitted += len(before["admitted"])
+    assert n_admitted > 0
