@@ -393,7 +393,8 @@ def test_repacked_experts_of_a_split_model_are_read_from_their_split(tmp_path, r
     tokens, logits = greedy(llm, PROMPT, 64)
     assert tokens == stock[0] and float(np.abs(logits - stock[1]).max()) <= REPACK_LOGIT_TOLERANCE
     assert cache.failed is None and cache.stats()["totals"]["hits"] > 0
-    assert sum(c["uploads"] for c in cache.native_counters()) == cache.stats()["totals"]["uploads"] > 0
+    assert sum(c["uploads"] for c in cache.native_counters()) == \
+        cache.stats()["totals"]["uploads"] + unreported(cache) > 0
 
 
 def test_a_repacked_model_without_a_file_source_loads_plain(monkeypatch, caplog):
