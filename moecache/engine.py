@@ -118,6 +118,12 @@ class CacheEngine:
         self.expert_slot = np.full((n_layers, n_expert), -1, dtype=np.int32)  # published only
         self._assigned = np.full((n_layers, n_expert), -1, dtype=np.int32)    # published or in flight
         self._in_flight = np.zeros((n_layers, n_slots), dtype=bool)
+        # flat views of the tables, indexed by layer * n_slots + slot or layer * n_expert + expert
+        self._slot_expert_flat = self.slot_expert.reshape(-1)
+        self._expert_slot_flat = self.expert_slot.reshape(-1)
+        self._assigned_flat = self._assigned.reshape(-1)
+        self._in_flight_flat = self._in_flight.reshape(-1)
+        self._n_free = n_layers * n_slots  # empty slots not being loaded, all layers
         self._prefetched = np.zeros((n_layers, n_expert), dtype=bool)         # prefetched, unused yet
         self._pinned = np.zeros((n_layers, n_expert), dtype=bool)
         self._pending = deque([_NO_JOBS] * publish_delay)
@@ -337,68 +343,91 @@ class CacheEngine:
         into free slots, then over victims; blocked (L, E) marks experts that must stay.
         Returns the layer of every upload issued."""
         # Candidates as flat lists sorted by layer, best first within a layer: router rank,
-        # or admission worth (stable, so rank breaks ties) when the policy has one.
-        cand_layer, cand_col = np.nonzero(wanted)
-        cand_expert = ids[cand_layer, cand_col]
-        if self._admit is not None and cand_layer.size:
+        # or admission worth (stable, so rank breaks ties) when the policy has one. Each row
+        # keeps its best `budget`. (Few numpy calls: a step's cost is mostly per call.)
+        per_layer_budget = isinstance(budget, np.ndarray)
+        cap = budget.min() if per_layer_budget else budget
+        if self._admit is None:
+            if ids.shape[1] > cap:  # a row may want more than its budget: keep its first ones
+                wanted = wanted & (np.cumsum(wanted, axis=1) <= budget)
+            cand_layer, cand_col = np.nonzero(wanted)
+            if cand_layer.size == 0:
+                return cand_layer
+            cand_expert = ids[cand_layer, cand_col]
+            n_want = np.bincount(cand_layer, minlength=self.n_layers)
+            cand_worth = None
+        else:
+            cand_layer, cand_col = np.nonzero(wanted)
+            if cand_layer.size == 0:
+                return cand_layer
+            cand_expert = ids[cand_layer, cand_col]
             cand_worth = self._admit(t, cand_expert + cand_layer * self.n_expert)
             admitted = cand_worth > -np.inf
             if not admitted.all():
                 cand_layer, cand_expert, cand_worth = (
                     cand_layer[admitted], cand_expert[admitted], cand_worth[admitted])
+                if cand_layer.size == 0:
+                    return cand_layer
             order = np.lexsort((-cand_worth, cand_layer))
             cand_layer, cand_expert, cand_worth = cand_layer[order], cand_expert[order], cand_worth[order]
-        if cand_layer.size == 0:
-            return cand_layer
-        n_want = np.bincount(cand_layer, minlength=self.n_layers)
-        per_layer_budget = isinstance(budget, np.ndarray)
-        width = int(n_want.max())  # candidates of the busiest row
-        if width > (budget.min() if per_layer_budget else budget):  # keep each row's best
-            cand_pos = np.arange(cand_layer.size) - np.searchsorted(cand_layer, cand_layer)
-            keep = cand_pos < (budget[cand_layer, 0] if per_layer_budget else budget)
-            cand_layer, cand_expert = cand_layer[keep], cand_expert[keep]
-            if self._admit is not None:
-                cand_worth = cand_worth[keep]
-            n_want = np.minimum(n_want, budget[:, 0] if per_layer_budget else budget)
-            width = int(n_want.max())
-        rows = np.nonzero(n_want)[0]
+            n_want = np.bincount(cand_layer, minlength=self.n_layers)
+            if n_want.max() > cap:  # keep each row's best
+                cand_pos = np.arange(cand_layer.size) - np.searchsorted(cand_layer, cand_layer)
+                keep = cand_pos < (budget[cand_layer, 0] if per_layer_budget else budget)
+                cand_layer, cand_expert, cand_worth = cand_layer[keep], cand_expert[keep], cand_worth[keep]
+                n_want = np.minimum(n_want, budget[:, 0] if per_layer_budget else budget)
+        rows = np.flatnonzero(n_want)
         if rows.size == 0:  # prefetch: only layers without budget left wanted something
             return _NO_LAYERS
         n_want = n_want[rows]
+        width = int(n_want.max())  # candidates of the busiest row
         # Slot ranking per row: free slots -inf (lowest index first), evictable residents by
         # policy priority, anything else +inf (never). Only rows short of free slots evict.
         held = self.slot_expert[rows]
-        free = held < 0
-        short = n_want > free.sum(axis=1)
-        if short.any() and (self._admit is not None or not prefetch):  # prefetch w/o admit: free slots only
+        if self._n_free:
+            free = held < 0
+            short = (n_want > free.sum(axis=1)).any()
+        else:  # the usual case once the cache is full
+            free, short = None, True
+        if short and (self._admit is not None or not prefetch):  # prefetch w/o admit: free slots only
             keys = held + self._key_base[rows]  # junk where a slot is empty: masked
-            evictable = ~(free | blocked.take(keys))
+            evictable = blocked.take(keys)
+            if free is not None:
+                evictable |= free
+            np.logical_not(evictable, out=evictable)
             # with a one-step delay nothing is in flight at a boundary until it commits uploads
             if self.publish_delay > 1 or upload_parts or self._late:
                 evictable &= ~self._in_flight[rows]
             if self._choose_victims is None:
-                evictable_rank = np.where(evictable, self.policy.priority(t, keys), np.inf)
+                rank = np.where(evictable, self.policy.priority(t, keys), np.inf)
             else:
-                evictable_rank = np.full(held.shape, np.inf)
-                for r in np.flatnonzero(short):
+                rank = np.full(held.shape, np.inf)
+                n_free = free.sum(axis=1) if free is not None else np.zeros(rows.size, dtype=np.int64)
+                for r in np.flatnonzero(n_want > n_free):
                     layer = int(rows[r])
-                    want = int(n_want[r] - free[r].sum())
+                    want = int(n_want[r] - n_free[r])
                     for place, e in enumerate(self._choose_victims(t, layer, held[r][evictable[r]], want)):
-                        evictable_rank[r, self._assigned[layer, e]] = place  # finite, victim order
-            rank = np.where(free, -np.inf, evictable_rank)
-        else:
+                        rank[r, self._assigned[layer, e]] = place  # finite, victim order
+            if free is not None:
+                rank[free] = -np.inf
+        elif free is not None:
             rank = np.where(free, -np.inf, np.inf)
-        if width <= 4:  # a few argmin passes beat a sort; ties go to the lowest slot
+        else:
+            return _NO_LAYERS
+        # each row's `width` best slots in rank order; ties go to the lowest slot
+        if width == 1:
+            chosen = rank.argmin(axis=1)[:, None]
+            chosen_rank = np.take_along_axis(rank, chosen, axis=1)
+        elif width <= 4:  # a few argmin passes beat a sort
             chosen = np.empty((rows.size, width), dtype=np.int64)
             chosen_rank = np.empty((rows.size, width))
-            work = rank.copy() if width > 1 else rank
             all_rows = np.arange(rows.size)
             for j in range(width):
-                pick = work.argmin(axis=1)
+                pick = rank.argmin(axis=1)
                 chosen[:, j] = pick
-                chosen_rank[:, j] = work[all_rows, pick]  # +inf once a row runs out of slots
+                chosen_rank[:, j] = rank[all_rows, pick]  # +inf once a row runs out of slots
                 if j + 1 < width:
-                    work[all_rows, pick] = np.inf
+                    rank[all_rows, pick] = np.inf
         else:
             chosen = np.argsort(rank, axis=1, kind="stable")[:, :width]
             chosen_rank = np.take_along_axis(rank, chosen, axis=1)
@@ -406,30 +435,36 @@ class CacheEngine:
         # Row r's j-th candidate takes its j-th slot: a row-major mask lists them in candidate
         # order. Slot ranks ascend along j and worth descends, so the accepted candidates of
         # a row are always a prefix.
-        taken = np.arange(width) < n_want[:, None]
-        cand_slot = chosen[taken]
-        slot_rank = chosen_rank[taken]
-        ok = slot_rank < np.inf
-        if self._admit is not None:  # over a victim only if strictly worth more
-            ok &= (slot_rank == -np.inf) | (cand_worth > slot_rank)
-        uploaded = cand_layer[ok]
-        self._commit(t, uploaded, cand_expert[ok], cand_slot[ok], prefetch, evict_parts, upload_parts)
-        return uploaded
+        if n_want.min() == width:
+            cand_slot, slot_rank = chosen.ravel(), chosen_rank.ravel()
+        else:
+            taken = np.arange(width) < n_want[:, None]
+            cand_slot, slot_rank = chosen[taken], chosen_rank[taken]
+        # over a free slot (-inf) always; over a victim only if strictly worth more (no
+        # admission test: every miss is worth any victim); never over an unlisted slot (+inf)
+        ok = slot_rank < np.inf if cand_worth is None else cand_worth > slot_rank
+        if not ok.all():
+            cand_layer, cand_expert, cand_slot = cand_layer[ok], cand_expert[ok], cand_slot[ok]
+        self._commit(t, cand_layer, cand_expert, cand_slot, prefetch, evict_parts, upload_parts)
+        return cand_layer
 
     def _commit(self, t, layers, experts, slots, prefetch, evict_parts, upload_parts):
         if layers.size == 0:
             return
-        L = self.n_layers
-        victims = self.slot_expert[layers, slots]
+        L, E = self.n_layers, self.n_expert
+        at = layers * self.n_slots + slots  # flat (layer, slot) index
+        victims = self._slot_expert_flat[at]
         gone = victims >= 0
         n_gone = np.count_nonzero(gone)
+        self._n_free -= layers.size - n_gone
         if n_gone:
             if n_gone == gone.size:  # the usual case once the cache is full
                 vl, ve, vs = layers, victims, slots
             else:
                 vl, ve, vs = layers[gone], victims[gone], slots[gone]
-            self.expert_slot[vl, ve] = -1
-            self._assigned[vl, ve] = -1
+            victim_keys = vl * E + ve
+            self._expert_slot_flat[victim_keys] = -1
+            self._assigned_flat[victim_keys] = -1
             self.counters["evictions"] += np.bincount(vl, minlength=L)
             if self._predict is not None:
                 wasted = self._prefetched[vl, ve]
@@ -437,9 +472,9 @@ class CacheEngine:
                 self._prefetched[vl, ve] = False
             self.policy.evicted(t, vl, ve)
             evict_parts.append(_jobs(vl, ve, vs))
-        self.slot_expert[layers, slots] = experts
-        self._assigned[layers, experts] = slots
-        self._in_flight[layers, slots] = True
+        self._slot_expert_flat[at] = experts
+        self._assigned_flat[layers * E + experts] = slots
+        self._in_flight_flat[at] = True
         self.counters["uploads"] += np.bincount(layers, minlength=L)
         if prefetch:
             self._prefetched[layers, experts] = True
