@@ -306,7 +306,7 @@ class CacheEngine:
             wanted = self._assigned.take(keys) < 0
             if valid is not None:
                 wanted &= valid
-            if np.count_nonzero(used) != (wanted.size if valid is None else np.count_nonzero(valid)):
+            if used.sum() != (wanted.size if valid is None else valid.sum()):
                 wanted &= ~self._repeats(ids)
             uploaded = self._fill(t, ids, wanted, budget, blocked, False, evict_parts, upload_parts)
         if self._predict is not None:
@@ -348,13 +348,14 @@ class CacheEngine:
         per_layer_budget = isinstance(budget, np.ndarray)
         cap = budget.min() if per_layer_budget else budget
         if self._admit is None:
-            if ids.shape[1] > cap:  # a row may want more than its budget: keep its first ones
+            n_want = wanted.sum(axis=1)
+            if n_want.max() > cap:  # keep each row's first `budget`
                 wanted = wanted & (np.cumsum(wanted, axis=1) <= budget)
+                n_want = np.minimum(n_want, budget[:, 0] if per_layer_budget else budget)
             cand_layer, cand_col = np.nonzero(wanted)
             if cand_layer.size == 0:
                 return cand_layer
             cand_expert = ids[cand_layer, cand_col]
-            n_want = np.bincount(cand_layer, minlength=self.n_layers)
             cand_worth = None
         else:
             cand_layer, cand_col = np.nonzero(wanted)
@@ -416,8 +417,7 @@ class CacheEngine:
             return _NO_LAYERS
         # each row's `width` best slots in rank order; ties go to the lowest slot
         if width == 1:
-            chosen = rank.argmin(axis=1)[:, None]
-            chosen_rank = np.take_along_axis(rank, chosen, axis=1)
+            chosen, chosen_rank = rank.argmin(axis=1), rank.min(axis=1)
         elif width <= 4:  # a few argmin passes beat a sort
             chosen = np.empty((rows.size, width), dtype=np.int64)
             chosen_rank = np.empty((rows.size, width))
@@ -455,7 +455,7 @@ class CacheEngine:
         at = layers * self.n_slots + slots  # flat (layer, slot) index
         victims = self._slot_expert_flat[at]
         gone = victims >= 0
-        n_gone = np.count_nonzero(gone)
+        n_gone = int(gone.sum())
         self._n_free -= layers.size - n_gone
         if n_gone:
             if n_gone == gone.size:  # the usual case once the cache is full
