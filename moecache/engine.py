@@ -237,8 +237,8 @@ class CacheEngine:
 
     def _observe(self, t, ids):
         """Count the observed step's hits and uses and hand it to the policy. Returns the hit
-        mask, hits and misses per layer, and (ids, flat keys, valid mask or None, used (L, E))
-        for planning."""
+        mask, hits and misses per layer, and (ids, flat keys, valid mask or None, used (L, E),
+        whether anything missed) for planning."""
         L = self.n_layers
         if ids.ndim != 2 or ids.shape[0] != L or ids.dtype.kind not in "iu":
             raise ValueError(f"ids must be an integer array ({L}, n_used), got {ids.dtype} {ids.shape}")
@@ -270,7 +270,7 @@ class CacheEngine:
             self.counters["prefetch_hits"] += used_prefetch.sum(axis=1)
             self._prefetched &= ~used_prefetch
         self.policy.observe(t, ids, hit_mask, used)
-        return hit_mask, hits, misses, (ids, keys, valid, used)
+        return hit_mask, hits, misses, (ids, keys, valid, used, misses.any())
 
     def _publish(self, ready):
         """Make the uploads due now visible (the first `ready` of them); returns them and the
@@ -301,8 +301,8 @@ class CacheEngine:
         used = None if seen is None else seen[3]
         blocked = self._pinned if used is None else (used | self._pinned if self._any_pinned else used)
         uploaded = spent
-        if seen is not None and upload_misses:
-            ids, keys, valid, _ = seen
+        if seen is not None and upload_misses and seen[4]:  # nothing to upload after all hits
+            ids, keys, valid, _, _ = seen
             wanted = self._assigned.take(keys) < 0
             if valid is not None:
                 wanted &= valid
