@@ -55,13 +55,6 @@ def _f64(array):
     return ffi.NULL if array is None else ffi.from_buffer("double[]", array)
 
 
-def _jobs(layers, experts, slots):
-    """C-contiguous (n, 3) int32 rows of (layer, expert, slot)."""
-    jobs = np.empty((len(layers), 3), dtype=np.int32)
-    jobs[:, 0], jobs[:, 1], jobs[:, 2] = layers, experts, slots
-    return jobs
-
-
 def _join(parts):
     """One (n, 3) job table."""
     if not parts:
@@ -136,8 +129,7 @@ class CacheEngine:
         self._pending = deque([_NO_JOBS] * publish_delay)
         self.publish_delay = publish_delay
         self._warm: list[np.ndarray] = []  # per-layer experts to upload at the next boundary
-        self._rows_col = np.arange(n_layers)[:, None]
-        self._key_base = self._rows_col * n_expert  # key = layer * n_expert + expert
+        self._key_base = np.arange(n_layers)[:, None] * n_expert  # key = layer * n_expert + expert
         self.usage = np.zeros((n_layers, n_expert), dtype=np.int64)  # steps each expert was used in
         self._counts = np.zeros((len(COUNTERS), n_layers), dtype=np.int64)
         self.counters = {name: row for name, row in zip(COUNTERS, self._counts)}
@@ -148,12 +140,17 @@ class CacheEngine:
         # the upload budget of each layer per boundary: no more than its slots (a multi-token
         # step can miss more experts than both)
         self._cap = np.full(n_layers, n_slots if inserts is None else min(inserts, n_slots), dtype=np.int64)
-        # per-row scratch of a boundary's choice: (layer, K) keys, evictable, free
+        # scratch of native/engine_core.c, with the pointers it is handed: a boundary's rows
+        # (layers wanting slots), their (row, K) slot keys, evictable and free slots, and
+        # (candidates, then accepted uploads) as (layer, expert, slot) rows
+        self._rows, self._n_want = np.empty(n_layers, dtype=np.int64), np.empty(n_layers, dtype=np.int64)
         self._keys = np.empty((n_layers, n_slots), dtype=np.int64)
         self._evictable = np.empty((n_layers, n_slots), dtype=bool)
         self._free = np.empty((n_layers, n_slots), dtype=bool)
-        self._rows = np.empty(n_layers, dtype=np.int64)
-        self._n_want = np.empty(n_layers, dtype=np.int64)
+        self._scratch_args = (_i64(self._cap), _i64(self._rows), _i64(self._n_want), _i64(self._keys),
+                              _u8(self._evictable), _u8(self._free))
+        self._cand = np.empty((3, n_layers * n_slots), dtype=np.int64)  # grows for longer observations
+        self._cand_args = tuple(_i64(row) for row in self._cand)
         self._out = ffi.new("int64_t[2]")  # out-parameters
         self._flags = ffi.new("int32_t[2]")
         core = self._core = ffi.new("mc_engine *")
@@ -240,7 +237,7 @@ class CacheEngine:
                     self._commit(t, *admitted.T, False, eager_evict, [])
                     self._pending[0] = _join([self._pending[0], admitted])  # issued last
         publish, late = self._publish(ready)
-        evict, upload = self._plan(t, seen, late.size > 0, upload_misses=not eager,
+        evict, upload = self._plan(t, seen, upload_misses=not eager,
                                    spent=admitted[:, 0])
         if eager_evict:
             evict = _join(eager_evict + [evict])
@@ -277,15 +274,14 @@ class CacheEngine:
             raise ValueError(f"ids must be an integer array ({L}, n_used), got {ids.dtype} {ids.shape}")
         native = self._native_ids(ids)
         hit_mask = np.empty(ids.shape, dtype=bool)
-        self._used = used = np.zeros((L, self.n_expert), dtype=bool)  # policies may keep it
+        self._used = used = np.zeros((L, self.n_expert), dtype=bool)  # new: a policy may keep it
         self._core.used = _u8(used)
         counts = np.empty((2, L), dtype=np.int64)
-        if lib.mc_observe(self._core, ffi.from_buffer(native), native.dtype == np.int64, ids.shape[1],
-                          _u8(hit_mask), _i64(counts), _i64(counts[1]),
-                          self._out, self._flags):  # a flat key would hit another layer
+        if lib.mc_observe(self._core, ffi.from_buffer(native), native.itemsize == 8, ids.shape[1],
+                          _u8(hit_mask), _i64(counts), _i64(counts[1]), self._out, self._flags):
             raise ValueError(f"expert ids must be in [-1, {self.n_expert}), got {self._out[0]}")
         self.policy.observe(t, ids, hit_mask, used)
-        return hit_mask, counts[0], counts[1], (native, bool(self._flags[0]))
+        return hit_mask, counts[0], counts[1], (native, self._flags[0])
 
     def _native_ids(self, ids):
         """ids as C-contiguous int32 or int64, range-checked where converting could wrap them."""
@@ -294,7 +290,7 @@ class CacheEngine:
                 bad = ids.min() if ids.min() < -1 else ids.max()
                 raise ValueError(f"expert ids must be in [-1, {self.n_expert}), got {bad}")
             ids = ids.astype(np.int64)
-        return np.ascontiguousarray(ids)
+        return ids if ids.flags.c_contiguous else np.ascontiguousarray(ids)
 
     def _publish(self, ready):
         """Make the uploads due now visible (the first `ready` of them); returns them and the
@@ -302,12 +298,13 @@ class CacheEngine:
         publish = self._pending.popleft()
         n = len(publish)
         if n:
-            ready = lib.mc_publish(self._core, ffi.from_buffer("int32_t[]", publish), n, n if ready is None else ready)
+            ready = lib.mc_publish(self._core, ffi.from_buffer("int32_t[]", publish), n,
+                                   n if ready is None else ready)
             if ready < n:
                 return publish[:ready], publish[ready:]
         return publish, _NO_JOBS
 
-    def _plan(self, t, seen, late, upload_misses=True, spent=_NO_LAYERS):
+    def _plan(self, t, seen, upload_misses=True, spent=_NO_LAYERS):
         """Warm-start uploads, then the observed misses (unless upload_misses is False), then
         prefetch with the budget left (spent: the layer of each upload already counted against
         it): the (evict, upload) job tables of this boundary."""
@@ -345,67 +342,64 @@ class CacheEngine:
         (use_used) and pinned ones stay. Returns the layer of every upload issued."""
         # Candidates sorted by layer, best first within a layer: router rank, or admission
         # worth (stable, so rank breaks ties) when the policy has one.
-        L, K = self.n_layers, self.n_slots
-        size = ids.size
-        cand = np.empty((2, size), dtype=np.int64)
-        m = lib.mc_candidates(self._core, ffi.from_buffer(ids), ids.dtype == np.int64, ids.shape[1],
-                              ffi.NULL if self._admit is not None else _i64(cap),
-                              _i64(cand), _i64(cand[1]))
-        if m < 0:
-            raise ValueError(f"predicted expert ids must be below {self.n_expert}")
-        if m == 0:
+        K = self.n_slots
+        cap_arg, rows_arg, n_want_arg, keys_arg, evictable_arg, free_arg = self._scratch_args
+        if cap is not self._cap:
+            cap_arg = _i64(cap)
+        if self._cand.shape[1] < ids.size:  # (layer, expert, slot) rows, reused
+            self._cand = np.empty((3, ids.size), dtype=np.int64)
+            self._cand_args = tuple(_i64(row) for row in self._cand)
+        cand, (layer_arg, expert_arg, slot_arg) = self._cand, self._cand_args
+        m = lib.mc_candidates(self._core, ffi.from_buffer(ids), ids.itemsize == 8, ids.shape[1],
+                              ffi.NULL if self._admit is not None else cap_arg, layer_arg, expert_arg)
+        if m <= 0:
+            if m < 0:
+                raise ValueError(f"predicted expert ids must be below {self.n_expert}")
             return _NO_LAYERS
-        cand_layer, cand_expert = cand[0, :m], cand[1, :m]
         worth = None
         if self._admit is not None:
-            worth = np.array(self._admit(t, cand_expert + cand_layer * self.n_expert), dtype=np.float64)
+            worth = np.array(self._admit(t, cand[1, :m] + cand[0, :m] * self.n_expert), dtype=np.float64)
         kept = self._out
         kept[0] = m
-        n_rows = lib.mc_prepare(self._core, kept, _i64(cand), _i64(cand[1]),
-                                _f64(worth), _i64(cap),
-                                use_used, _i64(self._rows), _i64(self._n_want),
-                                _i64(self._keys), _u8(self._evictable),
-                                _u8(self._free), self._flags)
+        n_rows = lib.mc_prepare(self._core, kept, layer_arg, expert_arg, _f64(worth), cap_arg, use_used,
+                                rows_arg, n_want_arg, keys_arg, evictable_arg, free_arg, self._flags)
         if n_rows == 0:  # prefetch: only layers without budget left wanted something
             return _NO_LAYERS
-        m = kept[0]
         # Slot ranking per row: free slots -inf (lowest index first), evictable residents by
         # policy priority, anything else +inf (never). Only rows short of free slots evict.
-        rank = None
-        mode = 0
+        mode, rank = 0, None
         if self._flags[0] and (self._admit is not None or not prefetch):  # prefetch w/o admit: free slots only
-            keys = self._keys[:n_rows]
             if self._choose_victims is None:
-                mode, rank = 1, np.ascontiguousarray(self.policy.priority(t, keys), dtype=np.float64)
+                mode, rank = 1, np.ascontiguousarray(self.policy.priority(t, self._keys[:n_rows]), dtype=np.float64)
             else:
                 mode, rank = 2, np.full((n_rows, K), np.inf)
-                free, evictable = self._free[:n_rows], self._evictable[:n_rows]
-                n_free = free.sum(axis=1)
+                n_free = self._free[:n_rows].sum(axis=1)
                 for r in np.flatnonzero(self._n_want[:n_rows] > n_free):
                     layer = int(self._rows[r])
-                    held = self.slot_expert[layer]
+                    candidates = self.slot_expert[layer][self._evictable[r]]
                     want = int(self._n_want[r] - n_free[r])
-                    for place, e in enumerate(self._choose_victims(t, layer, held[evictable[r]], want)):
+                    for place, e in enumerate(self._choose_victims(t, layer, candidates, want)):
                         rank[r, self._assigned[layer, e]] = place  # finite, victim order
-        chosen = np.empty((3, m), dtype=np.int64)
-        n = lib.mc_choose(self._core, mode, _f64(rank), n_rows,
-                          _i64(self._rows), _i64(self._n_want),
-                          _u8(self._evictable), _u8(self._free),
-                          _i64(cand), _i64(cand[1]),
-                          _f64(worth),
-                          _i64(chosen), _i64(chosen[1]), _i64(chosen[2]))
-        return self._commit(t, chosen[0, :n], chosen[1, :n], chosen[2, :n], prefetch, evict_parts, upload_parts)
+        n = lib.mc_choose(self._core, mode, _f64(rank), n_rows, rows_arg, n_want_arg, evictable_arg,
+                          free_arg, layer_arg, expert_arg, _f64(worth), layer_arg, expert_arg, slot_arg)
+        return self._commit_rows(t, n, prefetch, evict_parts, upload_parts)
 
     def _commit(self, t, layers, experts, slots, prefetch, evict_parts, upload_parts):
         """Start these uploads over whatever their slots held. Returns the layer of each."""
         m = len(layers)
+        if self._cand.shape[1] < m:
+            self._cand = np.empty((3, m), dtype=np.int64)
+            self._cand_args = tuple(_i64(row) for row in self._cand)
+        self._cand[0, :m], self._cand[1, :m], self._cand[2, :m] = layers, experts, slots
+        return self._commit_rows(t, m, prefetch, evict_parts, upload_parts)
+
+    def _commit_rows(self, t, m, prefetch, evict_parts, upload_parts):
+        """_commit of the first m (layer, expert, slot) rows of the scratch table."""
         if m == 0:
             return _NO_LAYERS
-        rows = np.empty((3, m), dtype=np.int64)
-        rows[0], rows[1], rows[2] = layers, experts, slots
         jobs = np.empty((2 * m, 3), dtype=np.int32)  # uploads, then evictions
-        lib.mc_commit(self._core, m, _i64(rows), _i64(rows[1]), _i64(rows[2]),
-                      prefetch, ffi.from_buffer("int32_t[]", jobs), ffi.from_buffer("int32_t[]", jobs[m:]), self._out)
+        lib.mc_commit(self._core, m, *self._cand_args, prefetch, ffi.from_buffer("int32_t[]", jobs),
+                      ffi.from_buffer("int32_t[]", jobs[m:]), self._out)
         upload, n_gone = jobs[:m], self._out[0]
         if n_gone:
             evict = jobs[m:m + n_gone]
