@@ -238,7 +238,7 @@ class CacheEngine:
                     self._pending[0] = _join([self._pending[0], admitted])  # issued last
         publish, late = self._publish(ready)
         evict, upload = self._plan(t, seen, upload_misses=not eager,
-                                   spent=admitted[:, 0])
+                                   spent=admitted[:, 0] if eager else _NO_LAYERS)
         if eager_evict:
             evict = _join(eager_evict + [evict])
         self._pending.append(upload)
@@ -274,18 +274,18 @@ class CacheEngine:
             raise ValueError(f"ids must be an integer array ({L}, n_used), got {ids.dtype} {ids.shape}")
         native = self._native_ids(ids)
         hit_mask = np.empty(ids.shape, dtype=bool)
-        self._used = used = np.zeros((L, self.n_expert), dtype=bool)  # new: a policy may keep it
-        self._core.used = _u8(used)
+        used = np.zeros((L, self.n_expert), dtype=bool)  # new each step: a policy may keep it
         counts = np.empty((2, L), dtype=np.int64)
-        if lib.mc_observe(self._core, ffi.from_buffer(native), native.itemsize == 8, ids.shape[1],
+        if lib.mc_observe(self._core, ffi.from_buffer(native), native.itemsize == 8, ids.shape[1], _u8(used),
                           _u8(hit_mask), _i64(counts), _i64(counts[1]), self._out, self._flags):
             raise ValueError(f"expert ids must be in [-1, {self.n_expert}), got {self._out[0]}")
+        self._used = used  # what engine_core.c reads until the next observation
         self.policy.observe(t, ids, hit_mask, used)
         return hit_mask, counts[0], counts[1], (native, self._flags[0])
 
     def _native_ids(self, ids):
         """ids as C-contiguous int32 or int64, range-checked where converting could wrap them."""
-        if ids.dtype != np.int32 and ids.dtype != np.int64:
+        if ids.dtype.kind != "i" or ids.itemsize < 4:  # not int32 or int64
             if ids.size and (ids.min() < -1 or ids.max() >= self.n_expert):
                 bad = ids.min() if ids.min() < -1 else ids.max()
                 raise ValueError(f"expert ids must be in [-1, {self.n_expert}), got {bad}")

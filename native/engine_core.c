@@ -15,12 +15,12 @@ static inline int64_t id_at(const void *ids, int wide, int64_t i) {
     return wide ? ((const int64_t *)ids)[i] : ((const int32_t *)ids)[i];
 }
 
-/* An observation (L, n): hit mask, hits and misses per layer, the used table (all zero before;
- * each expert once),
+/* An observation (L, n): hit mask, hits and misses per layer, the used table (a new all-zero
+ * table, kept as g->used for the boundary's choice; each expert once),
  * usage, counters, prefetch hits. flags[0]: something missed; flags[1]: a row repeats an id.
  * Returns 1 (nothing changed, *bad = the offending id) if an id is outside [-1, E). */
-int mc_observe(mc_engine *g, const void *ids, int wide, int64_t n, uint8_t *hit, int64_t *hits,
-               int64_t *misses, int64_t *bad, int32_t *flags) {
+int mc_observe(mc_engine *g, const void *ids, int wide, int64_t n, uint8_t *used, uint8_t *hit,
+               int64_t *hits, int64_t *misses, int64_t *bad, int32_t *flags) {
     const int64_t L = g->n_layers, E = g->n_expert, total = L * n;
     int64_t lowest = 0, highest = 0;
     for (int64_t i = 0; i < total; i++) {
@@ -32,6 +32,7 @@ int mc_observe(mc_engine *g, const void *ids, int wide, int64_t n, uint8_t *hit,
         *bad = lowest < -1 ? lowest : highest;
         return 1;
     }
+    g->used = used;  /* all zero: a new table each step */
     int any_miss = 0, repeats = 0;
     for (int64_t l = 0; l < L; l++) {
         int64_t n_hit = 0, looked_up = 0;
