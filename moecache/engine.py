@@ -272,12 +272,14 @@ class CacheEngine:
         L = self.n_layers
         if ids.ndim != 2 or ids.shape[0] != L or ids.dtype.kind not in "iu":
             raise ValueError(f"ids must be an integer array ({L}, n_used), got {ids.dtype} {ids.shape}")
-        native = self._native_ids(ids)
+        native = ids if ids.dtype.kind == "i" and ids.itemsize >= 4 and ids.flags.c_contiguous \
+            else self._native_ids(ids)
         hit_mask = np.empty(ids.shape, dtype=bool)
         used = np.zeros((L, self.n_expert), dtype=bool)  # new each step: a policy may keep it
-        counts = np.empty((2, L), dtype=np.int64)
-        if lib.mc_observe(self._core, ffi.from_buffer(native), native.itemsize == 8, ids.shape[1], _u8(used),
-                          _u8(hit_mask), _i64(counts), _i64(counts[1]), self._out, self._flags):
+        counts = np.empty((2, L), dtype=np.int64)  # hits, misses
+        fb = ffi.from_buffer
+        if lib.mc_observe(self._core, fb(native), native.itemsize == 8, ids.shape[1], fb("uint8_t[]", used),
+                          fb("uint8_t[]", hit_mask), fb("int64_t[]", counts), self._out, self._flags):
             raise ValueError(f"expert ids must be in [-1, {self.n_expert}), got {self._out[0]}")
         self._used = used  # what engine_core.c reads until the next observation
         self.policy.observe(t, ids, hit_mask, used)

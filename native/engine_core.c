@@ -15,12 +15,12 @@ static inline int64_t id_at(const void *ids, int wide, int64_t i) {
     return wide ? ((const int64_t *)ids)[i] : ((const int32_t *)ids)[i];
 }
 
-/* An observation (L, n): hit mask, hits and misses per layer, the used table (a new all-zero
+/* An observation (L, n): hit mask, hits and misses per layer (counts: (2, L)), the used table (a new all-zero
  * table, kept as g->used for the boundary's choice; each expert once),
  * usage, counters, prefetch hits. flags[0]: something missed; flags[1]: a row repeats an id.
  * Returns 1 (nothing changed, *bad = the offending id) if an id is outside [-1, E). */
 int mc_observe(mc_engine *g, const void *ids, int wide, int64_t n, uint8_t *used, uint8_t *hit,
-               int64_t *hits, int64_t *misses, int64_t *bad, int32_t *flags) {
+               int64_t *counts, int64_t *bad, int32_t *flags) {
     const int64_t L = g->n_layers, E = g->n_expert, total = L * n;
     int64_t lowest = 0, highest = 0;
     for (int64_t i = 0; i < total; i++) {
@@ -58,8 +58,8 @@ int mc_observe(mc_engine *g, const void *ids, int wide, int64_t n, uint8_t *used
                 g->prefetched[key] = 0;
             }
         }
-        hits[l] = n_hit;
-        misses[l] = looked_up - n_hit;
+        counts[l] = n_hit;
+        counts[L + l] = looked_up - n_hit;
         any_miss |= looked_up != n_hit;
         g->counts[C_HITS * L + l] += n_hit;
         g->counts[C_MISSES * L + l] += looked_up - n_hit;

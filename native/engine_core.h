@@ -19,7 +19,7 @@ typedef struct {
 } mc_engine;
 
 int mc_observe(mc_engine *g, const void *ids, int wide, int64_t n, uint8_t *used, uint8_t *hit,
-               int64_t *hits, int64_t *misses, int64_t *bad, int32_t *flags);
+               int64_t *counts, int64_t *bad, int32_t *flags);
 int64_t mc_publish(mc_engine *g, const int32_t *jobs, int64_t n, int64_t ready);
 int64_t mc_candidates(mc_engine *g, const void *ids, int wide, int64_t n, const int64_t *cap,
                       int64_t *cand_layer, int64_t *cand_expert);
