@@ -271,6 +271,9 @@ def _read_rows(path, f, header, first_line):
     return rows, columns[-1].astype(np.float32), dict(zip(optional, columns[8:-1]))
 
 
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
 def _convert(path, chunk, first_line, header, converters):
     """One array per converter's column (int64, or float64 for the weight)."""
     fields = list(zip(*chunk))
@@ -283,6 +286,12 @@ def _convert(path, chunk, first_line, header, converters):
     negative = np.flatnonzero(out[7] < 0)  # expert_bytes
     if negative.size:
         _first_bad_field(path, chunk[:negative[0] + 1], first_line, header, converters)
+    weight = out[-1]
+    too_big = np.flatnonzero(np.isfinite(weight) & (np.abs(weight) > _FLOAT32_MAX))  # stored as float32
+    if too_big.size:
+        r = int(too_big[0])
+        raise TraceError(f"{path}:{first_line + r}: weight={chunk[r][converters[-1][0]].strip()} "
+                         f"is out of the float32 range")
     return out
 
 

@@ -3,27 +3,25 @@
 
     python scripts/bench_decode.py -m MODEL [-p PROMPT] [-n 32] [-r 3] [-t THREADS] [-ngl -1]
         [--slots 0,8,16,32,64] [--mib 1024,4096] [--policy default] [--inserts 2]
-        [--stock-repack] [--all-device] [--md FILE] [--json FILE] [--png FILE]
+        [--plain] [--all-device] [--md FILE] [--json FILE] [--png FILE]
 
 Configurations, each in a freshly loaded model (the previous one freed first):
-  stock         experts in host memory (plain buffers, as the cache needs), the rest on the
-                device, no cache: the K=0 baseline every ratio is against
-  stock-repack  (--stock-repack) the same, with llama.cpp repacking the experts for its faster
-                CPU kernels, as stock --cpu-moe does
+  stock         experts in host memory, the rest on the device, no cache: llama.cpp's
+                --cpu-moe, whose loader repacks the host experts for its faster CPU kernels
+                where it can; the K=0 baseline every ratio is against
   K=k           the stock placement plus a cache of k experts per layer (--slots, largest first;
                 values above the model's expert count are skipped with a note)
   MiB=n         the same with the cache sized by device memory (--mib, largest first): the
                 largest K whose slots fit n MiB over all devices (LLAMA_MOE_CACHE_MIB=n)
   all-device    (--all-device) n_gpu_layers=-1 without overrides, everything on the device;
                 "did not fit" when loading fails
-The device is the GPU when ggml has one, else a loopback RPC device (a CPU backend in a
+--plain loads the host experts of stock and cache rows alike in plain buffers
+(LLAMA_MOE_CACHE_REPACK=0, the bit-identical mode). The device is the GPU when ggml has one, else a loopback RPC device (a CPU backend in a
 subprocess: it checks the mechanism and costs, it is no faster than the CPU).
 
 Per configuration: one untimed warm-up run, then -r timed runs; each run evaluates the prompt
 (untimed) and then -n greedy decode tokens, timed from the prompt's logits to the last
-token's. Reported: decode tok/s (median, min, max over the runs), ratio to stock (and, with
---stock-repack, to stock-repack: llama.cpp's --cpu-moe repacks by default, so that is the
-baseline its users know), and for
+token's. Reported: decode tok/s (median, min, max over the runs), ratio to stock, and for
 cache rows the hit rate, uploads per token and the time in the cache's step callback per
 token over the timed runs, and the device memory the cache took. The cache stays warm across runs, as in a server.
 
@@ -68,7 +66,8 @@ def parser() -> OneLineParser:
     p.add_argument("--policy", default="default", help="cache policy (default: the shipped default)")
     p.add_argument("--mib", type=int_list_arg(minimum=1), default=[],
                    help="cache sizes by device memory, MiB over all devices, comma-separated")
-    p.add_argument("--stock-repack", action="store_true", help="also measure stock with repacked CPU experts")
+    p.add_argument("--plain", action="store_true",
+                   help="host experts in plain buffers, not repacked (stock and cache rows alike)")
     p.add_argument("--all-device", action="store_true", help="also measure everything on the device")
     p.add_argument("--md", metavar="FILE", help="write the markdown table here")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON here")
@@ -140,8 +139,6 @@ def run(args, on_row=None) -> dict:
         device = "loopback RPC device (CPU backend; a mechanism check, not a speed claim)"
 
     configs = [("stock", 0)]
-    if args.stock_repack:
-        configs.append(("stock-repack", 0))
     # largest cache first: it is the row that matters most if a time limit stops the run
     configs += [(f"K={k}", k) for k in sorted(args.slots, reverse=True) if k > 0]
     budgets = {f"MiB={n}": n for n in sorted(args.mib, reverse=True)}  # sized at attach
@@ -154,10 +151,9 @@ def run(args, on_row=None) -> dict:
     rows, notes, n_expert, prompt_tokens = [], [], None, None
 
     def report(done):
-        for key, base in (("ratio", "stock"), ("ratio_repack", "stock-repack")):
-            ref = next((r for r in rows if r["config"] == base and r["status"] == "ok"), None)
-            for row in rows:
-                row[key] = row["tok_s_median"] / ref["tok_s_median"] if ref and row["status"] == "ok" else None
+        ref = next((r for r in rows if r["config"] == "stock" and r["status"] == "ok"), None)
+        for row in rows:
+            row["ratio"] = row["tok_s_median"] / ref["tok_s_median"] if ref and row["status"] == "ok" else None
         pending = [name for name, _ in configs[done:]]
         return _report(args, device, rows, notes + ([f"still to run: {', '.join(pending)}"] if pending else []),
                        n_expert, prompt_tokens)
@@ -190,6 +186,7 @@ def _report(args, device, rows, notes, n_expert, prompt_tokens) -> dict:
         "threads": args.threads,
         "n_gpu_layers": args.n_gpu_layers,
         "policy": args.policy,
+        "host_experts": "plain" if args.plain else "repacked where llama.cpp repacks",
         "inserts": args.inserts,
         "host": _host(),
         "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
@@ -218,7 +215,7 @@ def _measure(args, name, slots, progress, mib=None):
         if name == "all-device":
             llm = llama_cpp.Llama(args.model, n_gpu_layers=-1, **common)
         else:
-            with experts_on_host(repack=name == "stock-repack"):
+            with experts_on_host(repack=not args.plain):
                 llm = llama_cpp.Llama(args.model, n_gpu_layers=args.n_gpu_layers, **common)
     except (ValueError, RuntimeError) as e:
         if name != "all-device":
@@ -308,21 +305,20 @@ def markdown(report) -> str:
         f"device: {report['device']}" + (f", cache on {report['cache_device']}" if report["cache_device"] else ""),
         f"{report['prompt_tokens']} prompt tokens, {report['n_predict']} decode tokens per run, "
         f"median [min, max] of {report['repetitions']} runs after a warm-up; policy {report['policy']}, "
-        f"{report['inserts']} inserts per layer per step; host: {report['host']['cpu']}, "
+        f"{report['inserts']} inserts per layer per step; host experts "
+        f"{report['host_experts']}; host: {report['host']['cpu']}, "
         f"{report['host']['cpus']} CPUs, threads {report['threads'] or 'default'}",
         f"Command: `{report['command']}`",
         "",
     ]
-    repack = any(r["config"] == "stock-repack" for r in report["rows"])
-    lines += ["| config | decode tok/s | vs stock |" + (" vs stock-repack |" if repack else "")
-              + " hit % | uploads/token | step us/token | cache MiB |",
-              "|---|---:|---:|" + ("---:|" if repack else "") + "---:|---:|---:|---:|"]
+    lines += ["| config | decode tok/s | vs stock | hit % | uploads/token | step us/token | cache MiB |",
+              "|---|---:|---:|---:|---:|---:|---:|"]
     for r in report["rows"]:
         if r["status"] != "ok" and r["tok_s_median"] is None:
-            lines.append(f"| {r['config']} | {r['status']} | |" + (" |" if repack else "") + " | | | |")
+            lines.append(f"| {r['config']} | {r['status']} | | | | | |")
             continue
         speed = f"{r['tok_s_median']:.2f} [{r['tok_s_min']:.2f}, {r['tok_s_max']:.2f}]"
-        ratios = _fmt(r["ratio"], ".2f") + (f" | {_fmt(r['ratio_repack'], '.2f')}" if repack else "")
+        ratios = _fmt(r["ratio"], ".2f")
         hit = _fmt(None if r["hit_rate"] is None else 100 * r["hit_rate"], ".1f")
         mib = _fmt(None if r["device_bytes"] is None else r["device_bytes"] / 2**20, ".1f")
         status = "" if r["status"] == "ok" else f" ({r['status']})"
@@ -349,10 +345,9 @@ def plot(report, path):
                         yerr=[[r["tok_s_median"] - r["tok_s_min"] for r in curve],
                               [r["tok_s_max"] - r["tok_s_median"] for r in curve]],
                         marker="o", color="tab:blue", capsize=3, label="decode tok/s")
-    for r, style in ((next((r for r in measured if r["config"] == c), None), s)
-                     for c, s in (("stock-repack", ":"), ("all-device", "--"))):
-        if r:
-            speed_axis.axhline(r["tok_s_median"], linestyle=style, color="gray", label=r["config"])
+    all_device = next((r for r in measured if r["config"] == "all-device"), None)
+    if all_device:
+        speed_axis.axhline(all_device["tok_s_median"], linestyle="--", color="gray", label="all-device")
     speed_axis.set_xlabel("cache slots per layer (K)")
     speed_axis.set_ylabel("decode tok/s")
     hit_axis = speed_axis.twinx()

@@ -36,7 +36,7 @@
 #               (MOECACHE_CACHE_DIR overrides)
 #   exact 90    scripts/check_exact.py: greedy tokens with a cache of 16 slots identical to the
 #               same placement without a cache over 128 tokens; prints max |logit difference|
-#   bench 180   scripts/bench_decode.py: stock, stock-repack, K=64,32,16, all-device (its table
+#   bench 180   scripts/bench_decode.py: stock (repacked, as --cpu-moe), K=64,32,16, all-device (its table
 #               and JSON are rewritten after every configuration: a timeout keeps what ran)
 # Output: machine.txt (CPU, memory, GPU, driver, nvcc), phases.tsv (phase, exit status, seconds),
 # <phase>.log, exact.json, bench.{md,json,png}.
@@ -181,7 +181,7 @@ grep '^check_exact:' "$out/exact.log" >&2
 png=()
 python3 -c "import matplotlib" 2>/dev/null && png=(--png "$out/bench.png")
 phase bench python3 "$repo/scripts/bench_decode.py" -m "$model" "${bench_args[@]}" -t "$threads" \
-    --slots 0,16,32,64 --stock-repack --all-device --md "$out/bench.md" --json "$out/bench.json" "${png[@]}"
+    --slots 0,16,32,64 --all-device --md "$out/bench.md" --json "$out/bench.json" "${png[@]}"
 [ -f "$out/bench.md" ] && cat "$out/bench.md" >&2
 
 echo "gpu_check: $([ "$status" = 0 ] && echo passed || echo FAILED); phases in $out/phases.tsv" >&2

@@ -67,17 +67,15 @@ def test_bench_decode_saves_after_every_configuration(tmp_path, tiny_path, monke
 
     monkeypatch.setattr(bench, "_measure", measure)
     js = tmp_path / "bench.json"
-    args = bench.parser().parse_args(["-m", tiny_path, "--slots", "0,2,4", "--stock-repack", "--json", str(js)])
+    args = bench.parser().parse_args(["-m", tiny_path, "--slots", "0,2,4", "--json", str(js)])
     saved = []
     bench.run(args, on_row=lambda report: (bench._save(args, report), saved.append(json.loads(js.read_text()))))
-    assert [len(s["rows"]) for s in saved] == [1, 2, 3, 4]
-    assert [s["notes"] for s in saved] == [["still to run: stock-repack, K=4, K=2"], ["still to run: K=4, K=2"],
-                                           ["still to run: K=2"], []]
+    assert [len(s["rows"]) for s in saved] == [1, 2, 3]
+    assert [s["notes"] for s in saved] == [["still to run: K=4, K=2"], ["still to run: K=2"], []]
     rows = saved[-1]["rows"]
-    assert [r["config"] for r in rows] == ["stock", "stock-repack", "K=4", "K=2"]
-    assert [r["ratio"] for r in rows] == [1.0, 2.0, 3.0, 4.0]
-    assert [r["ratio_repack"] for r in rows] == [0.5, 1.0, 1.5, 2.0]  # llama.cpp's --cpu-moe repacks
-    assert "| K=2 | 40.00 [40.00, 40.00] | 4.00 | 2.00 | - |" in bench.markdown(saved[-1])
+    assert [r["config"] for r in rows] == ["stock", "K=4", "K=2"]
+    assert [r["ratio"] for r in rows] == [1.0, 2.0, 3.0]
+    assert "| K=2 | 30.00 [30.00, 30.00] | 3.00 | - |" in bench.markdown(saved[-1])
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -80,6 +80,8 @@ def test_small_trace_columns_by_name(tmp_path):
      "t.csv:9: expected 9 fields, got 8"),
     (lambda s: s.replace("0,1,1,1,1,5,0.3,0,1000", "0,1,1,1,1,5,heavy,0,1000"),
      "t.csv:9: weight='heavy' is not a number"),
+    (lambda s: s.replace("0,1,1,1,1,5,0.3,0,1000", "0,1,1,1,1,5,1e39,0,1000"),
+     "t.csv:9: weight=1e39 is out of the float32 range"),
     (lambda s: s.replace("0,1,1,1,1,5,0.3,0,1000", "0,1,1,1,0,5,0.3,0,1000"),
      "t.csv:9: duplicate row for turn 0 step 1 layer 1 slot 0"),
     (lambda s: s.replace("0,1,1,2,1,7,0.5,0,2000\n", ""), "lacks rows for layer 2"),
