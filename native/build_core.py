@@ -2,8 +2,9 @@
 (native/engine_core.c; moecache/engine.py's CacheEngine runs every step through it).
 
 Built by the package install (setup.py's cffi_modules, run from the project root, which wants
-relative source paths); `python native/build_core.py` builds it in place, next to the sources
-of a checkout run with PYTHONPATH."""
+relative source paths), and in place next to the package's sources (setup.py, or `python
+native/build_core.py`): a checkout's own moecache/ comes first on sys.path when run.py or
+a PYTHONPATH run imports it."""
 
 from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
@@ -24,7 +25,12 @@ def builder(native_dir: str) -> FFI:
 
 ffibuilder = builder("native")
 
-if __name__ == "__main__":
-    # the suffix imports prefer, so that no other build of it next to it shadows this one
+def build_in_place() -> None:
+    """moecache/_core.<suffix> next to the package's sources, under the suffix imports prefer,
+    so that no other build of it there shadows this one."""
     builder(str(HERE)).compile(tmpdir=str(HERE.parent / "build" / "core"),
                                target=str(HERE.parent / "moecache" / f"_core{EXTENSION_SUFFIXES[0]}"))
+
+
+if __name__ == "__main__":
+    build_in_place()
