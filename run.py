@@ -12,7 +12,7 @@ REPO = os.path.dirname(os.path.abspath(__file__))
 
 
 def _installed() -> bool:
-    probe = "import llama_cpp, moecache._native; assert '+moecache.' in llama_cpp.__version__"
+    probe = "import llama_cpp, moecache._native, moecache._core; assert '+moecache.' in llama_cpp.__version__"
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_MOE_CACHE_")}
     return subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True).returncode == 0
 

@@ -8,4 +8,7 @@ from setuptools import setup
 here = Path(__file__).parent
 runpy.run_path(str(here / "native" / "build_ffi.py"))["ffibuilder"].compile(tmpdir=str(here))
 
-setup()
+# moecache._core, the engine's per-step bookkeeping in C (a compiler is needed, as for the
+# wheel): in the package, and in place too, as moecache/_native.py above, for run.py in the checkout
+runpy.run_path(str(here / "native" / "build_core.py"))["build_in_place"]()
+setup(cffi_modules=["native/build_core.py:ffibuilder"])

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ._core import ffi, lib
 from .eager import Handover, admissions, build_handover
 from .policies import Policy
 
@@ -42,11 +43,16 @@ _NO_JOBS = np.empty((0, 3), dtype=np.int32)
 _NO_LAYERS = np.empty(0, dtype=np.int64)
 
 
-def _jobs(layers, experts, slots):
-    """C-contiguous (n, 3) int32 rows of (layer, expert, slot)."""
-    jobs = np.empty((len(layers), 3), dtype=np.int32)
-    jobs[:, 0], jobs[:, 1], jobs[:, 2] = layers, experts, slots
-    return jobs
+def _i64(array):
+    return ffi.from_buffer("int64_t[]", array)
+
+
+def _u8(array):  # numpy bool
+    return ffi.from_buffer("uint8_t[]", array)
+
+
+def _f64(array):
+    return ffi.NULL if array is None else ffi.from_buffer("double[]", array)
 
 
 def _join(parts):
@@ -123,10 +129,39 @@ class CacheEngine:
         self._pending = deque([_NO_JOBS] * publish_delay)
         self.publish_delay = publish_delay
         self._warm: list[np.ndarray] = []  # per-layer experts to upload at the next boundary
-        self._rows_col = np.arange(n_layers)[:, None]
-        self._key_base = self._rows_col * n_expert  # key = layer * n_expert + expert
+        self._key_base = np.arange(n_layers)[:, None] * n_expert  # key = layer * n_expert + expert
         self.usage = np.zeros((n_layers, n_expert), dtype=np.int64)  # steps each expert was used in
-        self.counters = {name: np.zeros(n_layers, dtype=np.int64) for name in COUNTERS}
+        self._counts = np.zeros((len(COUNTERS), n_layers), dtype=np.int64)
+        self.counters = {name: row for name, row in zip(COUNTERS, self._counts)}
+        # the last observation's experts (native/engine_core.c fills a new table each step) and
+        # a scratch table of engine_core.c
+        self._used = np.zeros((n_layers, n_expert), dtype=bool)
+        self._mark = np.zeros((n_layers, n_expert), dtype=bool)
+        # the upload budget of each layer per boundary: no more than its slots (a multi-token
+        # step can miss more experts than both)
+        self._cap = np.full(n_layers, n_slots if inserts is None else min(inserts, n_slots), dtype=np.int64)
+        # scratch of native/engine_core.c, with the pointers it is handed: a boundary's rows
+        # (layers wanting slots), their (row, K) slot keys, evictable and free slots, and
+        # (candidates, then accepted uploads) as (layer, expert, slot) rows
+        self._rows, self._n_want = np.empty(n_layers, dtype=np.int64), np.empty(n_layers, dtype=np.int64)
+        self._keys = np.empty((n_layers, n_slots), dtype=np.int64)
+        self._evictable = np.empty((n_layers, n_slots), dtype=bool)
+        self._free = np.empty((n_layers, n_slots), dtype=bool)
+        self._scratch_args = (_i64(self._cap), _i64(self._rows), _i64(self._n_want), _i64(self._keys),
+                              _u8(self._evictable), _u8(self._free))
+        self._cand = np.empty((3, n_layers * n_slots), dtype=np.int64)  # grows for longer observations
+        self._cand_args = tuple(_i64(row) for row in self._cand)
+        self._out = ffi.new("int64_t[2]")  # out-parameters
+        self._flags = ffi.new("int32_t[2]")
+        core = self._core = ffi.new("mc_engine *")
+        core.n_layers, core.n_expert, core.n_slots = n_layers, n_expert, n_slots
+        core.track_prefetch = self._predict is not None
+        for field, table in (("slot_expert", self.slot_expert), ("expert_slot", self.expert_slot),
+                             ("assigned", self._assigned), ("in_flight", self._in_flight),
+                             ("prefetched", self._prefetched), ("pinned", self._pinned),
+                             ("used", self._used), ("mark", self._mark), ("usage", self.usage),
+                             ("counts", self._counts)):
+            setattr(core, field, ffi.cast(ffi.typeof(getattr(core, field)), table.ctypes.data))
         self.step_index = 0
 
         if pinned is not None:
@@ -140,6 +175,7 @@ class CacheEngine:
                 self._pinned[layer, experts] = True
             self._warm = [np.flatnonzero(row) for row in self._pinned]
         self._any_pinned = bool(self._pinned.any())
+        self._core.any_pinned = self._any_pinned
 
     def _expert_list(self, experts, what):
         experts = np.unique(np.asarray(list(experts), dtype=np.int64))
@@ -204,8 +240,8 @@ class CacheEngine:
                     self._commit(t, *admitted.T, False, eager_evict, [])
                     self._pending[0] = _join([self._pending[0], admitted])  # issued last
         publish, late = self._publish(ready)
-        evict, upload = self._plan(t, seen, late.size > 0, upload_misses=not eager,
-                                   spent=admitted[:, 0])
+        evict, upload = self._plan(t, seen, upload_misses=not eager,
+                                   spent=admitted[:, 0] if eager else _NO_LAYERS)
         if eager_evict:
             evict = _join(eager_evict + [evict])
         self._pending.append(upload)
@@ -234,93 +270,63 @@ class CacheEngine:
 
     def _observe(self, t, ids):
         """Count the observed step's hits and uses and hand it to the policy. Returns the hit
-        mask, hits and misses per layer, and (ids, flat keys, valid mask or None, used (L, E))
-        for planning."""
+        mask, hits and misses per layer, and (ids as native/engine_core.c reads them, whether
+        anything missed) for planning."""
         L = self.n_layers
         if ids.ndim != 2 or ids.shape[0] != L or ids.dtype.kind not in "iu":
             raise ValueError(f"ids must be an integer array ({L}, n_used), got {ids.dtype} {ids.shape}")
-        lowest, highest = (int(ids.min()), int(ids.max())) if ids.size else (0, 0)
-        if lowest < -1 or highest >= self.n_expert:  # a flat key would hit another layer
-            raise ValueError(f"expert ids must be in [-1, {self.n_expert}), got "
-                             f"{lowest if lowest < -1 else highest}")
-        # flat (layer, expert) keys: one take per table instead of 2-d fancy indexing
-        keys = ids + self._key_base  # junk where ids is -1: masked with `valid`
-        hit_mask = self.expert_slot.take(keys) >= 0
-        used = np.zeros(L * self.n_expert, dtype=bool)
-        valid = None
-        if lowest >= 0:
-            used[keys] = True
-            looked_up = ids.shape[1]
-        else:
-            valid = ids >= 0
-            hit_mask &= valid
-            used[keys[valid]] = True
-            looked_up = valid.sum(axis=1)
-        used = used.reshape(L, self.n_expert)
-        hits = hit_mask.sum(axis=1)
-        misses = looked_up - hits
-        self.counters["hits"] += hits
-        self.counters["misses"] += misses
-        self.usage += used
-        if self._predict is not None:
-            used_prefetch = used & self._prefetched & (self.expert_slot >= 0)
-            self.counters["prefetch_hits"] += used_prefetch.sum(axis=1)
-            self._prefetched &= ~used_prefetch
+        native = ids if ids.dtype.kind == "i" and ids.itemsize >= 4 and ids.flags.c_contiguous \
+            else self._native_ids(ids)
+        hit_mask = np.empty(ids.shape, dtype=bool)
+        used = np.zeros((L, self.n_expert), dtype=bool)  # new each step: a policy may keep it
+        counts = np.empty((2, L), dtype=np.int64)  # hits, misses
+        fb = ffi.from_buffer
+        if lib.mc_observe(self._core, fb(native), native.itemsize == 8, ids.shape[1], fb("uint8_t[]", used),
+                          fb("uint8_t[]", hit_mask), fb("int64_t[]", counts), self._out, self._flags):
+            raise ValueError(f"expert ids must be in [-1, {self.n_expert}), got {self._out[0]}")
+        self._used = used  # what engine_core.c reads until the next observation
         self.policy.observe(t, ids, hit_mask, used)
-        return hit_mask, hits, misses, (ids, keys, valid, used)
+        return hit_mask, counts[0], counts[1], (native, self._flags[0])
+
+    def _native_ids(self, ids):
+        """ids as C-contiguous int32 or int64, range-checked where converting could wrap them."""
+        if ids.dtype.kind != "i" or ids.itemsize < 4:  # not int32 or int64
+            if ids.size and (ids.min() < -1 or ids.max() >= self.n_expert):
+                bad = ids.min() if ids.min() < -1 else ids.max()
+                raise ValueError(f"expert ids must be in [-1, {self.n_expert}), got {bad}")
+            ids = ids.astype(np.int64)
+        return ids if ids.flags.c_contiguous else np.ascontiguousarray(ids)
 
     def _publish(self, ready):
         """Make the uploads due now visible (the first `ready` of them); returns them and the
         late ones, which stay in flight."""
         publish = self._pending.popleft()
-        late = _NO_JOBS
-        if ready is not None and ready < len(publish):
-            ready = max(ready, 0)
-            publish, late = publish[:ready], publish[ready:]
-            self.counters["late"] += np.bincount(late[:, 0], minlength=self.n_layers)
-        if publish.size:
-            l, e, s = publish.T
-            self.expert_slot[l, e] = s
-            self._in_flight[l, s] = False
-        return publish, late
+        n = len(publish)
+        if n:
+            ready = lib.mc_publish(self._core, ffi.from_buffer("int32_t[]", publish), n,
+                                   n if ready is None else ready)
+            if ready < n:
+                return publish[:ready], publish[ready:]
+        return publish, _NO_JOBS
 
-    def _plan(self, t, seen, late, upload_misses=True, spent=_NO_LAYERS):
+    def _plan(self, t, seen, upload_misses=True, spent=_NO_LAYERS):
         """Warm-start uploads, then the observed misses (unless upload_misses is False), then
         prefetch with the budget left (spent: the layer of each upload already counted against
         it): the (evict, upload) job tables of this boundary."""
         L = self.n_layers
-        self._late = late
         evict_parts, upload_parts = [], []
         if self._warm:
             self._upload_warm(t, evict_parts, upload_parts)
-        # no more uploads per layer than slots (a multi-token step can miss more experts than both)
-        budget = self.n_slots if self.inserts is None else min(self.inserts, self.n_slots)
-        used = None if seen is None else seen[3]
-        blocked = self._pinned if used is None else (used | self._pinned if self._any_pinned else used)
         uploaded = spent
-        if seen is not None and upload_misses:
-            ids, keys, valid, _ = seen
-            wanted = self._assigned.take(keys) < 0
-            if valid is not None:
-                wanted &= valid
-            if np.count_nonzero(used) != (wanted.size if valid is None else np.count_nonzero(valid)):
-                wanted &= ~self._repeats(ids)
-            uploaded = self._fill(t, ids, wanted, budget, blocked, False, evict_parts, upload_parts)
+        if seen is not None and upload_misses and seen[1]:  # nothing to upload after all hits
+            uploaded = self._fill(t, seen[0], self._cap, True, False, evict_parts, upload_parts)
         if self._predict is not None:
-            left = budget - np.bincount(uploaded, minlength=L)[:, None]
+            left = self._cap - np.bincount(uploaded, minlength=L)
             predicted = np.asarray(self._predict(t))
             if predicted.size and left.any():
-                wanted = predicted >= 0
-                wanted &= self._assigned[self._rows_col, np.maximum(predicted, 0)] < 0
-                wanted &= ~self._repeats(predicted)
-                self._fill(t, predicted, wanted, left, blocked, True, evict_parts, upload_parts)
+                self._fill(t, self._native_ids(predicted), left, seen is not None, True,
+                           evict_parts, upload_parts)
         return _join(evict_parts), _join(upload_parts)
-
-    @staticmethod
-    def _repeats(ids):
-        """True where a row repeats an id seen earlier in that row."""
-        same = ids[:, :, None] == ids[:, None, :]
-        return np.tril(same, k=-1).any(axis=2)
 
     def _upload_warm(self, t, evict_parts, upload_parts):
         """Pinned and preloaded experts go into free slots, lowest slot first."""
@@ -335,120 +341,78 @@ class CacheEngine:
         self._commit(t, np.concatenate(layers), np.concatenate(experts), np.concatenate(slots),
                      False, evict_parts, upload_parts)
 
-    def _fill(self, t, ids, wanted, budget, blocked, prefetch, evict_parts, upload_parts):
-        """Upload up to `budget` (a number, or (L, 1) per layer) of the `wanted` ids of each row
-        into free slots, then over victims; blocked (L, E) marks experts that must stay.
-        Returns the layer of every upload issued."""
-        # Candidates as flat lists sorted by layer, best first within a layer: router rank,
-        # or admission worth (stable, so rank breaks ties) when the policy has one.
-        cand_layer, cand_col = np.nonzero(wanted)
-        cand_expert = ids[cand_layer, cand_col]
-        if self._admit is not None and cand_layer.size:
-            cand_worth = self._admit(t, cand_expert + cand_layer * self.n_expert)
-            admitted = cand_worth > -np.inf
-            if not admitted.all():
-                cand_layer, cand_expert, cand_worth = (
-                    cand_layer[admitted], cand_expert[admitted], cand_worth[admitted])
-            order = np.lexsort((-cand_worth, cand_layer))
-            cand_layer, cand_expert, cand_worth = cand_layer[order], cand_expert[order], cand_worth[order]
-        if cand_layer.size == 0:
-            return cand_layer
-        n_want = np.bincount(cand_layer, minlength=self.n_layers)
-        per_layer_budget = isinstance(budget, np.ndarray)
-        width = int(n_want.max())  # candidates of the busiest row
-        if width > (budget.min() if per_layer_budget else budget):  # keep each row's best
-            cand_pos = np.arange(cand_layer.size) - np.searchsorted(cand_layer, cand_layer)
-            keep = cand_pos < (budget[cand_layer, 0] if per_layer_budget else budget)
-            cand_layer, cand_expert = cand_layer[keep], cand_expert[keep]
-            if self._admit is not None:
-                cand_worth = cand_worth[keep]
-            n_want = np.minimum(n_want, budget[:, 0] if per_layer_budget else budget)
-            width = int(n_want.max())
-        rows = np.nonzero(n_want)[0]
-        if rows.size == 0:  # prefetch: only layers without budget left wanted something
+    def _fill(self, t, ids, cap, use_used, prefetch, evict_parts, upload_parts):
+        """Upload up to cap[l] of the wanted ids of each row l of `ids` (not resident nor on its
+        way, first occurrence) into free slots, then over victims; the experts of the observation
+        (use_used) and pinned ones stay. Returns the layer of every upload issued."""
+        # Candidates sorted by layer, best first within a layer: router rank, or admission
+        # worth (stable, so rank breaks ties) when the policy has one.
+        K = self.n_slots
+        cap_arg, rows_arg, n_want_arg, keys_arg, evictable_arg, free_arg = self._scratch_args
+        if cap is not self._cap:
+            cap_arg = _i64(cap)
+        if self._cand.shape[1] < ids.size:  # (layer, expert, slot) rows, reused
+            self._cand = np.empty((3, ids.size), dtype=np.int64)
+            self._cand_args = tuple(_i64(row) for row in self._cand)
+        cand, (layer_arg, expert_arg, slot_arg) = self._cand, self._cand_args
+        m = lib.mc_candidates(self._core, ffi.from_buffer(ids), ids.itemsize == 8, ids.shape[1],
+                              ffi.NULL if self._admit is not None else cap_arg, layer_arg, expert_arg)
+        if m <= 0:
+            if m < 0:
+                raise ValueError(f"predicted expert ids must be below {self.n_expert}")
             return _NO_LAYERS
-        n_want = n_want[rows]
+        worth = None
+        if self._admit is not None:
+            worth = np.array(self._admit(t, cand[1, :m] + cand[0, :m] * self.n_expert), dtype=np.float64)
+        kept = self._out
+        kept[0] = m
+        n_rows = lib.mc_prepare(self._core, kept, layer_arg, expert_arg, _f64(worth), cap_arg, use_used,
+                                rows_arg, n_want_arg, keys_arg, evictable_arg, free_arg, self._flags)
+        if n_rows == 0:  # prefetch: only layers without budget left wanted something
+            return _NO_LAYERS
         # Slot ranking per row: free slots -inf (lowest index first), evictable residents by
         # policy priority, anything else +inf (never). Only rows short of free slots evict.
-        held = self.slot_expert[rows]
-        free = held < 0
-        short = n_want > free.sum(axis=1)
-        if short.any() and (self._admit is not None or not prefetch):  # prefetch w/o admit: free slots only
-            keys = held + self._key_base[rows]  # junk where a slot is empty: masked
-            evictable = ~(free | blocked.take(keys))
-            # with a one-step delay nothing is in flight at a boundary until it commits uploads
-            if self.publish_delay > 1 or upload_parts or self._late:
-                evictable &= ~self._in_flight[rows]
+        mode, rank = 0, None
+        if self._flags[0] and (self._admit is not None or not prefetch):  # prefetch w/o admit: free slots only
             if self._choose_victims is None:
-                evictable_rank = np.where(evictable, self.policy.priority(t, keys), np.inf)
+                mode, rank = 1, np.ascontiguousarray(self.policy.priority(t, self._keys[:n_rows]), dtype=np.float64)
             else:
-                evictable_rank = np.full(held.shape, np.inf)
-                for r in np.flatnonzero(short):
-                    layer = int(rows[r])
-                    want = int(n_want[r] - free[r].sum())
-                    for place, e in enumerate(self._choose_victims(t, layer, held[r][evictable[r]], want)):
-                        evictable_rank[r, self._assigned[layer, e]] = place  # finite, victim order
-            rank = np.where(free, -np.inf, evictable_rank)
-        else:
-            rank = np.where(free, -np.inf, np.inf)
-        if width <= 4:  # a few argmin passes beat a sort; ties go to the lowest slot
-            chosen = np.empty((rows.size, width), dtype=np.int64)
-            chosen_rank = np.empty((rows.size, width))
-            work = rank.copy() if width > 1 else rank
-            all_rows = np.arange(rows.size)
-            for j in range(width):
-                pick = work.argmin(axis=1)
-                chosen[:, j] = pick
-                chosen_rank[:, j] = work[all_rows, pick]  # +inf once a row runs out of slots
-                if j + 1 < width:
-                    work[all_rows, pick] = np.inf
-        else:
-            chosen = np.argsort(rank, axis=1, kind="stable")[:, :width]
-            chosen_rank = np.take_along_axis(rank, chosen, axis=1)
-
-        # Row r's j-th candidate takes its j-th slot: a row-major mask lists them in candidate
-        # order. Slot ranks ascend along j and worth descends, so the accepted candidates of
-        # a row are always a prefix.
-        taken = np.arange(width) < n_want[:, None]
-        cand_slot = chosen[taken]
-        slot_rank = chosen_rank[taken]
-        ok = slot_rank < np.inf
-        if self._admit is not None:  # over a victim only if strictly worth more
-            ok &= (slot_rank == -np.inf) | (cand_worth > slot_rank)
-        uploaded = cand_layer[ok]
-        self._commit(t, uploaded, cand_expert[ok], cand_slot[ok], prefetch, evict_parts, upload_parts)
-        return uploaded
+                mode, rank = 2, np.full((n_rows, K), np.inf)
+                n_free = self._free[:n_rows].sum(axis=1)
+                for r in np.flatnonzero(self._n_want[:n_rows] > n_free):
+                    layer = int(self._rows[r])
+                    candidates = self.slot_expert[layer][self._evictable[r]]
+                    want = int(self._n_want[r] - n_free[r])
+                    for place, e in enumerate(self._choose_victims(t, layer, candidates, want)):
+                        rank[r, self._assigned[layer, e]] = place  # finite, victim order
+        n = lib.mc_choose(self._core, mode, _f64(rank), n_rows, rows_arg, n_want_arg, evictable_arg,
+                          free_arg, layer_arg, expert_arg, _f64(worth), layer_arg, expert_arg, slot_arg)
+        return self._commit_rows(t, n, prefetch, evict_parts, upload_parts)
 
     def _commit(self, t, layers, experts, slots, prefetch, evict_parts, upload_parts):
-        if layers.size == 0:
-            return
-        L = self.n_layers
-        victims = self.slot_expert[layers, slots]
-        gone = victims >= 0
-        n_gone = np.count_nonzero(gone)
+        """Start these uploads over whatever their slots held. Returns the layer of each."""
+        m = len(layers)
+        if self._cand.shape[1] < m:
+            self._cand = np.empty((3, m), dtype=np.int64)
+            self._cand_args = tuple(_i64(row) for row in self._cand)
+        self._cand[0, :m], self._cand[1, :m], self._cand[2, :m] = layers, experts, slots
+        return self._commit_rows(t, m, prefetch, evict_parts, upload_parts)
+
+    def _commit_rows(self, t, m, prefetch, evict_parts, upload_parts):
+        """_commit of the first m (layer, expert, slot) rows of the scratch table."""
+        if m == 0:
+            return _NO_LAYERS
+        jobs = np.empty((2 * m, 3), dtype=np.int32)  # uploads, then evictions
+        lib.mc_commit(self._core, m, *self._cand_args, prefetch, ffi.from_buffer("int32_t[]", jobs),
+                      ffi.from_buffer("int32_t[]", jobs[m:]), self._out)
+        upload, n_gone = jobs[:m], self._out[0]
         if n_gone:
-            if n_gone == gone.size:  # the usual case once the cache is full
-                vl, ve, vs = layers, victims, slots
-            else:
-                vl, ve, vs = layers[gone], victims[gone], slots[gone]
-            self.expert_slot[vl, ve] = -1
-            self._assigned[vl, ve] = -1
-            self.counters["evictions"] += np.bincount(vl, minlength=L)
-            if self._predict is not None:
-                wasted = self._prefetched[vl, ve]
-                self.counters["prefetch_waste"] += np.bincount(vl[wasted], minlength=L)
-                self._prefetched[vl, ve] = False
-            self.policy.evicted(t, vl, ve)
-            evict_parts.append(_jobs(vl, ve, vs))
-        self.slot_expert[layers, slots] = experts
-        self._assigned[layers, experts] = slots
-        self._in_flight[layers, slots] = True
-        self.counters["uploads"] += np.bincount(layers, minlength=L)
-        if prefetch:
-            self._prefetched[layers, experts] = True
-            self.counters["prefetch_uploads"] += np.bincount(layers, minlength=L)
-        self.policy.inserted(t, layers, experts, prefetch)
-        upload_parts.append(_jobs(layers, experts, slots))
+            evict = jobs[m:m + n_gone]
+            self.policy.evicted(t, evict[:, 0], evict[:, 1])
+            evict_parts.append(evict)
+        self.policy.inserted(t, upload[:, 0], upload[:, 1], prefetch)
+        upload_parts.append(upload)
+        return upload[:, 0]
 
     @property
     def uploads_due(self) -> int:

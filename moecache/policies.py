@@ -93,10 +93,12 @@ class DecayedLfu(Policy):
         self.origin = 0  # step whose weight is 1
 
     def _weight(self, step):
-        if self.growth ** (step - self.origin) > 1e200:  # rebase before float overflow
+        weight = self.growth ** (step - self.origin)
+        if weight > 1e200:  # rebase before float overflow
             self.scaled *= self.growth ** (self.origin - step)
             self.origin = step
-        return self.growth ** (step - self.origin)
+            weight = 1.0
+        return weight
 
     def observe(self, step, ids, hit_mask, used):
         weight = self._weight(step)  # first: it may rebase `scaled`

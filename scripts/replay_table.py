@@ -6,11 +6,11 @@ Per trace: every per-layer policy's decode hit% at K = n_expert/8 with INSERTS=2
 unlimited inserts, the share of the LRU->Belady gap the default closes, and a diagnostic
 offline bound (a policy told each expert's total decode use count up front); the same on
 synthetic locality routing; what predicts reuse (recency vs past use count); warm start (the profile of one half of decode
-preloaded and given to the policy as its prior before replaying the other half, vs cold); replay throughput; the time of a 6 x 6 sweep.
+preloaded and given to the policy as its prior before replaying the other half, vs cold).
+Replay throughput: scripts/bench_step.py --replay.
 """
 
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -166,30 +166,6 @@ def synthetic_warm_start_table():
                   + " | ".join(f"{h:.1f}" for h in hit) + " |")
 
 
-def throughput(trace, slots, repeats=5):
-    """Best of `repeats`, by the wall clock (the result's lookups_per_s) and by this thread's
-    CPU time (what the replay itself costs on a shared machine)."""
-    wall = cpu = 0.0
-    for _ in range(repeats):
-        start = time.thread_time()
-        result = simulate(trace, PER_LAYER, "lru", slots)
-        wall = max(wall, result.lookups_per_s)
-        cpu = max(cpu, result.lookups / (time.thread_time() - start))
-    print(f"\nLRU replay throughput, {Path(trace.path).name}, K={slots}: {wall / 1e6:.2f} M lookups/s "
-          f"(wall clock), {cpu / 1e6:.2f} M lookups/s (CPU time), best of {repeats}")
-
-
-def sweep_time(trace):
-    names = ["lru", "lfu", "gdsf", "arc", "belady", DEFAULT_POLICY]
-    sizes = [4, 8, 16, 32, 64, 96]
-    start = time.perf_counter()
-    for name in names:
-        for k in sizes:
-            simulate(trace, PER_LAYER, name, k)
-    print(f"\nsweep {','.join(names)} x K={','.join(map(str, sizes))} over {Path(trace.path).name}: "
-          f"{time.perf_counter() - start:.1f} s")
-
-
 def main():
     paths = [Path(p) for p in sys.argv[1:]] or list(SHIPPED_TRACES)
     traces = [read_trace(str(p)) for p in paths]
@@ -201,11 +177,6 @@ def main():
     for trace in traces:
         warm_start_table(trace, trace.n_expert // 8)
     synthetic_warm_start_table()
-    for trace in traces:
-        throughput(trace, trace.n_expert // 8)
-    few_layers = RouteTrace.from_routing(synthetic_routing(20000, 4, 8, 2, seed=1), 8, name="4 x 8, top-2")
-    throughput(few_layers, 2, repeats=1)
-    sweep_time(traces[0])
 
 
 if __name__ == "__main__":

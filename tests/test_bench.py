@@ -195,3 +195,23 @@ def test_cuda_env_finds_cublas_beside_nvcc_or_in_the_pip_package(tmp_path, toolk
     assert cuda_top == str(top)
     assert (rc, cublas_home) == {"toolkit": ("0", ""), "pip": ("0", str(site / "nvidia" / "cu13")),
                                  "none": ("1", "")}[expected]
+
+
+BENCH_STEP = os.path.join(REPO, "scripts", "bench_step.py")
+
+
+def test_bench_step_replay_throughput_reports_lookups_per_second():
+    run = _run([sys.executable, BENCH_STEP, "--replay", "2", "--layers", "2", "--experts", "8", "--top-k", "2",
+                "--slots", "2", "--steps", "50", "--policy", "default,lru"])
+    assert run.returncode == 0, run.stderr
+    rows = [line for line in run.stdout.splitlines() if "M lookups/s" in line]
+    assert len(rows) == 2 and all("4 lookups per decode step" in row for row in rows), run.stdout
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--trace", "x.csv"], "--trace needs --replay"),
+    (["--replay", "1", "--experts", "4", "--top-k", "1", "--slots", "8"], "--slots 8 exceeds the 4 experts"),
+])
+def test_bench_step_bad_flags_exit_2_with_one_line(argv, message):
+    run = _run([sys.executable, BENCH_STEP, *argv])
+    assert run.returncode == 2 and len(run.stderr.strip().splitlines()) == 1 and message in run.stderr, run.stderr
