@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ._core import ffi, lib
-from .eager import Handover, admissions, build_handover
+from .eager import Handover, admissions
 from .policies import Policy
 
 ADMISSIONS = ("boundary", "eager")  # a miss is uploaded at the next boundary, or during its graph
@@ -152,6 +152,10 @@ class CacheEngine:
         self._cand = np.empty((3, n_layers * n_slots), dtype=np.int64)  # grows for longer observations
         self._cand_args = tuple(_i64(row) for row in self._cand)
         self._out = ffi.new("int64_t[2]")  # out-parameters
+        if admission == "eager":  # the handover's constant parts and scratch
+            self._all_keys = np.arange(n_layers * n_expert).reshape(n_layers, n_expert)
+            self._handover_budget = np.full(n_layers, n_slots if inserts is None else inserts, dtype=np.int64)
+            self._ranked = ffi.new("mc_ranked[]", n_slots)
         self._flags = ffi.new("int32_t[2]")
         core = self._core = ffi.new("mc_engine *")
         core.n_layers, core.n_expert, core.n_slots = n_layers, n_expert, n_slots
@@ -252,21 +256,19 @@ class CacheEngine:
         return StepPlan(t, hit_mask, hits, misses, publish, evict, upload, admitted)
 
     def _handover(self, t) -> Handover:
-        """Eager: the victim order and worths the graph about to run follows."""
-        held = self.slot_expert
-        keys = np.maximum(held, 0) + self._key_base  # junk where a slot is empty: masked
-        free = held < 0
-        evictable = ~free & ~self._in_flight
-        if self._any_pinned:
-            evictable &= ~self._pinned.take(keys)
+        """Eager: the victim order and worths the graph about to run follows (native/engine_core.c
+        orders the slots as moecache.eager.build_handover does)."""
+        keys = np.maximum(self.slot_expert, 0) + self._key_base  # junk where a slot is empty: ignored
+        priority = np.asarray(self.policy.priority(t, keys), dtype=np.float64)
         if self._worth_if_used is None:  # no admission test: every miss is worth a victim
             worth = np.full((self.n_layers, self.n_expert), np.inf)
         else:
-            all_keys = np.arange(self.n_layers * self.n_expert).reshape(self.n_layers, self.n_expert)
-            worth = np.array(self._worth_if_used(t, all_keys), dtype=np.float64)
-        worth[self._assigned >= 0] = -np.inf  # resident or on its way
-        budget = self.inserts if self.inserts is not None else self.n_slots
-        return build_handover(free, evictable, self.policy.priority(t, keys), worth, budget)
+            worth = np.array(self._worth_if_used(t, self._all_keys), dtype=np.float64)
+        victims = np.empty((self.n_layers, self.n_slots), dtype=np.int32)
+        victim_worth = np.empty((self.n_layers, self.n_slots))
+        lib.mc_handover(self._core, _f64(np.ascontiguousarray(priority)), _f64(worth),
+                        ffi.from_buffer("int32_t[]", victims), _f64(victim_worth), self._ranked)
+        return Handover(victims, victim_worth, worth, self._handover_budget)
 
     def _observe(self, t, ids):
         """Count the observed step's hits and uses and hand it to the policy. Returns the hit

@@ -3,7 +3,9 @@
  * function does what the numpy expression in its comment did; moecache/engine.py documents the
  * rules. */
 
+#include <float.h>
 #include <math.h>
+#include <stdlib.h>
 #include <stdint.h>
 
 #include "engine_core.h"
@@ -242,4 +244,48 @@ int64_t mc_commit(mc_engine *g, int64_t m, const int64_t *layers, const int64_t 
     }
     *n_evict = gone;
     return m;
+}
+
+/* Eager admission's handover (moecache/eager.py, build_handover is the reference): per layer the
+ * slots in eviction order (free ones first, lowest first; then the evictable residents by
+ * ascending priority clipped to finite values, ties to the lowest slot; -1 for the rest) with
+ * the worth each keeps (-inf free, its priority, +inf unlisted), and worth set to -inf for
+ * experts resident or on their way. priority: (L, K), read where a slot is evictable. */
+static int mc_ranked_cmp(const void *a, const void *b) {
+    const mc_ranked *x = a, *y = b;
+    if (x->category != y->category) return x->category < y->category ? -1 : 1;
+    if (x->key != y->key) return x->key < y->key ? -1 : 1;
+    return (x->slot > y->slot) - (x->slot < y->slot);
+}
+
+int mc_handover(mc_engine *g, const double *priority, double *worth, int32_t *victims,
+                double *victim_worth, mc_ranked *scratch) {
+    const int64_t K = g->n_slots, E = g->n_expert;
+    for (int64_t l = 0; l < g->n_layers; l++) {
+        for (int64_t s = 0; s < K; s++) {
+            const int32_t held = g->slot_expert[l * K + s];
+            mc_ranked *r = &scratch[s];
+            r->slot = (int32_t) s;
+            r->key = 0.0;
+            if (held < 0) {
+                r->category = 0;
+            } else if (!g->in_flight[l * K + s] && !(g->any_pinned && g->pinned[l * E + held])) {
+                const double p = priority[l * K + s];
+                r->category = 1;
+                r->key = p > DBL_MAX ? DBL_MAX : (p < -DBL_MAX ? -DBL_MAX : p);
+            } else {
+                r->category = 2;
+            }
+        }
+        qsort(scratch, (size_t) K, sizeof *scratch, mc_ranked_cmp);
+        for (int64_t j = 0; j < K; j++) {
+            const mc_ranked *r = &scratch[j];
+            victims[l * K + j] = r->category == 2 ? -1 : r->slot;
+            victim_worth[l * K + j] = r->category == 0 ? -INFINITY
+                                    : r->category == 1 ? priority[l * K + r->slot] : INFINITY;
+        }
+        for (int64_t e = 0; e < E; e++)
+            if (g->assigned[l * E + e] >= 0) worth[l * E + e] = -INFINITY;
+    }
+    return 0;
 }

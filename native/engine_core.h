@@ -32,3 +32,6 @@ int64_t mc_choose(mc_engine *g, int mode, const double *rank_in, int64_t n_rows,
                   int64_t *out_layer, int64_t *out_expert, int64_t *out_slot);
 int64_t mc_commit(mc_engine *g, int64_t m, const int64_t *layers, const int64_t *experts,
                   const int64_t *slots, int prefetch, int32_t *upload, int32_t *evict, int64_t *n_evict);
+typedef struct { int32_t category; double key; int32_t slot; } mc_ranked;
+int mc_handover(mc_engine *g, const double *priority, double *worth, int32_t *victims,
+                double *victim_worth, mc_ranked *scratch);

@@ -252,3 +252,29 @@ def test_no_upload_targets_a_slot_the_running_graph_reads_even_when_uploads_are_
                 assert engine.slot_expert[layer, published[layer, e]] == e
                 assert not engine._in_flight[layer, published[layer, e]]
         assert plan.publish.shape[0] <= due + plan.admitted.shape[0]
+
+
+@pytest.mark.parametrize("policy", ["lru", "heat"])
+def test_the_engines_handover_is_build_handovers(policy):
+    """The engine builds its handover in native/engine_core.c: it must equal the reference
+    build_handover on the same state, with pinned experts, late uploads and multi-token steps."""
+    rng = np.random.default_rng(7)
+    L, E, K = 3, 12, 4
+    engine = CacheEngine(L, E, K, make_policy(policy), admission="eager", inserts=2,
+                         pinned=[[0], [], [5]])
+    engine.step(None)
+    for t in range(1, 200):
+        t_handover = engine.step_index - 1
+        held = engine.slot_expert
+        keys = np.maximum(held, 0) + np.arange(L)[:, None] * E
+        free = held < 0
+        evictable = ~free & ~engine._in_flight & ~engine._pinned.take(keys)
+        worth = np.array(engine.policy.worth_if_used(t_handover, np.arange(L * E).reshape(L, E))
+                         if policy == "heat" else np.full((L, E), np.inf))
+        worth[engine._assigned >= 0] = -np.inf
+        expected = build_handover(free, evictable, engine.policy.priority(t_handover, keys), worth, 2)
+        got = engine.handover
+        for field in ("victims", "victim_worth", "worth", "budget"):
+            np.testing.assert_array_equal(getattr(got, field), getattr(expected, field), err_msg=field)
+        ids = rng.integers(0, E, size=(L, 2 * int(rng.integers(1, 3))))
+        engine.step(ids, ready=int(rng.integers(0, 3)))
