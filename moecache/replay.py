@@ -7,8 +7,9 @@ the command line, the scripts and the tests run.
 
 Three models (MODELS, each with its policy registry):
 
-per-layer (--slots, and --budget-mib at the largest K whose K + 1 copies of each layer's
-    experts fit it, as LLAMA_MOE_CACHE_MIB sizes the live cache: moecache.sizing): our live
+per-layer (--slots, and --budget-mib at the largest K whose slots fit it: K per layer plus one
+    zero slot per bank of equal expert sizes, as LLAMA_MOE_CACHE_MIB sizes the live cache:
+    moecache.sizing): our live
     cache. K slots per layer, at most --inserts uploads per layer
     per step. It runs moecache.engine.CacheEngine itself, the code the live glue calls, with
     either admission timing (--admission): "boundary" uploads a miss at the next boundary

@@ -2,9 +2,11 @@
 report, to the largest uniform K (slots per cached layer) that fits, and the plan that says
 where the memory went.
 
-A cached layer's slots live in the device buffer of its router: companion tensors
-[ne0, ne1, K+1] of the up, gate and down experts' type and shape (slot K is the all-zero dummy)
-and an I32 [1, n_expert] id -> slot table, each padded as that buffer type pads it. The bytes of
+A cached layer's slots live in the device buffer of its router, in banks: the layers of one
+expert layout (the up, gate and down experts' types and shapes) on one device share up, gate and
+down bank tensors [ne0, ne1, n_layers*K + 1], K slots each plus ONE all-zero slot per bank that
+uncached experts are remapped to; and the device holds an I32 id -> slot table of all its cached
+layers' experts. Each tensor is padded as that buffer type pads it. The bytes of
 K are computed by ggml itself (ggml_backend_alloc_ctx_tensors_from_buft_size) from the expert
 tensors' types and shapes in the model's GGUF; which layers are cached, and on which device,
 libllama says after a trial allocation of one slot per layer.
@@ -218,11 +220,10 @@ class _Sizer:
     def bytes(self, device: str, k: int) -> int:
         if (device, k) not in self._memo:
             buft, signatures = self.groups[device]
-            total = 0
-            for signature, count in signatures.items():
-                tensors = [(t, ne0, ne1, k + 1) for t, ne0, ne1 in signature] + [(GGML_TYPE_I32, 1, self.n_expert, 1)]
-                total += count * ggml.buffer_bytes(buft, tensors)
-            self._memo[device, k] = total
+            tensors = [(GGML_TYPE_I32, 1, self.n_expert * sum(signatures.values()), 1)]
+            for signature, count in sorted(signatures.items()):  # libllama's order of the banks
+                tensors += [(t, ne0, ne1, count * k + 1) for t, ne0, ne1 in signature]
+            self._memo[device, k] = ggml.buffer_bytes(buft, tensors)
         return self._memo[device, k]
 
 

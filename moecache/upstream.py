@@ -170,7 +170,11 @@ class UpstreamCache:
 
 
 def equal_bytes(expert_bytes, slots_per_layer: int) -> int:
-    """Device bytes of moecache's per-layer cache at K slots: K + 1 slots per layer (slot K is
-    the all-zero slot uncached experts are remapped to), the budget the upstream model gets
-    for an equal-memory comparison."""
-    return sum(int(b) for b in expert_bytes) * (slots_per_layer + 1)
+    """Device bytes of moecache's per-layer cache at K slots: a bank per expert layout (layers of
+    equal expert_bytes, the grouping this model uses too) of n_layers * K slots plus one all-zero
+    slot that uncached experts are remapped to; the budget the upstream model gets for an
+    equal-memory comparison."""
+    layers_of_size: dict[int, int] = {}
+    for size in expert_bytes:
+        layers_of_size[int(size)] = layers_of_size.get(int(size), 0) + 1
+    return sum(size * (n_layers * slots_per_layer + 1) for size, n_layers in layers_of_size.items())

@@ -87,7 +87,7 @@ def test_replay_per_layer_k_is_the_largest_that_fits_the_budget():
         k = per_layer_slots(trace, budget)
         fits = lambda k: equal_bytes(trace.expert_bytes, k) <= budget * MIB  # noqa: E731
         assert fits(k) and not fits(k + 1), budget
-    assert per_layer_slots(trace, 3000) == 21  # 48 layers x 22 copies of a 2.7 MiB expert
+    assert per_layer_slots(trace, 3000) == 22  # 48 layers x 22 slots + a zero slot per bank (2 expert sizes)
     assert per_layer_slots(trace, 10**6) == trace.n_expert
 
 
@@ -103,8 +103,8 @@ def test_replay_budget_runs_both_models_at_the_same_bytes(tmp_path):
 
     rows = {row["model"]: row for row in csv.DictReader(out.open())}
     assert rows.keys() == {"per-layer", "global"}
-    assert rows["per-layer"]["slots"] == "21" and rows["per-layer"]["budget_mib"] == "3000.0"
-    expected = simulate(read_trace(str(path)), PER_LAYER, "lru", 21).totals
+    assert rows["per-layer"]["slots"] == "22" and rows["per-layer"]["budget_mib"] == "3000.0"
+    expected = simulate(read_trace(str(path)), PER_LAYER, "lru", 22).totals
     assert int(rows["per-layer"]["hits"]) == expected["hits"]
     assert rows["global"]["budget_mib"] == "3000.0" and rows["global"]["slots"] == ""
 
@@ -116,25 +116,28 @@ def test_replay_budget_below_one_slot_per_layer_is_one_line(capsys):
     assert main([str(TRACES / "qwen3-30b-a3b.route.csv"), "--budget-mib", "100", "--policies", "lru"]) == 2
     err = capsys.readouterr().err
     assert err == ("python -m moecache.replay: error: --budget-mib 100 is below one slot per layer for the "
-                   "per-layer model: this trace needs at least 262 MiB\n")
+                   "per-layer model: this trace needs at least 137 MiB\n")
 
 
 # --- on sized RPC devices --------------------------------------------------------------------------
 
 def expected_bytes(path: str, layers, k: int, alignment: int) -> int:
-    """What K slots per layer take on a device: per cached layer, the up, gate and down slot
-    tensors [ne0, ne1, K+1] and the I32 id -> slot table, each padded to the alignment."""
+    """What K slots per layer take on a device: per expert layout (the up, gate and down
+    experts' types and shapes), up, gate and down banks [ne0, ne1, n_layers*K + 1] (one zero
+    slot per bank), and the I32 id -> slot table of all the layers, each padded to the
+    alignment."""
     import gguf
 
     pad = lambda n: -(-n // alignment) * alignment  # noqa: E731
     tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
-    total = 0
+    layouts = {}
     for il in layers:
-        for name in ("up", "gate", "down"):
-            t = tensors[f"blk.{il}.ffn_{name}_exps.weight"]
-            per_expert = int(t.n_bytes) // int(t.shape[2])
-            total += pad((k + 1) * per_expert)
-        total += pad(4 * int(tensors[f"blk.{il}.ffn_gate_inp.weight"].shape[1]))
+        parts = [tensors[f"blk.{il}.ffn_{name}_exps.weight"] for name in ("up", "gate", "down")]
+        key = tuple((int(t.tensor_type), *map(int, t.shape[:2])) for t in parts)
+        layouts.setdefault(key, [0, [int(t.n_bytes) // int(t.shape[2]) for t in parts]])[0] += 1
+    total = pad(4 * sum(int(tensors[f"blk.{il}.ffn_gate_inp.weight"].shape[1]) for il in layers))
+    for count, per_expert in layouts.values():
+        total += sum(pad((count * k + 1) * size) for size in per_expert)
     return total
 
 
@@ -382,7 +385,7 @@ def test_run_py_cache_mib_prints_the_plan(sized_model):
                  env={"LLAMA_MOE_CACHE_SLOTS": "2"})  # the flag's size replaces the variable's
     assert out.returncode == 0, out.stderr
     plan = [line for line in out.stderr.splitlines() if line.startswith("moecache: plan for")]
-    assert plan == [line for line in plan if "LLAMA_MOE_CACHE_MIB=3: 2 layers x 6 slots" in line] != []
+    assert plan == [line for line in plan if "LLAMA_MOE_CACHE_MIB=3: 2 layers x 7 slots" in line] != []
 
 
 def test_bench_decode_sweeps_by_memory(tmp_path, sized_model):

@@ -171,8 +171,9 @@ def test_replay_splits_prompts_into_ubatches_and_bypasses_long_ones():
     assert cache.counters["hits"] == 2 and cache.counters["uploads"] == 1
 
 
-def test_equal_bytes_counts_our_zero_slot():
-    assert equal_bytes([100, 300], 16) == 400 * 17
+def test_equal_bytes_counts_one_zero_slot_per_bank():
+    # two layers of 100-byte experts share a bank: 2 x 16 slots + 1 zero slot
+    assert equal_bytes([100, 300, 100], 16) == 100 * 33 + 300 * 17
 
 
 # --- in the replay driver and its command line ---------------------------------------------
