@@ -399,4 +399,4 @@ def test_bench_decode_sweeps_by_memory(tmp_path, sized_model):
     assert list(rows) == ["stock", "MiB=3", "MiB=1"]
     assert (rows["MiB=3"]["slots"], rows["MiB=1"]["slots"]) == (7, 2)  # as the arithmetic test above
     assert rows["MiB=3"]["device_bytes"] <= 3 * MIB and rows["MiB=3"]["hit_rate"] is not None
-    assert "| MiB=3 (K=6) |" in run.stdout
+    assert "| MiB=3 (K=7) |" in run.stdout
