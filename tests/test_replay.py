@@ -49,11 +49,11 @@ def test_global_lru_falls_to_zero_below_one_tokens_working_set(qwen):
 
 
 def test_per_layer_replay_counts_lookups_and_bytes(qwen):
-    result = simulate(qwen, PER_LAYER, "lru", 16, inserts=2)
+    result = simulate(qwen, PER_LAYER, "lru", 16, inserts=2, prefill="off")
     decode_lookups = result.totals["hits"] + result.totals["misses"]
     assert decode_lookups == result.lookups == 128 * 48 * 6
     assert 0 < result.upload_bytes_per_token <= 2 * 48 * qwen.expert_bytes.max()
-    with_prefill = simulate(qwen, PER_LAYER, "lru", 16, inserts=2, include_prefill=True)
+    with_prefill = simulate(qwen, PER_LAYER, "lru", 16, inserts=2, prefill="plain")
     assert with_prefill.lookups > decode_lookups
     assert with_prefill.totals["hits"] + with_prefill.totals["misses"] == decode_lookups
 
@@ -261,7 +261,8 @@ def test_cli_engine_larger_than_memory_is_one_line(tmp_path, monkeypatch, capsys
 
 def test_cli_csv_uses_fractions_and_the_stats_names(tmp_path):
     out = tmp_path / "r.csv"
-    assert main([str(small_trace(tmp_path)), "--slots", "2", "--policies", "lru", "--csv", str(out)]) == 0
+    assert main([str(small_trace(tmp_path)), "--slots", "2", "--policies", "lru", "--prefill", "off",
+                 "--csv", str(out)]) == 0
     row = next(csv.DictReader(out.open()))
     assert row["hits"] == "0" and row["misses"] == "4" and row["hit_rate"] == "0.000000"
     assert row["decode_steps"] == "1" and row["upload_bytes"] == str(2 * 1000 + 2 * 2000)
