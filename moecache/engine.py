@@ -24,12 +24,13 @@ due: a miss in graph s is usable from graph s + 1. No boundary then uploads miss
 
 step(ids, prefill=True) takes a prompt ubatch that the stock graph ran (moecache.live: every
 ubatch in which not every token needs an output): no slot was read, so nothing is a hit or a
-miss, and the stock graph started no eager upload. The policy observes the prompt as one step;
-then each layer takes up to K of the prompt's experts, most used first (ties: the lower id),
-ignoring INSERTS: into free slots, then over residents the prompt did not use whose priority is
-below the candidate's admission worth (pinned experts and slots in flight stay), ordered and
-accepted as every upload (the policy's worth, stable). Those uploads count as prefill_uploads,
-not uploads, and are published at the next boundary as any other.
+miss nor counted in usage (the profile), and the stock graph started no eager upload. The
+policy observes the prompt as one step; then each layer takes up to K of the prompt's experts,
+most used first (ties: the lower id), ignoring INSERTS: into free slots, then over residents
+the prompt did not use whose priority is below the candidate's admission worth (pinned experts
+and slots in flight stay), ordered and accepted as every upload (the policy's worth, stable).
+Those uploads count as prefill_uploads, not uploads, and are published at the next boundary as
+any other.
 
 Layers are the engine's own indices 0..n_layers-1 (the glue maps them to model layers).
 """
@@ -140,7 +141,7 @@ class CacheEngine:
         self.publish_delay = publish_delay
         self._warm: list[np.ndarray] = []  # per-layer experts to upload at the next boundary
         self._key_base = np.arange(n_layers)[:, None] * n_expert  # key = layer * n_expert + expert
-        self.usage = np.zeros((n_layers, n_expert), dtype=np.int64)  # steps each expert was used in
+        self.usage = np.zeros((n_layers, n_expert), dtype=np.int64)  # steps each expert was used in, prompts not
         self._counts = np.zeros((len(COUNTERS), n_layers), dtype=np.int64)
         self.counters = {name: row for name, row in zip(COUNTERS, self._counts)}
         # the last observation's experts (native/engine_core.c fills a new table each step) and

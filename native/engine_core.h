@@ -14,7 +14,7 @@ typedef struct {
     uint8_t *pinned;            /* (L, E) */
     uint8_t *used;              /* (L, E) the last observation's experts (a new table each step) */
     uint8_t *mark;              /* (L, E) scratch, all zero between calls */
-    int64_t *usage;             /* (L, E) observations each expert was used in */
+    int64_t *usage;             /* (L, E) observations with lookups each expert was used in */
     int64_t *counts;            /* (n_counters, L) the engine's COUNTERS, in that order (C updates the first 8) */
 } mc_engine;
 
