@@ -219,10 +219,11 @@ def test_a_refused_plan_freezes_the_cache_and_decoding_stays_exact(rpc_device, t
     step = cache.engine.step
     applied = []
 
-    def bad_plan(ids=None, ready=None, admitted=None):
-        plan = step(ids, ready, admitted)
+    def bad_plan(ids=None, ready=None, admitted=None, prefill=False):
+        plan = step(ids, ready, admitted, prefill=prefill)
         if plan.step == 3:
-            applied.append(int(cache.engine.counters["uploads"].sum()) - len(plan.upload))
+            counters = cache.engine.counters
+            applied.append(int(counters["uploads"].sum() + counters["prefill_uploads"].sum()) - len(plan.upload))
             plan.upload = np.vstack([plan.upload, [[0, 1, 2]]]).astype(np.int32)  # slot 2 of K=2
         return plan
 
@@ -398,8 +399,9 @@ def test_repacked_experts_of_a_split_model_are_read_from_their_split(tmp_path, r
     tokens, logits = greedy(llm, PROMPT, 64)
     assert tokens == stock[0] and float(np.abs(logits - stock[1]).max()) <= REPACK_LOGIT_TOLERANCE
     assert cache.failed is None and cache.stats()["totals"]["hits"] > 0
+    totals = cache.stats()["totals"]
     assert sum(c["uploads"] for c in cache.native_counters()) == \
-        cache.stats()["totals"]["uploads"] + unreported(cache) > 0
+        totals["uploads"] + totals["prefill_uploads"] + unreported(cache) > 0
 
 
 def test_a_repacked_model_without_a_file_source_loads_plain(monkeypatch, caplog):
