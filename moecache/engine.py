@@ -22,6 +22,16 @@ uploads by its rule; step(ids of graph t) at boundary t+1 takes those admissions
 from the handover, so replay and a waiting live run agree) and publishes them with the uploads
 due: a miss in graph s is usable from graph s + 1. No boundary then uploads misses itself.
 
+step(ids, prefill=True) takes a prompt ubatch that the stock graph ran (moecache.live: every
+ubatch in which not every token needs an output): no slot was read, so nothing is a hit or a
+miss nor counted in usage (the profile), and the stock graph started no eager upload. The
+policy observes the prompt as one step; then each layer takes up to K of the prompt's experts,
+most used first (ties: the lower id), ignoring INSERTS: into free slots, then over residents
+the prompt did not use whose priority is below the candidate's admission worth (pinned experts
+and slots in flight stay), ordered and accepted as every upload (the policy's worth, stable).
+Those uploads count as prefill_uploads, not uploads, and are published at the next boundary as
+any other.
+
 Layers are the engine's own indices 0..n_layers-1 (the glue maps them to model layers).
 """
 
@@ -38,7 +48,8 @@ from .policies import Policy
 
 ADMISSIONS = ("boundary", "eager")  # a miss is uploaded at the next boundary, or during its graph
 COUNTERS = ("hits", "misses", "uploads", "evictions", "prefetch_uploads", "prefetch_hits",
-            "prefetch_waste", "late")  # late: due uploads not complete at their boundary
+            "prefetch_waste", "late",  # late: due uploads not complete at their boundary
+            "prefill_uploads")  # uploads of the prompt's experts (step(..., prefill=True))
 _NO_JOBS = np.empty((0, 3), dtype=np.int32)
 _NO_LAYERS = np.empty(0, dtype=np.int64)
 
@@ -130,7 +141,7 @@ class CacheEngine:
         self.publish_delay = publish_delay
         self._warm: list[np.ndarray] = []  # per-layer experts to upload at the next boundary
         self._key_base = np.arange(n_layers)[:, None] * n_expert  # key = layer * n_expert + expert
-        self.usage = np.zeros((n_layers, n_expert), dtype=np.int64)  # steps each expert was used in
+        self.usage = np.zeros((n_layers, n_expert), dtype=np.int64)  # steps each expert was used in, prompts not
         self._counts = np.zeros((len(COUNTERS), n_layers), dtype=np.int64)
         self.counters = {name: row for name, row in zip(COUNTERS, self._counts)}
         # the last observation's experts (native/engine_core.c fills a new table each step) and
@@ -217,7 +228,7 @@ class CacheEngine:
 
     # --- the boundary -------------------------------------------------------------------
 
-    def step(self, ids=None, ready: int | None = None, admitted=None) -> StepPlan:
+    def step(self, ids=None, ready: int | None = None, admitted=None, prefill: bool = False) -> StepPlan:
         """ids: (n_layers, n_used) int expert ids the previous graph selected, router-rank
         order (-1 = no selection), or None at the first boundary. ready: how many of the
         uploads due now are complete, counted in the order they were issued (the live glue
@@ -226,26 +237,32 @@ class CacheEngine:
         None: all of them (offline replay, or a glue that waited). Eager admission: the
         uploads due are the boundary's from the last boundary, then the graph's admissions;
         admitted: those libllama reports (rows of eager.admissions, in the order it started
-        them), None: the modelled ones."""
+        them), None: the modelled ones. prefill: ids are a prompt ubatch the stock graph ran
+        (see the module docstring)."""
         t = self.step_index
         self.step_index += 1
         eager = self.admission == "eager"
         reported, admitted, eager_evict = admitted, _NO_JOBS, []
+        if prefill and (ids is None or (reported is not None and len(reported))):
+            raise ValueError("a prefill step needs the prompt's ids, and the stock graph admits nothing")
         if ids is None:
             hit_mask, hits, misses, seen = None, np.zeros(self.n_layers, dtype=np.int64), \
                 np.zeros(self.n_layers, dtype=np.int64), None
         else:
             ids = np.asarray(ids)
-            hit_mask, hits, misses, seen = self._observe(t, ids)
-            if eager and self.handover is not None:
+            hit_mask, hits, misses, seen = self._observe(t, ids, lookups=not prefill)
+            if eager and self.handover is not None and not prefill:
                 admitted = admissions(self.handover, ids, self.slot_expert) if reported is None \
                     else reported
                 if admitted.size:
                     self._commit(t, *admitted.T, False, eager_evict, [])
                     self._pending[0] = _join([self._pending[0], admitted])  # issued last
         publish, late = self._publish(ready)
-        evict, upload = self._plan(t, seen, upload_misses=not eager,
-                                   spent=admitted[:, 0] if eager else _NO_LAYERS)
+        if prefill:
+            evict, upload = self._plan_prompt(t, seen[0])
+        else:
+            evict, upload = self._plan(t, seen, upload_misses=not eager,
+                                       spent=admitted[:, 0] if eager else _NO_LAYERS)
         if eager_evict:
             evict = _join(eager_evict + [evict])
         self._pending.append(upload)
@@ -270,10 +287,10 @@ class CacheEngine:
                         ffi.from_buffer("int32_t[]", victims), _f64(victim_worth), self._ranked)
         return Handover(victims, victim_worth, worth, self._handover_budget)
 
-    def _observe(self, t, ids):
-        """Count the observed step's hits and uses and hand it to the policy. Returns the hit
-        mask, hits and misses per layer, and (ids as native/engine_core.c reads them, whether
-        anything missed) for planning."""
+    def _observe(self, t, ids, lookups=True):
+        """Count the observed step's hits (unless it made no lookups: a prompt) and uses and
+        hand it to the policy. Returns the hit mask, hits and misses per layer, and (ids as
+        native/engine_core.c reads them, whether anything missed) for planning."""
         L = self.n_layers
         if ids.ndim != 2 or ids.shape[0] != L or ids.dtype.kind not in "iu":
             raise ValueError(f"ids must be an integer array ({L}, n_used), got {ids.dtype} {ids.shape}")
@@ -283,7 +300,7 @@ class CacheEngine:
         used = np.zeros((L, self.n_expert), dtype=bool)  # new each step: a policy may keep it
         counts = np.empty((2, L), dtype=np.int64)  # hits, misses
         fb = ffi.from_buffer
-        if lib.mc_observe(self._core, fb(native), native.itemsize == 8, ids.shape[1], fb("uint8_t[]", used),
+        if lib.mc_observe(self._core, fb(native), native.itemsize == 8, ids.shape[1], lookups, fb("uint8_t[]", used),
                           fb("uint8_t[]", hit_mask), fb("int64_t[]", counts), self._out, self._flags):
             raise ValueError(f"expert ids must be in [-1, {self.n_expert}), got {self._out[0]}")
         self._used = used  # what engine_core.c reads until the next observation
@@ -328,6 +345,24 @@ class CacheEngine:
             if predicted.size and left.any():
                 self._fill(t, self._native_ids(predicted), left, seen is not None, True,
                            evict_parts, upload_parts)
+        return _join(evict_parts), _join(upload_parts)
+
+    def _plan_prompt(self, t, ids):
+        """Warm-start uploads, then up to K of the prompt's experts per layer, most used first
+        (ties: the lower id), ignoring INSERTS: the (evict, upload) job tables of a prefill step."""
+        L, E, K = self.n_layers, self.n_expert, self.n_slots
+        evict_parts, upload_parts = [], []
+        if self._warm:
+            self._upload_warm(t, evict_parts, upload_parts)
+        keys = (ids + self._key_base)[ids >= 0]
+        uses = np.bincount(keys, minlength=L * E).reshape(L, E)
+        top = np.argsort(-uses, axis=1, kind="stable")[:, :K]  # stable: the lower id first
+        top = np.where(np.take_along_axis(uses, top, axis=1) > 0, top, -1)
+        uploaded = self._fill(t, top, np.full(L, K, dtype=np.int64), True, False, evict_parts, upload_parts)
+        if uploaded.size:
+            n = np.bincount(uploaded, minlength=L)
+            self.counters["uploads"] -= n
+            self.counters["prefill_uploads"] += n
         return _join(evict_parts), _join(upload_parts)
 
     def _upload_warm(self, t, evict_parts, upload_parts):
@@ -427,13 +462,15 @@ class CacheEngine:
         """The totals every report uses (live stats, replay results): "totals", the counters
         summed over layers; "hit_rate", hits / lookups as a FRACTION (None before any lookup);
         "layers", each counter per layer. With expert_bytes (per layer), totals also carry
-        "upload_bytes", "miss_bytes" and "lookup_bytes" (exact: Python integers)."""
+        "upload_bytes", "miss_bytes", "lookup_bytes" and "prefill_upload_bytes" (exact:
+        Python integers)."""
         layers = {name: v.tolist() for name, v in self.counters.items()}
         totals = {name: sum(values) for name, values in layers.items()}
         if expert_bytes is not None:
             if len(expert_bytes) != self.n_layers:
                 raise ValueError(f"expert_bytes has {len(expert_bytes)} layers, expected {self.n_layers}")
             for name, counts in (("upload_bytes", layers["uploads"]), ("miss_bytes", layers["misses"]),
+                                 ("prefill_upload_bytes", layers["prefill_uploads"]),
                                  ("lookup_bytes", [h + m for h, m in zip(layers["hits"], layers["misses"])])):
                 totals[name] = sum(n * int(size) for n, size in zip(counts, expert_bytes))
         lookups = totals["hits"] + totals["misses"]

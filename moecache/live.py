@@ -1,14 +1,16 @@
 """The live expert cache of one llama_context: policy and engine here, mechanism in libllama.
 
-Before every ubatch of up to LLAMA_MOE_CACHE_MAX_BATCH tokens (decode, speculative
-verification; larger ones are stock and unobserved) libllama calls the step callback while no
-graph runs: hand the last such ubatch's selections to the engine (every token's), then apply
-its plan in one call: publish the
+Before every ubatch libllama calls the step callback while no graph runs: hand the last
+ubatch's selections to the engine (every token's), then apply its plan in one call: publish the
 uploads that are due and complete, clear the evicted table entries and queue the new uploads
 (libllama starts them after the callback returns, once the tables are written). An upload
 still running when it is due stays unpublished and its slot untouchable until a later
 boundary ("late"), so a slow upload never stalls decoding; LLAMA_MOE_CACHE_WAIT=1 waits for
 it instead, which makes the hit count deterministic (what the offline replay reproduces).
+Ubatches of up to LLAMA_MOE_CACHE_MAX_BATCH tokens that output every token (decode,
+speculative verification) run the cached graph; prompts and larger ubatches run the stock
+graph, which copies its selections out: the engine takes those as a prefill step (no lookups;
+the prompt's most used experts are uploaded, counted apart).
 
 Eager admission (LLAMA_MOE_CACHE_ADMISSION=eager): the boundary also hands libllama the
 engine's Handover (moecache.eager), whose rule the CPU observers follow during the next graph
@@ -35,7 +37,7 @@ from .eager import admissions
 from .engine import COUNTERS, CacheEngine
 from .policies import make_policy
 from .profile import ProfileError, UsageProfile
-from .traces import DECODE, TraceWriter
+from .traces import DECODE, PREFILL, TraceWriter
 from .util import atomic_write
 
 log = logging.getLogger("moecache")
@@ -76,13 +78,19 @@ class LiveCache:
             raise
 
         self.steps = 0
-        self.decode_steps = 0   # steps that observed a ubatch
+        self.decode_steps = 0   # steps that observed a cached ubatch
         self.decode_tokens = 0  # the tokens of those ubatches
+        self.prefill_steps = 0  # steps that observed a stock ubatch (a prompt)
+        self.prefill_tokens = 0
+        self._trace_turn = 0    # a prompt after decoding starts a new turn of the trace
+        self._trace_tokens = 0  # the trace's step numbers, over both phases
+        self._trace_phase = None
         self.step_ns = 0
         self.step_ns_max = 0
         self.wait_us = 0
         self.failed = None
         self._observed = None
+        self._stock_observed = None
         self._shape = self.ffi.new("int32_t[2]")  # out-parameters (n_cols, stride), reused every step
         self._handover = self.ffi.new("struct llama_moe_cache_handover *")
         self._closed = False
@@ -165,10 +173,13 @@ class LiveCache:
         else:  # the worker completes uploads in order: the first ones due are the ready ones
             ready = engine.uploads_due + len(admitted if admitted is not None else ()) \
                 - lib.llama_moe_cache_uploads_pending(ctx)
-        ids = self._read_observed()
-        if admitted is not None and self.config.wait:
+        ids, prefill = self._read_observed(), False
+        if ids is None:  # the last ubatch may have been a prompt
+            ids = self._read_observed(stock=True)
+            prefill = ids is not None
+        if admitted is not None and self.config.wait and not prefill:
             self._check_admitted(ids, admitted)
-        plan = engine.step(ids, ready, admitted)
+        plan = engine.step(ids, ready, admitted, prefill=prefill)
         status = lib.llama_moe_cache_apply(ctx, *self._rows(plan.publish), *self._rows(plan.evict),
                                            *self._rows(plan.upload))
         if status == lib.LLAMA_MOE_CACHE_FILE_CHANGED:
@@ -184,15 +195,24 @@ class LiveCache:
         if ids is not None:
             n_tokens = ids.shape[1] // self.n_used
             if self.trace:
-                self._write_trace(ids, plan.hit_mask.astype(np.int8))
+                self._write_trace(ids, plan.hit_mask.astype(np.int8), prefill)
+            if prefill:
+                self.prefill_steps += 1
+                self.prefill_tokens += n_tokens
+                return
             self.decode_steps += 1
             self.decode_tokens += n_tokens
             if self.config.flush_steps and self.decode_steps % self.config.flush_steps == 0:
                 self._flush_in_background()
 
-    def _write_trace(self, ids, residency):
+    def _write_trace(self, ids, residency, prefill):
+        phase = PREFILL if prefill else DECODE
+        if phase == PREFILL and self._trace_phase == DECODE:
+            self._trace_turn += 1
+        self._trace_phase = phase
         try:
-            self.trace.write_step(0, DECODE, self.decode_tokens, ids, None, residency)
+            self.trace.write_step(self._trace_turn, phase, self._trace_tokens, ids, None, residency)
+            self._trace_tokens += ids.shape[1] // self.n_used
         except (OSError, ValueError) as e:  # e.g. a full disk: the trace stops, the cache goes on
             log.error("moecache: error: LLAMA_MOE_CACHE_TRACE=%r: %s - trace stopped after %d steps",
                       self.config.trace, getattr(e, "strerror", None) or e, self.decode_steps)
@@ -237,18 +257,20 @@ class LiveCache:
         """A job table as (pointer, row count) for libllama: (n, 3) int32, C order."""
         return self.ffi.from_buffer("int32_t[]", np.ascontiguousarray(jobs, dtype=np.int32)), len(jobs)
 
-    def _read_observed(self):
-        """(n_layers, n_tokens * n_used) ids of the last cached ubatch, token by token (-1 where a
-        layer ran fewer tokens), or None."""
+    def _read_observed(self, stock=False):
+        """(n_layers, n_tokens * n_used) ids of the last ubatch if it ran the cached graph (or,
+        stock: the stock graph), token by token (-1 where a layer ran fewer tokens), or None."""
         shape = self._shape
-        ptr = self.lib.llama_moe_cache_observed(self.ctx, shape, shape + 1)
+        read = self.lib.llama_moe_cache_observed_stock if stock else self.lib.llama_moe_cache_observed
+        ptr = read(self.ctx, shape, shape + 1)
         if ptr == self.ffi.NULL:
             return None
-        if self._observed is None:  # the buffer lives as long as the cache: map it once
+        name = "_stock_observed" if stock else "_observed"
+        if getattr(self, name) is None:  # the buffer lives as long as the cache: map it once
             n = len(self.layers) * shape[1]
-            self._observed = np.frombuffer(self.ffi.buffer(ptr, 4 * n), dtype=np.int32).reshape(
-                len(self.layers), shape[1])
-        return self._observed[:, :shape[0]].copy()
+            setattr(self, name, np.frombuffer(self.ffi.buffer(ptr, 4 * n), dtype=np.int32).reshape(
+                len(self.layers), shape[1]))
+        return getattr(self, name)[:, :shape[0]].copy()
 
     # --- reporting ------------------------------------------------------------------------
 
@@ -264,6 +286,8 @@ class LiveCache:
             "steps": self.steps,
             "decode_steps": self.decode_steps,
             "decode_tokens": self.decode_tokens,
+            "prefill_steps": self.prefill_steps,
+            "prefill_tokens": self.prefill_tokens,
             "hit_rate": engine["hit_rate"],
             "totals": engine["totals"],
             "step_us_mean": self.step_ns / self.steps / 1e3 if self.steps else None,

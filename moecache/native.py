@@ -8,7 +8,7 @@ from ._native import ffi
 
 
 # the patch series (patches/) this package is written against: llama_moe_cache_version()
-PATCH_VERSION = "7"
+PATCH_VERSION = "8"
 
 
 class NotPatchedError(RuntimeError):

@@ -2,7 +2,8 @@
 the command line, the scripts and the tests run.
 
     python -m moecache.replay TRACE [--slots 8,16,32,64] [--policies lru,belady,default]
-                              [--inserts 2] [--admission boundary,eager] [--budget-mib 3000,4000]
+                              [--inserts 2] [--admission boundary,eager] [--prefill warm]
+                              [--budget-mib 3000,4000]
                               [--host-gbps 60] [--link-gbps 25] [--csv FILE] [--plot PNG]
 
 Three models (MODELS, each with its policy registry):
@@ -14,9 +15,11 @@ per-layer (--slots, and --budget-mib at the largest K whose slots fit it: K per 
     per step. It runs moecache.engine.CacheEngine itself, the code the live glue calls, with
     either admission timing (--admission): "boundary" uploads a miss at the next boundary
     (one-step publication delay, experts of the step just observed protected), "eager" while
-    the graph that missed it runs (moecache.eager). Prefill is NOT fed by default, as live
-    prefill graphs are stock and do not feed the policy (--include-prefill feeds each turn's
-    prefill as one batched observation).
+    the graph that missed it runs (moecache.eager). --prefill: "warm" (default) feeds each
+    prompt ubatch (of 512 tokens, or as recorded) as a prefill step, as the live cache does
+    (engine.step(ids, prefill=True): no lookups, up to K of the prompt's experts uploaded,
+    counted apart); "off" feeds no prefill; "plain" feeds each turn's prompt as one batched
+    observation of the cache, lookups and uploads counted as any other.
 upstream (policy name "upstream", at the device bytes of each --slots K and at each
     --budget-mib): upstream llama.cpp's own cache (moecache.upstream), prompts in ubatches of
     512 tokens, then one ubatch per decode token.
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import math
 import os
 import sys
@@ -57,6 +61,7 @@ from .util import OneLineParser, Progress, atomic_write, int_arg, int_list_arg
 
 MIB = 1 << 20
 PER_LAYER, GLOBAL, UPSTREAM = "per-layer", "global", "upstream"
+PREFILL_MODES = ("warm", "off", "plain")  # the per-layer model's prompts (see the module docstring)
 MODELS = {PER_LAYER: POLICIES, GLOBAL: BUDGET_POLICIES, UPSTREAM: {"upstream": UpstreamCache}}
 ENGINE_BYTES_PER_ENTRY = 48  # the engine's and a policy's (layer, expert) tables, per entry
 
@@ -70,7 +75,8 @@ def policy_names(model: str) -> list[str]:
 class ReplayResult:
     """One replay. totals: the decode observations' counters (CacheEngine.stats() names,
     upload_bytes included); totals_all: every observation's (prefill when fed, and the
-    warm start's uploads). Rates are fractions, None without lookups."""
+    warm start's uploads; per-layer prefill="warm": prefill_upload_bytes). Rates are
+    fractions, None without lookups."""
 
     model: str
     policy: str
@@ -83,6 +89,8 @@ class ReplayResult:
     seconds: float
     step_seconds: np.ndarray | None = None  # with simulate(step_times=True)
     admission: str | None = None            # per-layer: the engine's admission timing
+    prefill: str | None = None              # per-layer: PREFILL_MODES
+    turns: int = 0
 
     @property
     def hit_rate(self) -> float | None:
@@ -99,6 +107,11 @@ class ReplayResult:
     @property
     def upload_bytes_per_token(self) -> float | None:
         return self.totals["upload_bytes"] / self.decode_steps if self.decode_steps else None
+
+    @property
+    def prefill_upload_bytes_per_turn(self) -> float | None:
+        """Bytes the prompts' prefill steps uploaded (per-layer prefill="warm"), per turn."""
+        return self.totals_all.get("prefill_upload_bytes", 0) / self.turns if self.turns else None
 
     @property
     def lookups_per_s(self) -> float:
@@ -130,7 +143,7 @@ def _rate(totals):
 # --- the driver --------------------------------------------------------------------------
 
 def simulate(trace: RouteTrace, model: str, policy, size=None, *, inserts: int | None = 2,
-             admission: str = "boundary", include_prefill: bool = False,
+             admission: str = "boundary", prefill: str | None = None,
              profile: UsageProfile | None = None, seed: int = 0, step_times: bool = False,
              before_step=None) -> ReplayResult:
     """Replay `trace` (RouteTrace.from_routing makes one of bare routing) through one model.
@@ -139,19 +152,24 @@ def simulate(trace: RouteTrace, model: str, policy, size=None, *, inserts: int |
     "upstream" (policy "upstream"; size: the budget in MiB, equal_bytes() for a K's).
     policy: a name of that model's registry ("default": DEFAULT_POLICY), a policy object of
     it, or (per-layer) a prepared CacheEngine not stepped yet, which brings its own size,
-    inserts, admission and warm start. inserts, admission (engine.ADMISSIONS),
-    include_prefill, profile (warm start as the live cache does it: the profile's top experts
+    inserts, admission and warm start. inserts, admission (engine.ADMISSIONS), prefill
+    (PREFILL_MODES, default "warm"), profile (warm start as the live cache does it: the profile's top experts
     preloaded, its rates the policy's prior): per-layer only. seed: the random policies'. step_times: keep each step's duration;
     before_step: called before each step (a benchmark evicting the CPU caches)."""
     if model == PER_LAYER:
+        prefill = "warm" if prefill is None else prefill
+        if prefill not in PREFILL_MODES:
+            raise ValueError(f"prefill must be one of {', '.join(PREFILL_MODES)}, got {prefill!r}")
         cache, label, slots, inserts = _per_layer_cache(trace, policy, size, inserts, admission,
-                                                        include_prefill, profile, seed)
-        segments = _segments(trace, PER_LAYER, include_prefill)
+                                                        prefill, profile, seed)
+        segments = _segments(trace, PER_LAYER, prefill)
         totals = lambda: cache.stats(trace.expert_bytes)["totals"]  # noqa: E731
         budget, admission = None, cache.admission
+        # (prefill step, decode step): a warm prompt is a prefill step, a plain one an observation
+        steps = (functools.partial(cache.step, prefill=True) if prefill == "warm" else cache.step, cache.step)
     elif model in (GLOBAL, UPSTREAM):
-        if include_prefill or profile is not None or admission != "boundary":
-            raise ValueError("include_prefill, profile and admission are per-layer model options")
+        if prefill is not None or profile is not None or admission != "boundary":
+            raise ValueError("prefill, profile and admission are per-layer model options")
         if model == GLOBAL:
             cache, label = _global_cache(trace, policy, size, seed)
         else:
@@ -159,21 +177,23 @@ def simulate(trace: RouteTrace, model: str, policy, size=None, *, inserts: int |
         segments = _segments(trace, model)
         totals = lambda: cache.stats()["totals"]  # noqa: E731
         slots, inserts, budget, admission = None, None, size, None
+        steps = (cache.step, cache.step)
     else:
         raise ValueError(f"unknown model {model!r}; valid: {', '.join(MODELS)}")
-    decode, final, seconds, times = _drive(cache.step, totals, segments, step_times, before_step)
+    decode, final, seconds, times = _drive(steps, totals, segments, step_times, before_step)
     return ReplayResult(model, label, slots, budget, inserts, int((trace.phase == DECODE).sum()),
-                        decode, final, seconds, times, admission)
+                        decode, final, seconds, times, admission, prefill, len(_turns(trace)))
 
 
-def _drive(step, totals, segments, step_times, before_step):
-    """Step through the segments; the decode totals are the sum of the decode segments'
-    differences of totals(), the cache's own counters."""
+def _drive(steps, totals, segments, step_times, before_step):
+    """Step through the segments, with steps[is_decode]; the decode totals are the sum of the
+    decode segments' differences of totals(), the cache's own counters."""
     times = [] if step_times else None
     decode = None
     start = time.perf_counter()
     before = totals()
     for is_decode, items in segments:
+        step = steps[is_decode]
         if times is None and before_step is None:
             for item in items:
                 step(item)
@@ -196,7 +216,7 @@ def _drive(step, totals, segments, step_times, before_step):
     return decode, before, seconds, None if times is None else np.array(times)
 
 
-def _per_layer_cache(trace, policy, slots, inserts, admission, include_prefill, profile, seed):
+def _per_layer_cache(trace, policy, slots, inserts, admission, prefill, profile, seed):
     """(engine after its first boundary, label, K, inserts)."""
     if isinstance(policy, CacheEngine):
         if slots is not None or profile is not None or admission != "boundary" or policy.step_index:
@@ -211,7 +231,7 @@ def _per_layer_cache(trace, policy, slots, inserts, admission, include_prefill, 
         require_memory(ENGINE_BYTES_PER_ENTRY * L * E, f"the cache engine's {L} layers x {E} experts")
         if isinstance(policy, str):
             label = policy if policy != "default" else f"default({resolve_policy(policy)})"
-            policy = make_policy(policy, future=_future(trace, PER_LAYER, include_prefill), seed=seed)
+            policy = make_policy(policy, future=_future(trace, PER_LAYER, prefill), seed=seed)
         elif isinstance(policy, Policy):
             label = policy.name
         else:
@@ -272,17 +292,17 @@ def _memo(trace, key, build):
     return memo[key]
 
 
-def _segments(trace, model, include_prefill=False):
+def _segments(trace, model, prefill=None):
     """[(is_decode, [step input, ...])], adjacent steps of one phase together."""
-    build = {PER_LAYER: lambda: _observations(trace, include_prefill),
+    build = {PER_LAYER: lambda: _observations(trace, prefill),
              GLOBAL: lambda: _batches(trace), UPSTREAM: lambda: _ubatches(trace)}[model]
-    return _memo(trace, (model, include_prefill), build)
+    return _memo(trace, (model, prefill), build)
 
 
-def _future(trace, model, include_prefill=False):
+def _future(trace, model, prefill=None):
     """Every step input of a model, in order: what the offline policies read ahead."""
-    segments = _segments(trace, model, include_prefill)
-    return _memo(trace, ("future", model, include_prefill),
+    segments = _segments(trace, model, prefill)
+    return _memo(trace, ("future", model, prefill),
                  lambda: [item for _, items in segments for item in items])
 
 
@@ -302,17 +322,23 @@ def _merged(segments):
     return out
 
 
-def _observations(trace, include_prefill):
+def _observations(trace, prefill):
     """The per-layer model's steps: (n_layers, n) ids, what the live cache would observe, in
-    order. A turn's prefill is one batched observation, and so are the decode tokens of one
-    recorded batch (a multi-token ubatch)."""
+    order. The decode tokens of one recorded batch (a multi-token ubatch) are one observation;
+    a turn's prompt is one ("plain"), or one per recorded batch, else per ubatch of
+    DEFAULT_UBATCH tokens, as llama.cpp splits it ("warm"), or none ("off")."""
     segments = []
     for turn in _turns(trace):
         ids, phase = trace.ids[turn], trace.phase[turn]
-        if include_prefill:
-            prefill = ids[phase == PREFILL]
-            if prefill.size:
-                segments.append((False, [_together(prefill)]))
+        prompt = phase == PREFILL
+        if prefill == "plain" and prompt.any():
+            segments.append((False, [_together(ids[prompt])]))
+        elif prefill == "warm" and prompt.any():
+            batch = trace.batch[turn][prompt]
+            if (batch < 0).all():
+                batch = np.arange(prompt.sum()) // DEFAULT_UBATCH
+            starts = np.flatnonzero(np.diff(batch)) + 1
+            segments.append((False, [_together(part) for part in np.split(ids[prompt], starts)]))
         decode = phase == DECODE
         segments.append((True, _by_batch(ids[decode], trace.batch[turn][decode])))
     return _merged(segments)
@@ -432,8 +458,10 @@ def parser() -> OneLineParser:
     ap.add_argument("--budget-mib", type=_budgets_arg, default=[],
                     help="byte budgets, comma separated: the global model's (BigMoeOnEdge), and the "
                          "per-layer model at the largest K that fits")
-    ap.add_argument("--include-prefill", action="store_true",
-                    help="per-layer model: feed each turn's prefill as one batched observation")
+    ap.add_argument("--prefill", choices=PREFILL_MODES, default="warm",
+                    help="per-layer model: each prompt ubatch as a prefill step that uploads its most "
+                         "used experts, as the live cache does (warm, the default); no prefill (off); "
+                         "each turn's prompt as one batched observation (plain)")
     ap.add_argument("--preload-profile", metavar="JSON",
                     help="per-layer model: warm start from a saved usage profile")
     ap.add_argument("--host-gbps", type=_gbps_arg, default=DEFAULT_HOST_GBPS,
@@ -510,7 +538,7 @@ def run(args, trace, profile) -> list[ReplayResult]:
         return equal_bytes(trace.expert_bytes, k) / MIB
     # (model, policy, size, options, what the result stands against: the K of an upstream run,
     # the budget of a per-layer run sized by one)
-    per_layer = [(p, {"inserts": args.inserts, "include_prefill": args.include_prefill, "profile": profile,
+    per_layer = [(p, {"inserts": args.inserts, "prefill": args.prefill, "profile": profile,
                       "admission": a}) for p in args.policies if p in policy_names(PER_LAYER) for a in args.admission]
     runs = [(PER_LAYER, p, k, options, {}) for p, options in per_layer for k in args.slots] + \
            [(PER_LAYER, p, args.budget_slots[b], options, {"budget_mib": b}) for p, options in per_layer
@@ -556,7 +584,7 @@ def print_tables(args, trace, results) -> None:
             continue
         if model == PER_LAYER:
             print(f"\nper-layer cache: K slots per layer, inserts={'unlimited' if args.inserts is None else args.inserts}, "
-                  f"prefill {'fed' if args.include_prefill else 'not fed'}"
+                  f"prefill {args.prefill}"
                   f"{', warm start from ' + args.preload_profile if args.preload_profile else ''}")
             # MiB: the device bytes of the K slots (equal_bytes); budget: the --budget-mib they fit
             head = f"{'policy':<16}{'admission':>10}{'K':>6}{'MiB':>8}" + (f"{'budget':>8}" if args.budget_mib else "")
@@ -567,7 +595,9 @@ def print_tables(args, trace, results) -> None:
             print(f"\nupstream llama.cpp cache (--moe-cache-mib): one LRU per group of layers, every miss "
                   f"copied synchronously; K: at the device bytes of K per-layer slots")
             head = f"{'policy':<16}{'K':>6}{'MiB':>8}"
-        print(f"{head}{'hit% dec':>10}{'hit% cum':>10}{'MiB up/tok':>12}{'ms/tok':>8}{'Mlookup/s':>11}")
+        warm = model == PER_LAYER and args.prefill == "warm"  # prompt uploads, counted apart
+        print(f"{head}{'hit% dec':>10}{'hit% cum':>10}{'MiB up/tok':>12}" + (f"{'MiB pre/turn':>14}" if warm else "")
+              + f"{'ms/tok':>8}{'Mlookup/s':>11}")
         for r in rows:
             if model == PER_LAYER:
                 label = f"{r.policy:<16}{r.admission:>10}{r.slots:>6}{equal_bytes(trace.expert_bytes, r.slots) / MIB:>8.0f}"
@@ -578,13 +608,16 @@ def print_tables(args, trace, results) -> None:
             else:
                 label = f"{r.policy:<16}{'-' if r.slots is None else r.slots:>6}{r.budget_mib:>8.0f}"
             per_token = "-" if r.upload_bytes_per_token is None else f"{r.upload_bytes_per_token / MIB:.1f}"
+            per_turn = "-" if r.prefill_upload_bytes_per_turn is None else f"{r.prefill_upload_bytes_per_turn / MIB:.1f}"
             print(f"{label}{_pct(r.hit_rate):>10}{_pct(r.hit_rate_all):>10}{per_token:>12}"
-                  f"{_ms(r.modelled_ms(bandwidth)):>8}{r.lookups_per_s / 1e6:>11.2f}")
+                  + (f"{per_turn:>14}" if warm else "")
+                  + f"{_ms(r.modelled_ms(bandwidth)):>8}{r.lookups_per_s / 1e6:>11.2f}")
 
 
 CSV_COLUMNS = ("model", "policy", "slots", "budget_mib", "inserts", "admission", "decode_steps",
                "hits", "misses", "uploads", "upload_bytes", "hit_rate", "hits_all", "misses_all",
-               "hit_rate_all", "upload_bytes_per_token", "modelled_ms_per_token", "seconds")
+               "hit_rate_all", "upload_bytes_per_token", "modelled_ms_per_token", "seconds", "prefill",
+               "prefill_upload_bytes")
 
 
 def write_csv(path, results, bandwidth: Bandwidth) -> None:
@@ -609,7 +642,8 @@ def _write_rows(path, results, bandwidth):
                 "upload_bytes_per_token": None if r.upload_bytes_per_token is None
                 else f"{r.upload_bytes_per_token:.0f}",
                 "modelled_ms_per_token": _ms(r.modelled_ms(bandwidth)).replace("-", ""),
-                "seconds": f"{r.seconds:.4f}"})
+                "seconds": f"{r.seconds:.4f}", "prefill": r.prefill,
+                "prefill_upload_bytes": r.totals_all.get("prefill_upload_bytes") if r.model == PER_LAYER else None})
 
 
 def plot(path, trace, results) -> None:

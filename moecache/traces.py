@@ -17,8 +17,8 @@ therefore come from the preamble only, and a layer without a preamble line is an
 The optional `dropped` column is parsed and kept; the replay models do not use it.
 The optional `batch` column (written by moecache's live traces) numbers the observations: the
 tokens of one batch were evaluated in one ubatch (a multi-token decode, e.g. a speculative
-verification), between the same two cache steps, and the per-layer replay observes them
-together. Such a token may lack a layer as a whole (llama.cpp runs the last layer only for the
+verification, or a prompt's ubatch), between the same two cache steps, and the per-layer replay
+observes them together. Such a token may lack a layer as a whole (llama.cpp runs the last layer only for the
 tokens whose logits are wanted). Without the column every decode token is its own observation.
 """
 

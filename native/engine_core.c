@@ -20,8 +20,10 @@ static inline int64_t id_at(const void *ids, int wide, int64_t i) {
 /* An observation (L, n): hit mask, hits and misses per layer (counts: (2, L)), the used table (a new all-zero
  * table, kept as g->used for the boundary's choice; each expert once),
  * usage, counters, prefetch hits. flags[0]: something missed; flags[1]: a row repeats an id.
+ * lookups 0: a prompt the stock graph ran, which read no slot: no hit, miss or prefetch hit, and no
+ * usage (the profile stays uses per decode step).
  * Returns 1 (nothing changed, *bad = the offending id) if an id is outside [-1, E). */
-int mc_observe(mc_engine *g, const void *ids, int wide, int64_t n, uint8_t *used, uint8_t *hit,
+int mc_observe(mc_engine *g, const void *ids, int wide, int64_t n, int lookups, uint8_t *used, uint8_t *hit,
                int64_t *counts, int64_t *bad, int32_t *flags) {
     const int64_t L = g->n_layers, E = g->n_expert, total = L * n;
     int64_t lowest = 0, highest = 0;
@@ -45,8 +47,8 @@ int mc_observe(mc_engine *g, const void *ids, int wide, int64_t n, uint8_t *used
                 continue;
             }
             int64_t key = l * E + id;
-            looked_up++;
-            int is_hit = g->expert_slot[key] >= 0;
+            looked_up += lookups;
+            int is_hit = lookups && g->expert_slot[key] >= 0;
             hit[l * n + j] = (uint8_t)is_hit;
             n_hit += is_hit;
             if (g->used[key]) {
@@ -54,7 +56,7 @@ int mc_observe(mc_engine *g, const void *ids, int wide, int64_t n, uint8_t *used
                 continue;
             }
             g->used[key] = 1;
-            g->usage[key]++;
+            g->usage[key] += lookups;
             if (g->track_prefetch && g->prefetched[key] && is_hit) {
                 g->counts[C_PREFETCH_HITS * L + l]++;
                 g->prefetched[key] = 0;

@@ -14,11 +14,11 @@ typedef struct {
     uint8_t *pinned;            /* (L, E) */
     uint8_t *used;              /* (L, E) the last observation's experts (a new table each step) */
     uint8_t *mark;              /* (L, E) scratch, all zero between calls */
-    int64_t *usage;             /* (L, E) observations each expert was used in */
-    int64_t *counts;            /* (8, L) the engine's COUNTERS, in that order */
+    int64_t *usage;             /* (L, E) observations with lookups each expert was used in */
+    int64_t *counts;            /* (n_counters, L) the engine's COUNTERS, in that order (C updates the first 8) */
 } mc_engine;
 
-int mc_observe(mc_engine *g, const void *ids, int wide, int64_t n, uint8_t *used, uint8_t *hit,
+int mc_observe(mc_engine *g, const void *ids, int wide, int64_t n, int lookups, uint8_t *used, uint8_t *hit,
                int64_t *counts, int64_t *bad, int32_t *flags);
 int64_t mc_publish(mc_engine *g, const int32_t *jobs, int64_t n, int64_t ready);
 int64_t mc_candidates(mc_engine *g, const void *ids, int wide, int64_t n, const int64_t *cap,

@@ -40,6 +40,7 @@ bool    llama_moe_cache_layer_info(const struct llama_context * ctx, int32_t i, 
 size_t  llama_moe_cache_device_bytes(const struct llama_context * ctx);
 void    llama_moe_cache_set_step_callback(struct llama_context * ctx, llama_moe_cache_step_callback cb, void * user_data);
 const int32_t * llama_moe_cache_observed(struct llama_context * ctx, int32_t * n_cols, int32_t * stride);
+const int32_t * llama_moe_cache_observed_stock(struct llama_context * ctx, int32_t * n_cols, int32_t * stride);
 enum llama_moe_cache_status {
     LLAMA_MOE_CACHE_OK           =  0,
     LLAMA_MOE_CACHE_BAD_ROW      = -1,

@@ -85,7 +85,7 @@ def comparison_table(trace):
     print("|---:|---|---:|---:|---:|---:|")
     for k in (8, 16, 32):
         for label, policy, admission in ROWS:
-            runs[k, label] = simulate(trace, PER_LAYER, policy, k, admission=admission)
+            runs[k, label] = simulate(trace, PER_LAYER, policy, k, admission=admission, prefill="off")
             print(f"| {k} | {label} | {cells(runs[k, label])} |")
         runs[k, "upstream"] = upstream(trace, k)
         print(f"| {k} | upstream llama.cpp, same bytes ({runs[k, 'upstream'].budget_mib:.0f} MiB) | "
@@ -120,7 +120,7 @@ def candidate_table(traces):
     for label, factory, inserts, admission in CANDIDATES:
         row = []
         for i, (name, trace) in enumerate(routings):
-            r = simulate(trace, PER_LAYER, factory(), trace.n_expert // 8, inserts=inserts, admission=admission)
+            r = simulate(trace, PER_LAYER, factory(), trace.n_expert // 8, inserts=inserts, admission=admission, prefill="off")
             ms = " / ".join(f"{r.modelled_ms(bw):.2f}" for _, bw in LINKS)
             row.append(f"{100 * r.hit_rate:.1f}" + (f" ({r.upload_bytes_per_token / MIB:.0f}, {ms})"
                                                      if i < len(traces) else ""))

@@ -181,7 +181,7 @@ CANDIDATES = {
 
 def run(trace, slots, policy):
     """Decode hit% and uploads per layer per step."""
-    result = simulate(trace, PER_LAYER, policy, slots)
+    result = simulate(trace, PER_LAYER, policy, slots, prefill="off")
     return 100 * result.hit_rate, result.totals["uploads"] / (result.decode_steps * trace.layers.size)
 
 

@@ -45,14 +45,14 @@ class PopularityOracle(Policy):
 
 
 def hit_pct(trace, policy, slots, inserts=2, **options):
-    return 100 * simulate(trace, PER_LAYER, policy, slots, inserts=inserts, **options).hit_rate
+    return 100 * simulate(trace, PER_LAYER, policy, slots, inserts=inserts, prefill="off", **options).hit_rate
 
 
 def preloaded_only(trace, slots, profile):
     """The default policy preloaded from the profile, without its rates as the prior."""
     engine = CacheEngine(trace.layers.size, trace.n_expert, slots, make_policy(DEFAULT_POLICY), offline=True)
     engine.preload(profile.top(slots))
-    return 100 * simulate(trace, PER_LAYER, engine).hit_rate
+    return 100 * simulate(trace, PER_LAYER, engine, prefill="off").hit_rate
 
 
 def gap_closed(policy, lru, belady):

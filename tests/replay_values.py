@@ -49,7 +49,7 @@ def preloaded(trace, slots, profile):
     """heat preloaded from the profile without its rates (no prior)."""
     engine = CacheEngine(trace.layers.size, trace.n_expert, slots, make_policy("heat"), offline=True)
     engine.preload(profile.top(slots))
-    return simulate(trace, PER_LAYER, engine)
+    return simulate(trace, PER_LAYER, engine, prefill="off")
 
 
 def trace_values(trace, name, table, experiments):
@@ -61,17 +61,17 @@ def trace_values(trace, name, table, experiments):
                  for k in (4, 8, 32, 64, 96)]
     for policy, k, inserts in runs:
         values[f"{name} per-layer {policy} K={k} inserts={inserts}"] = value(
-            simulate(trace, PER_LAYER, policy, k, inserts=inserts))
+            simulate(trace, PER_LAYER, policy, k, inserts=inserts, prefill="off"))
     values[f"{name} per-layer lru K={k16} inserts=2 prefill"] = value(
-        simulate(trace, PER_LAYER, "lru", k16, include_prefill=True))
+        simulate(trace, PER_LAYER, "lru", k16, prefill="plain"))
     values[f"{name} per-layer random K={k16} inserts=2 seed=7"] = value(
-        simulate(trace, PER_LAYER, "random", k16, seed=7))
+        simulate(trace, PER_LAYER, "random", k16, seed=7, prefill="off"))
     for inserts in (2, None):
         values[f"{name} per-layer popularity-oracle K={k16} inserts={inserts}"] = value(
-            simulate(trace, PER_LAYER, table.PopularityOracle(trace.decode_ids), k16, inserts=inserts))
+            simulate(trace, PER_LAYER, table.PopularityOracle(trace.decode_ids), k16, inserts=inserts, prefill="off"))
     for candidate, factory in experiments.CANDIDATES.items():
         values[f"{name} per-layer candidate-{candidate} K={k16} inserts=2"] = value(
-            simulate(trace, PER_LAYER, factory(), k16))
+            simulate(trace, PER_LAYER, factory(), k16, prefill="off"))
 
     decode = np.flatnonzero(trace.phase == DECODE)
     half = len(decode) // 2
@@ -83,7 +83,7 @@ def trace_values(trace, name, table, experiments):
             for warm in (False, True):
                 label = f"warm <- {source}" if warm else "cold"
                 values[f"{name} {replayed}-half per-layer {policy} K={k16} inserts=2 {label}"] = value(
-                    simulate(part, PER_LAYER, policy, k16, profile=profile if warm else None))
+                    simulate(part, PER_LAYER, policy, k16, profile=profile if warm else None, prefill="off"))
         values[f"{name} {replayed}-half per-layer heat K={k16} inserts=2 preloaded <- {source}"] = \
             value(preloaded(part, k16, profile))
 
@@ -91,7 +91,7 @@ def trace_values(trace, name, table, experiments):
         k = per_layer_slots(trace, budget)
         for policy in ("lru", "heat", "belady"):
             values[f"{name} per-layer {policy} MiB={budget} K={k} inserts=2"] = value(
-                simulate(trace, PER_LAYER, policy, k))
+                simulate(trace, PER_LAYER, policy, k, prefill="off"))
 
     budgets = [500, 750, 780, 1000, 2000, 3000, 4000]
     working_set = trace.working_set_bytes() / MIB
@@ -110,19 +110,19 @@ def synthetic_values(table, experiments):
         slots = experts // 8
         name = f"synthetic {label} seed={seed}"
         for policy in ("belady", "lru", "lfu", "gdsf", "arc", "sieve", "heat"):
-            values[f"{name} {policy} K={slots}"] = value(simulate(trace, PER_LAYER, policy, slots))
+            values[f"{name} {policy} K={slots}"] = value(simulate(trace, PER_LAYER, policy, slots, prefill="off"))
         for candidate, factory in experiments.CANDIDATES.items():
-            values[f"{name} candidate-{candidate} K={slots}"] = value(simulate(trace, PER_LAYER, factory(), slots))
+            values[f"{name} candidate-{candidate} K={slots}"] = value(simulate(trace, PER_LAYER, factory(), slots, prefill="off"))
         if label not in {row[0] for row in table.SYNTHETIC}:
             continue
         for replayed, source in ((slice(150, None), slice(0, 150)), (slice(0, 150), slice(150, None))):
             part = RouteTrace.from_routing(routing[replayed], experts)
             profile = UsageProfile.from_ids("synthetic", range(layers), experts, routing[source])
             span = f"{replayed.start or 0}-{(replayed.stop or 300) - 1}"
-            values[f"{name} steps {span} heat K={slots} cold"] = value(simulate(part, PER_LAYER, "heat", slots))
+            values[f"{name} steps {span} heat K={slots} cold"] = value(simulate(part, PER_LAYER, "heat", slots, prefill="off"))
             values[f"{name} steps {span} heat K={slots} preloaded"] = value(preloaded(part, slots, profile))
             values[f"{name} steps {span} heat K={slots} warm"] = value(
-                simulate(part, PER_LAYER, "heat", slots, profile=profile))
+                simulate(part, PER_LAYER, "heat", slots, profile=profile, prefill="off"))
     return values
 
 

@@ -37,9 +37,10 @@ def record_plans(cache):
     plans = []
     step = cache.engine.step
 
-    def recording(ids=None, ready=None, admitted=None):
-        plan = step(ids, ready, admitted)
+    def recording(ids=None, ready=None, admitted=None, prefill=False):
+        plan = step(ids, ready, admitted, prefill=prefill)
         plan.observed = None if ids is None else np.array(ids)
+        plan.prefill = prefill
         plans.append(plan)
         return plan
 
@@ -91,16 +92,18 @@ def test_cache_is_bit_identical_and_accounts_every_lookup(smol_stock, smol_path,
     n_layers, k = len(cache.layers), cache.n_used
     stats = cache.stats()
     observed = [p for p in plans if p.hit_mask is not None]
-    # the prompt is one ubatch of at most LLAMA_MOE_CACHE_MAX_BATCH tokens: observed too, its
-    # last layer running the output token only; the last graph is not observed yet
+    # the prompt ran the stock graph, its last layer the output token only: a prefill step,
+    # no lookups; the last graph is not observed yet
     n_prompt = len(llm.tokenize(PROMPT))
-    assert stats["decode_steps"] == len(observed) == n_tokens
-    assert stats["decode_tokens"] == n_prompt + n_tokens - 1
+    assert [p.prefill for p in observed] == [True] + [False] * (n_tokens - 1)
+    assert (stats["prefill_steps"], stats["prefill_tokens"]) == (1, n_prompt)
+    assert stats["decode_steps"] == stats["decode_tokens"] == n_tokens - 1
     assert [int((p.observed >= 0).sum()) for p in observed] == \
         [k * (n_layers * n_prompt - n_prompt + 1)] + [n_layers * k] * (n_tokens - 1)
-    lookups = k * (n_layers * (n_prompt + n_tokens - 1) - n_prompt + 1)
+    assert not observed[0].hit_mask.any() and stats["totals"]["prefill_uploads"] == len(observed[0].upload) > 0
+    lookups = k * n_layers * (n_tokens - 1)
     assert stats["totals"]["hits"] + stats["totals"]["misses"] == lookups
-    for plan in plans:
+    for plan in plans[2:]:  # after the prompt's step, which ignores INSERTS
         assert np.bincount(plan.upload[:, 0], minlength=n_layers).max(initial=0) <= inserts
         assert np.bincount(plan.admitted[:, 0], minlength=n_layers).max(initial=0) <= inserts
         assert plan.upload.size == 0 or admission == "boundary"
@@ -110,7 +113,8 @@ def test_cache_is_bit_identical_and_accounts_every_lookup(smol_stock, smol_path,
     assert sum(c["hits"] + c["misses"] for c in native_counters) == lookups + n_layers * k
     engine_hits = stats["totals"]["hits"]
     assert engine_hits <= sum(c["hits"] for c in native_counters) <= engine_hits + n_layers * k
-    assert sum(c["uploads"] for c in native_counters) == stats["totals"]["uploads"] + unreported(cache)
+    assert sum(c["uploads"] for c in native_counters) == \
+        stats["totals"]["uploads"] + stats["totals"]["prefill_uploads"] + unreported(cache)
 
     if admission == "eager":
         assert sum(len(p.admitted) for p in plans) == stats["totals"]["uploads"] > 0
@@ -119,7 +123,7 @@ def test_cache_is_bit_identical_and_accounts_every_lookup(smol_stock, smol_path,
         # the graph that ran during the upload (observed at t + 1), then never again
         issued = {}
         for plan in plans:
-            if plan.hit_mask is not None:
+            if plan.hit_mask is not None and not plan.prefill:
                 for layer, rank in zip(*np.nonzero(~plan.hit_mask & (plan.observed >= 0))):
                     key = (int(layer), int(plan.observed[layer, rank]))
                     assert key not in issued or plan.step <= issued[key] + 1, (key, plan.step, issued[key])
@@ -215,10 +219,11 @@ def test_a_refused_plan_freezes_the_cache_and_decoding_stays_exact(rpc_device, t
     step = cache.engine.step
     applied = []
 
-    def bad_plan(ids=None, ready=None, admitted=None):
-        plan = step(ids, ready, admitted)
+    def bad_plan(ids=None, ready=None, admitted=None, prefill=False):
+        plan = step(ids, ready, admitted, prefill=prefill)
         if plan.step == 3:
-            applied.append(int(cache.engine.counters["uploads"].sum()) - len(plan.upload))
+            counters = cache.engine.counters
+            applied.append(int(counters["uploads"].sum() + counters["prefill_uploads"].sum()) - len(plan.upload))
             plan.upload = np.vstack([plan.upload, [[0, 1, 2]]]).astype(np.int32)  # slot 2 of K=2
         return plan
 
@@ -329,7 +334,8 @@ def test_repacked_host_experts_stay_repacked(capfd, rpc_device, q4_synth):
     native_counters = cache.native_counters()
     n_layers, k = len(cache.layers), cache.n_used
     assert sum(c["hits"] + c["misses"] for c in native_counters) == lookups + n_layers * k
-    assert sum(c["uploads"] for c in native_counters) == stats["totals"]["uploads"] + unreported(cache)
+    assert sum(c["uploads"] for c in native_counters) == \
+        stats["totals"]["uploads"] + stats["totals"]["prefill_uploads"] + unreported(cache)
 
 
 def moecache_log_lines(caplog, action) -> list[str]:
@@ -393,8 +399,9 @@ def test_repacked_experts_of_a_split_model_are_read_from_their_split(tmp_path, r
     tokens, logits = greedy(llm, PROMPT, 64)
     assert tokens == stock[0] and float(np.abs(logits - stock[1]).max()) <= REPACK_LOGIT_TOLERANCE
     assert cache.failed is None and cache.stats()["totals"]["hits"] > 0
+    totals = cache.stats()["totals"]
     assert sum(c["uploads"] for c in cache.native_counters()) == \
-        cache.stats()["totals"]["uploads"] + unreported(cache) > 0
+        totals["uploads"] + totals["prefill_uploads"] + unreported(cache) > 0
 
 
 def test_a_repacked_model_without_a_file_source_loads_plain(monkeypatch, caplog):
@@ -447,8 +454,8 @@ def test_freed_contexts_do_not_keep_their_caches(tmp_path, rpc_device, tiny_path
         caches.append(weakref.ref(cache))
         del cache
         llm.close()
-        # written at the free: the prompt's ubatch and two decodes (the last not observed yet)
-        assert json.loads(stats.read_text())["decode_steps"] == 3
+        # written at the free: two decodes after the prompt's stock ubatch (the last not observed yet)
+        assert json.loads(stats.read_text())["decode_steps"] == 2
         stats.unlink()
     gc.collect()
     assert len(activate._caches) <= kept
@@ -872,6 +879,43 @@ def test_eager_admission_raises_the_live_hit_rate_and_replays_exactly(tmp_path, 
     assert rates["eager"] >= rates["boundary"] + 0.02
 
 
+LONG_PROMPT = b"The three primary colors are red, yellow and blue; mixing two of them gives the others. " * 4
+
+
+@pytest.mark.parametrize("n_batch", [512, 32])
+def test_a_long_prompt_warms_the_cache_exactly_and_replays_to_the_live_hit_count(tmp_path, rpc_device, synth48,
+                                                                                n_batch):
+    """A prompt longer than LLAMA_MOE_CACHE_MAX_BATCH runs the stock graph (in ubatches of n_batch
+    tokens), each ubatch a prefill step that uploads its most used experts; the logits stay
+    bit-identical, and the replay with prefill="warm" reproduces the live hit count."""
+    from moecache.replay import PER_LAYER, simulate
+    from moecache.traces import PREFILL, read_trace
+
+    n_tokens = 48
+    stock = greedy(load(synth48, n_batch=n_batch), LONG_PROMPT, n_tokens)
+    trace_path = tmp_path / "live.route.csv"
+    llm = load(synth48, n_batch=n_batch)
+    n_prompt = len(llm.tokenize(LONG_PROMPT))
+    assert n_prompt > 32
+    cache = attach(llm, slots=16, inserts=2, wait=1, trace=str(trace_path))
+    tokens, logits = greedy(llm, LONG_PROMPT, n_tokens)
+    cache.close()
+    live = cache.stats()
+    assert live["failed"] is None
+    assert tokens == stock[0] and np.array_equal(logits, stock[1])
+    assert (live["prefill_steps"], live["prefill_tokens"]) == (-(-n_prompt // n_batch), n_prompt)
+    assert live["totals"]["prefill_uploads"] > 0 and live["totals"]["prefill_upload_bytes"] > 0
+
+    trace = read_trace(str(trace_path))
+    assert (trace.phase == PREFILL).sum() == n_prompt
+    replay = {prefill: simulate(trace, PER_LAYER, cache.config.policy, 16, inserts=2, prefill=prefill,
+                                admission=cache.config.admission) for prefill in ("warm", "off")}
+    warm = replay["warm"].totals
+    assert (warm["hits"], warm["misses"]) == (live["totals"]["hits"], live["totals"]["misses"])
+    assert replay["warm"].totals_all["prefill_uploads"] == live["totals"]["prefill_uploads"]
+    assert replay["off"].totals["hits"] != warm["hits"]  # the prompt's uploads made a difference
+
+
 def record_residency(cache):
     """Per boundary: the table the next graph reads (published expert -> slot), the slots being
     written while it runs (uploads in flight), the ids that graph selected and the uploads
@@ -879,8 +923,8 @@ def record_residency(cache):
     steps = []
     step = cache.engine.step
 
-    def recording(ids=None, ready=None, admitted=None):
-        plan = step(ids, ready, admitted)
+    def recording(ids=None, ready=None, admitted=None, prefill=False):
+        plan = step(ids, ready, admitted, prefill=prefill)
         if steps:  # about the graph that ran since the last boundary
             steps[-1].update(ids=None if ids is None else np.array(ids), admitted=plan.admitted)
         steps.append({"table": cache.engine.expert_slot.copy(), "writing": cache.engine._in_flight.copy()})

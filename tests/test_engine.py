@@ -357,3 +357,76 @@ def test_an_upload_not_ready_stays_in_flight_until_a_later_boundary():
     assert plan.publish.tolist() == [[0, 2, 0]] and plan.hits.tolist() == [0]
     plan = engine.step(np.array([[2]]), ready=0)   # nothing was due: ready=0 changes nothing
     assert plan.hits.tolist() == [1]
+
+
+# --- prefill: a prompt ubatch the stock graph ran ----------------------------------------
+
+def test_prefill_fills_free_slots_with_the_most_used_experts_ignoring_inserts():
+    engine = CacheEngine(1, 16, 4, Lru(), inserts=1)
+    engine.step(None)
+    prompt = np.array([[3, 5, 3, 7, 3, 5, 9, 1, 2, 5]])  # 5 tokens, top-2: 3 and 5 three times
+    plan = engine.step(prompt, prefill=True)
+    assert not plan.hit_mask.any() and plan.hits.sum() == 0 and plan.misses.sum() == 0
+    # most used first, ties to the lower id: 3, 5, then 1 and 2 of the experts used once
+    assert plan.upload.tolist() == [[0, 3, 0], [0, 5, 1], [0, 1, 2], [0, 2, 3]]
+    totals = engine.stats(expert_bytes=[100])["totals"]
+    assert totals["hits"] + totals["misses"] == 0 and totals["uploads"] == 0
+    assert totals["prefill_uploads"] == 4 and totals["prefill_upload_bytes"] == 400
+    assert totals["upload_bytes"] == 0 and engine.usage.sum() == 0  # the profile counts decode steps
+    plan = engine.step(np.array([[3, 9]]))               # published at the next boundary
+    assert plan.publish[:, 1].tolist() == [3, 5, 1, 2]
+    assert plan.hit_mask.tolist() == [[False, False]]    # graph after the prompt ran without them
+    assert engine.step(np.array([[3, 9]])).hit_mask.tolist() == [[True, False]]
+
+
+def test_prefill_evicts_by_priority_and_never_the_prompts_own_experts():
+    engine = CacheEngine(1, 16, 3, Lru(), inserts=2)
+    engine.step(None)
+    engine.step(np.array([[0, 1]]))
+    engine.step(np.array([[2, 0]]))          # 0, 1 published; 2 uploaded
+    engine.step(np.array([[0, 1]]))          # 2 published; last uses: 0 and 1 at 3, 2 at 2
+    prompt = np.array([[8, 1, 8, 9, 8, 9]])  # 8 x3, 9 x2, 1 x1 (resident: stays)
+    plan = engine.step(prompt, prefill=True)
+    assert plan.evict.tolist() == [[0, 2, 2], [0, 0, 0]]  # lowest priority first; 1 was used
+    assert plan.upload.tolist() == [[0, 8, 2], [0, 9, 0]]
+    assert engine.slot_expert[0].tolist() == [9, 1, 8]
+
+
+def test_prefill_admission_keeps_residents_worth_more_than_the_candidate():
+    """heat: a prompt's expert is worth one observation; a resident used in several decode
+    steps is worth more and stays, one used once long ago goes."""
+    engine = CacheEngine(1, 16, 2, make_policy("heat"), inserts=2)
+    engine.step(None)
+    engine.step(np.array([[0, 1]]))
+    for _ in range(5):
+        engine.step(np.array([[0, -1]]))     # 0 hot, 1 cold
+    plan = engine.step(np.array([[5, 6, 5, 6]]), prefill=True)
+    assert plan.evict[:, 1].tolist() == [1]
+    assert plan.upload[:, 1].tolist() == [5]
+    assert 0 in engine.slot_expert[0]
+
+
+def test_prefill_keeps_pinned_experts_and_slots_in_flight():
+    engine = CacheEngine(1, 16, 3, Lru(), inserts=2, pinned=[{7}])
+    engine.step(None)                        # 7 uploaded
+    engine.step(np.array([[0, 1]]))          # 7 published; 0, 1 uploaded
+    plan = engine.step(np.array([[4, 5, 4, 5]]), prefill=True, ready=0)  # 0, 1 still loading
+    assert plan.publish.size == 0 and plan.upload.size == 0 and plan.evict.size == 0
+    plan = engine.step(np.array([[4, 5, 4, 5]]), prefill=True)           # loaded now
+    assert plan.publish[:, 1].tolist() == [0, 1]
+    assert sorted(plan.upload[:, 1].tolist()) == [4, 5] and 7 in engine.slot_expert[0]
+
+
+def test_prefill_step_models_no_eager_admission_and_hands_over_for_the_next_graph():
+    engine = CacheEngine(1, 16, 2, make_policy("heat"), inserts=2, admission="eager")
+    engine.step(None)
+    assert engine.handover is not None
+    plan = engine.step(np.array([[3, 4, 3, 5]]), prefill=True)
+    assert plan.admitted.size == 0           # the stock graph started no upload
+    assert plan.upload[:, 1].tolist() == [3, 4]
+    handover = engine.handover
+    assert handover is not None and handover.worth[0, 3] == -np.inf  # on its way
+    with pytest.raises(ValueError, match="stock graph admits nothing"):
+        engine.step(np.array([[6, 7]]), prefill=True, admitted=np.array([[0, 6, 0]], dtype=np.int32))
+    with pytest.raises(ValueError, match="prompt's ids"):
+        engine.step(None, prefill=True)

@@ -49,11 +49,11 @@ def test_global_lru_falls_to_zero_below_one_tokens_working_set(qwen):
 
 
 def test_per_layer_replay_counts_lookups_and_bytes(qwen):
-    result = simulate(qwen, PER_LAYER, "lru", 16, inserts=2)
+    result = simulate(qwen, PER_LAYER, "lru", 16, inserts=2, prefill="off")
     decode_lookups = result.totals["hits"] + result.totals["misses"]
     assert decode_lookups == result.lookups == 128 * 48 * 6
     assert 0 < result.upload_bytes_per_token <= 2 * 48 * qwen.expert_bytes.max()
-    with_prefill = simulate(qwen, PER_LAYER, "lru", 16, inserts=2, include_prefill=True)
+    with_prefill = simulate(qwen, PER_LAYER, "lru", 16, inserts=2, prefill="plain")
     assert with_prefill.lookups > decode_lookups
     assert with_prefill.totals["hits"] + with_prefill.totals["misses"] == decode_lookups
 
@@ -261,7 +261,22 @@ def test_cli_engine_larger_than_memory_is_one_line(tmp_path, monkeypatch, capsys
 
 def test_cli_csv_uses_fractions_and_the_stats_names(tmp_path):
     out = tmp_path / "r.csv"
-    assert main([str(small_trace(tmp_path)), "--slots", "2", "--policies", "lru", "--csv", str(out)]) == 0
+    assert main([str(small_trace(tmp_path)), "--slots", "2", "--policies", "lru", "--prefill", "off",
+                 "--csv", str(out)]) == 0
     row = next(csv.DictReader(out.open()))
     assert row["hits"] == "0" and row["misses"] == "4" and row["hit_rate"] == "0.000000"
     assert row["decode_steps"] == "1" and row["upload_bytes"] == str(2 * 1000 + 2 * 2000)
+
+
+@pytest.mark.parametrize("path, figures", [
+    # K=16 and 32, eager heat: decode hit%, MiB up/decode token, prefill MiB per turn (off, warm),
+    # as docs/policies.md ("Prefill warm") states them
+    (QWEN, [(61.5, 111.9, 0.0), (62.4, 107.0, 2063.3), (80.2, 101.7, 0.0), (83.1, 89.5, 4109.1)]),
+    (GPTOSS, [(64.0, 326.8, 0.0), (65.6, 289.2, 7085.0), (71.1, 262.0, 0.0), (77.5, 190.1, 14144.8)]),
+])
+def test_documented_prefill_warm_figures(path, figures):
+    trace = read_trace(str(path))
+    runs = [simulate(trace, PER_LAYER, "default", k, admission="eager", prefill=prefill)
+            for k in (16, 32) for prefill in ("off", "warm")]
+    assert [(round(100 * r.hit_rate, 1), round(r.upload_bytes_per_token / MIB, 1),
+             round(r.prefill_upload_bytes_per_turn / MIB, 1)) for r in runs] == figures

@@ -193,9 +193,9 @@ QWEN, GPTOSS = TRACES / "qwen3-30b-a3b.route.csv", TRACES / "gpt-oss-120b.route.
 ])
 def test_documented_comparison_at_k16(path, figures):
     trace = read_trace(str(path))
-    runs = [simulate(trace, "per-layer", "heat", 16),
-            simulate(trace, "per-layer", "heat", 16, admission="eager"),
-            simulate(trace, "per-layer", "lru", 16, admission="eager"),
+    runs = [simulate(trace, "per-layer", "heat", 16, prefill="off"),
+            simulate(trace, "per-layer", "heat", 16, admission="eager", prefill="off"),
+            simulate(trace, "per-layer", "lru", 16, admission="eager", prefill="off"),
             simulate(trace, "upstream", "upstream", equal_bytes(trace.expert_bytes, 16) / MIB)]
     assert [(round(100 * r.hit_rate, 1), round(r.upload_bytes_per_token / MIB, 1)) for r in runs] == figures
 
