@@ -209,7 +209,7 @@ def rows_of(out, *policies):
 def test_cli_runs_both_timings_and_upstream_at_equal_bytes_with_modelled_cost(capsys, tmp_path):
     out_csv = tmp_path / "r.csv"
     assert main([str(GPTOSS), "--slots", "16", "--policies", "default,upstream",
-                 "--admission", "boundary,eager", "--link-gbps", "50", "--csv", str(out_csv)]) == 0
+                 "--admission", "boundary,eager", "--prefill", "off", "--link-gbps", "50", "--csv", str(out_csv)]) == 0
     out = capsys.readouterr().out
     assert "MODELLED" in out and "host 60 GB/s, link 50 GB/s; stock --cpu-moe 15.86" in out
     assert [line.split()[:5] for line in rows_of(out, "default(heat)", "upstream")] == [
