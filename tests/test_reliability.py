@@ -95,9 +95,10 @@ SEQUENCE = ["The three primary colors are", STORY, STORY]
 
 @pytest.mark.smol_moe
 def test_a_repeated_request_diverges_the_same_with_and_without_the_cache(rpc_device, smol_path):
-    """The server burst's odd request, reproduced: the same greedy request twice in a row gives
-    another text the second time, with the cache off as with it on; with it on, every logit of
-    every request is the stock one."""
+    """The server burst's odd request, reproduced: the same greedy request twice in a row gets
+    other logits the second time (its last prompt token is evaluated alone), with the cache off
+    as with it on, and on some CPUs another text; with it on, every logit of every request is
+    the stock one."""
     stock = _completions(load(smol_path), SEQUENCE, 16)
     llm = load(smol_path)
     cache = attach(llm, slots=2, inserts=2, policy="lru")
@@ -106,11 +107,13 @@ def test_a_repeated_request_diverges_the_same_with_and_without_the_cache(rpc_dev
     for i, ((text, logits), (stock_text, stock_logits)) in enumerate(zip(cached, stock)):
         assert text == stock_text, f"request {i}"
         assert np.array_equal(logits, stock_logits), f"request {i}: max |logit diff| {np.abs(logits - stock_logits).max()}"
+    assert not np.array_equal(stock[1][1][0], stock[2][1][0]), "the stock graph now computes a repeated request the same"
+    # whether the text changes too depends on a near tie, which the CPU's kernels decide
     first, again = stock[1][0], stock[2][0]
-    assert again != first, "the stock graph now decodes a repeated request the same"
     where = next(i for i, (a, b) in enumerate(zip(first + "\0", again + "\1")) if a != b)
-    print(f"\nrepeated request: the stock text changes at character {where} "
-          f"({first[:where]!r} then {first[where:where + 12]!r} / {again[where:where + 12]!r}); "
+    change = "the same text" if first == again else \
+        f"its text changes at character {where} ({first[where:where + 12]!r} / {again[where:where + 12]!r})"
+    print(f"\nrepeated request, stock: other logits, {change}; "
           f"cache on vs off: identical texts, max |logit diff| 0.0 over {len(SEQUENCE)} requests")
 
 
