@@ -46,18 +46,23 @@ class Group:
     n_slots: int                # 0: not cached
 
 
+def layers_by_size(expert_bytes) -> dict[int, list[int]]:
+    """The layers of each expert size (in bytes), in layer order: a bank's, or a group's, layers."""
+    members: dict[int, list[int]] = {}
+    for layer, size in enumerate(expert_bytes):
+        members.setdefault(int(size), []).append(layer)
+    return members
+
+
 def size_groups(expert_bytes, n_expert: int, n_expert_used: int, budget_bytes: int,
                 alignment: int = CUDA_ALIGNMENT) -> list[Group]:
     """Groups of layers with equal expert size, each sized as upstream sizes it (one device)."""
     expert_bytes = [int(b) for b in expert_bytes]
     if budget_bytes < 0 or n_expert < 1 or n_expert_used < 1 or alignment < 1:
         raise ValueError("budget_bytes must be >= 0, n_expert, n_expert_used and alignment >= 1")
-    members: dict[int, list[int]] = {}
-    for layer, size in enumerate(expert_bytes):
-        members.setdefault(size, []).append(layer)
     host_total = sum(expert_bytes) * n_expert
     groups = []
-    for size, layers in members.items():
+    for size, layers in layers_by_size(expert_bytes).items():
         share = budget_bytes * (size * len(layers) * n_expert) // host_total if host_total else 0
         n_slots = 0
         max_slots = len(layers) * n_expert
@@ -174,7 +179,4 @@ def equal_bytes(expert_bytes, slots_per_layer: int) -> int:
     equal expert_bytes, the grouping this model uses too) of n_layers * K slots plus one all-zero
     slot that uncached experts are remapped to; the budget the upstream model gets for an
     equal-memory comparison."""
-    layers_of_size: dict[int, int] = {}
-    for size in expert_bytes:
-        layers_of_size[int(size)] = layers_of_size.get(int(size), 0) + 1
-    return sum(size * (n_layers * slots_per_layer + 1) for size, n_layers in layers_of_size.items())
+    return sum(size * (len(layers) * slots_per_layer + 1) for size, layers in layers_by_size(expert_bytes).items())
