@@ -16,13 +16,16 @@ class Greedy(NamedTuple):
     logits: np.ndarray | None
     #: from the prompt's logits to the last token's: n single-token decodes
     seconds: float
+    #: from the reset context to the prompt's logits: the prompt's evaluation
+    prompt_seconds: float
 
 
 def greedy(llm, prompt: bytes | Sequence[int], n: int, *, keep_logits: bool = False) -> Greedy:
     """Reset llm (a llama_cpp.Llama), evaluate prompt (text, tokenized without special tokens'
     parsing, or token ids), then pick and evaluate n tokens by argmax, each alone. The time
-    runs from the prompt's logits to the logits after the last token: reading logits waits for
-    the graph (backends may compute asynchronously after llama_decode returns)."""
+    runs from the prompt's logits to the logits after the last token, the prompt's time up to
+    its logits: reading logits waits for the graph (backends may compute asynchronously after
+    llama_decode returns)."""
     import llama_cpp
 
     n_vocab = llm.n_vocab()
@@ -32,8 +35,11 @@ def greedy(llm, prompt: bytes | Sequence[int], n: int, *, keep_logits: bool = Fa
         return np.ctypeslib.as_array(row, shape=(n_vocab,))
 
     llm.reset()
-    llm.eval(llm.tokenize(prompt) if isinstance(prompt, bytes) else list(prompt))
+    prompt = llm.tokenize(prompt) if isinstance(prompt, bytes) else list(prompt)
+    prompt_start = time.perf_counter()
+    llm.eval(prompt)
     logits = last_logits()
+    prompt_seconds = time.perf_counter() - prompt_start
     tokens, rows = [], [logits.copy()] if keep_logits else None
     start = time.perf_counter()
     for _ in range(n):
@@ -43,4 +49,4 @@ def greedy(llm, prompt: bytes | Sequence[int], n: int, *, keep_logits: bool = Fa
         if keep_logits:
             rows.append(logits.copy())
     seconds = time.perf_counter() - start
-    return Greedy(tokens, np.stack(rows) if keep_logits else None, seconds)
+    return Greedy(tokens, np.stack(rows) if keep_logits else None, seconds, prompt_seconds)

@@ -210,7 +210,9 @@ class Belady(Policy):
         self.cursor[np.flatnonzero(used.ravel())] += 1
         self.seen += 1
 
-    def _next_use(self, keys, after):
+    def next_use(self, keys, after):
+        """The observation index at which each key is next used, from `after` on (at most the
+        one after the current); +inf: never again."""
         t = self.times[self.cursor[keys]]
         # next use must be >= `after`; the cursor already points at >= self.seen
         later = self.times[self.cursor[keys] + 1]
@@ -218,11 +220,11 @@ class Belady(Policy):
 
     def priority(self, step, keys):
         # eviction unpublishes now, so losing the victim hurts from the next graph on
-        return -self._next_use(keys, self.seen)
+        return -self.next_use(keys, self.seen)
 
     def admit(self, step, keys):
         # an upload issued now is usable one graph later
-        return -self._next_use(keys, self.seen + 1)
+        return -self.next_use(keys, self.seen + 1)
 
 
 class Arc(Policy):

@@ -231,7 +231,7 @@ def _per_layer_cache(trace, policy, slots, inserts, admission, prefill, profile,
         require_memory(ENGINE_BYTES_PER_ENTRY * L * E, f"the cache engine's {L} layers x {E} experts")
         if isinstance(policy, str):
             label = policy if policy != "default" else f"default({resolve_policy(policy)})"
-            policy = make_policy(policy, future=_future(trace, PER_LAYER, prefill), seed=seed)
+            policy = make_policy(policy, future=step_inputs(trace, PER_LAYER, prefill), seed=seed)
         elif isinstance(policy, Policy):
             label = policy.name
         else:
@@ -255,7 +255,7 @@ def _global_cache(trace, policy, budget_mib, seed):
     else:
         raise ValueError(f"policy must be a name or a BudgetPolicy, got {policy!r}")
     cache = ByteBudgetCache(policy, int(budget_mib * MIB), trace.expert_bytes, trace.n_expert,
-                            _future(trace, GLOBAL))
+                            step_inputs(trace, GLOBAL))
     return cache, label
 
 
@@ -299,7 +299,7 @@ def _segments(trace, model, prefill=None):
     return _memo(trace, (model, prefill), build)
 
 
-def _future(trace, model, prefill=None):
+def step_inputs(trace, model, prefill=None):
     """Every step input of a model, in order: what the offline policies read ahead."""
     segments = _segments(trace, model, prefill)
     return _memo(trace, ("future", model, prefill),

@@ -20,8 +20,9 @@ Configurations, each in a freshly loaded model (the previous one freed first):
 subprocess: it checks the mechanism and costs, it is no faster than the CPU).
 
 Per configuration: one untimed warm-up run, then -r timed runs; each run evaluates the prompt
-(untimed) and then -n greedy decode tokens, timed from the prompt's logits to the last
-token's. Reported: decode tok/s (median, min, max over the runs), ratio to stock, and for
+and then -n greedy decode tokens, timed from the prompt's logits to the last token's.
+Reported: decode tok/s (median, min, max over the runs), ratio to stock, prompt tok/s (the
+prompt's evaluation up to its logits, median) and its ratio to stock, and for
 cache rows the hit rate, uploads per token and the time in the cache's step callback per
 token over the timed runs, and the device memory the cache took. The cache stays warm across runs, as in a server.
 
@@ -153,7 +154,10 @@ def run(args, on_row=None) -> dict:
     def report(done):
         ref = next((r for r in rows if r["config"] == "stock" and r["status"] == "ok"), None)
         for row in rows:
-            row["ratio"] = row["tok_s_median"] / ref["tok_s_median"] if ref and row["status"] == "ok" else None
+            ok = ref and row["status"] == "ok"
+            row["ratio"] = row["tok_s_median"] / ref["tok_s_median"] if ok else None
+            row["prompt_ratio"] = row["prompt_tok_s_median"] / ref["prompt_tok_s_median"] \
+                if ok and row.get("prompt_tok_s_median") and ref.get("prompt_tok_s_median") else None
         pending = [name for name, _ in configs[done:]]
         return _report(args, device, rows, notes + ([f"still to run: {', '.join(pending)}"] if pending else []),
                        n_expert, prompt_tokens)
@@ -207,7 +211,8 @@ def _measure(args, name, slots, progress, mib=None):
     from moecache.placement import experts_on_host
 
     row = {"config": name, "slots": slots, "status": "ok", "tok_s_runs": [], "tok_s_median": None,
-           "tok_s_min": None, "tok_s_max": None, "hit_rate": None, "uploads_per_token": None,
+           "tok_s_min": None, "tok_s_max": None, "prompt_tok_s_runs": [], "prompt_tok_s_median": None,
+           "hit_rate": None, "uploads_per_token": None,
            "step_us_per_token": None, "device_bytes": None, "cache_device": None, "mib": mib}
     common = dict(n_ctx=args.ctx_size, n_threads=args.threads, n_threads_batch=args.threads,
                   seed=args.seed, verbose=False)
@@ -248,11 +253,13 @@ def _measure(args, name, slots, progress, mib=None):
         progress.advance(f"{name} warm-up")
         before = _cache_counters(cache)
         for i in range(args.repetitions):
-            # timed from the prompt's logits to the last token's
-            row["tok_s_runs"].append(args.n_predict / greedy(llm, prompt, args.n_predict).seconds)
+            run = greedy(llm, prompt, args.n_predict)
+            row["tok_s_runs"].append(args.n_predict / run.seconds)
+            row["prompt_tok_s_runs"].append(len(prompt) / run.prompt_seconds)
             progress.advance(f"{name} run {i + 1}/{args.repetitions}")
         runs = row["tok_s_runs"]
-        row.update(tok_s_median=statistics.median(runs), tok_s_min=min(runs), tok_s_max=max(runs))
+        row.update(tok_s_median=statistics.median(runs), tok_s_min=min(runs), tok_s_max=max(runs),
+                   prompt_tok_s_median=statistics.median(row["prompt_tok_s_runs"]))
         if cache is not None:
             delta = {k: v - before[k] for k, v in _cache_counters(cache).items()}
             lookups = delta["hits"] + delta["misses"]
@@ -311,11 +318,12 @@ def markdown(report) -> str:
         f"Command: `{report['command']}`",
         "",
     ]
-    lines += ["| config | decode tok/s | vs stock | hit % | uploads/token | step us/token | cache MiB |",
-              "|---|---:|---:|---:|---:|---:|---:|"]
+    lines += ["| config | decode tok/s | vs stock | prompt tok/s | vs stock | hit % | uploads/token | "
+              "step us/token | cache MiB |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in report["rows"]:
         if r["status"] != "ok" and r["tok_s_median"] is None:
-            lines.append(f"| {r['config']} | {r['status']} | | | | | |")
+            lines.append(f"| {r['config']} | {r['status']} | | | | | | | |")
             continue
         speed = f"{r['tok_s_median']:.2f} [{r['tok_s_min']:.2f}, {r['tok_s_max']:.2f}]"
         ratios = _fmt(r["ratio"], ".2f")
@@ -324,7 +332,8 @@ def markdown(report) -> str:
         status = "" if r["status"] == "ok" else f" ({r['status']})"
         if r.get("mib") and r["slots"]:
             status = f" (K={r['slots']})" + status
-        lines.append(f"| {r['config']}{status} | {speed} | {ratios} | {hit} | "
+        prompt = f"{_fmt(r.get('prompt_tok_s_median'), '.1f')} | {_fmt(r.get('prompt_ratio'), '.2f')}"
+        lines.append(f"| {r['config']}{status} | {speed} | {ratios} | {prompt} | {hit} | "
                      f"{_fmt(r['uploads_per_token'], '.1f')} | {_fmt(r['step_us_per_token'], '.0f')} | {mib} |")
     lines += [f"\nNote: {note}" for note in report["notes"]]
     return "\n".join(lines)

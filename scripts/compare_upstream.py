@@ -10,9 +10,10 @@ PCIe 5.0 x16, 50 GB/s) for today's default (heat, boundary admission, prompts no
 and LRU with eager admission, the live default (heat, eager, the cache warmed from each prompt),
 and the upstream model given the same device bytes (moecache.upstream). Then the issue's K=16
 targets (the live default against upstream and today's default, with the bytes the prompts
-uploaded), and the eager-timing policy candidates tried against heat,
-on the traces and on the synthetic routing of scripts/replay_table.py. The candidates live
-here, outside moecache.policies.
+uploaded), the eager-timing policy candidates tried against heat,
+on the traces and on the synthetic routing of scripts/replay_table.py, and hits against bytes
+at K=16: admission rules that upload less, and the offline optimum. The candidates live here,
+outside moecache.policies.
 """
 
 import sys
@@ -21,9 +22,9 @@ from pathlib import Path
 import numpy as np
 
 from moecache.cost import DEFAULT_HOST_GBPS, DEFAULT_LINK_GBPS, PCIE5_LINK_GBPS, Bandwidth
-from moecache.policies import Heat, make_policy
-from moecache.replay import MIB, PER_LAYER, UPSTREAM, simulate
-from moecache.traces import SHIPPED_TRACES, RouteTrace, read_trace, synthetic_routing
+from moecache.policies import Belady, Heat, make_policy
+from moecache.replay import MIB, PER_LAYER, UPSTREAM, simulate, step_inputs
+from moecache.traces import DECODE, SHIPPED_TRACES, RouteTrace, read_trace, synthetic_routing
 from moecache.upstream import equal_bytes
 from replay_table import SYNTHETIC
 
@@ -39,25 +40,58 @@ DEFAULT, LIVE = ROWS[0][0], ROWS[3][0]
 
 
 class HeatSeenBefore(Heat):
-    """Candidate: heat whose eager admission refuses an expert not used within about the last
-    half-life (its heat before this use is under half a fresh use), TinyLFU's doorkeeper idea:
-    first uses are rarely reused soon on these traces, and each refused upload saves host
-    bandwidth."""
+    """Candidate: heat whose eager admission refuses an expert whose heat before this use is
+    under `threshold` of a fresh use (0.5: not used within about the last half-life),
+    TinyLFU's doorkeeper idea: first uses are rarely reused soon on these traces, and each
+    refused upload saves host bandwidth."""
     name = "heat-seen-before"
+
+    def __init__(self, threshold: float = 0.5):
+        super().__init__()
+        self.threshold = threshold
 
     def worth_if_used(self, step, keys):
         worth = super().worth_if_used(step, keys)
         fresh = self.growth ** (step - self.origin)
-        return np.where(self.scaled.take(keys) >= 0.5 * fresh, worth, -np.inf)
+        return np.where(self.scaled.take(keys) >= self.threshold * fresh, worth, -np.inf)
 
 
-class HeatStaleWorth(Heat):
-    """Not a candidate: the eager rule fed heat's plain admit() (the count before the running
-    graph's use), to show why worth_if_used exists."""
-    name = "heat-stale-worth"
+class HeatMargin(Heat):
+    """Candidate: heat whose eager admission counts the running graph's use at 1 - margin of
+    a fresh use, so a miss must beat its victim by `margin` uses. margin 1 hands over heat's
+    plain admit() (the count before the use): "stale worth"."""
+    name = "heat-margin"
+
+    def __init__(self, margin: float):
+        super().__init__()
+        self.margin = margin
 
     def worth_if_used(self, step, keys):
-        return self.admit(step, keys)
+        return self.admit(step, keys) + (1.0 - self.margin) * self.growth ** (step + 1 - self.origin)
+
+
+class HeatOracleAdmission(Heat):
+    """Not a candidate (it reads the future): heat's eviction with an admission that uploads a
+    miss only if it is used again within `horizon` observations, to separate what admission
+    could save from what eviction loses."""
+    name = "heat-oracle-admission"
+
+    def __init__(self, future, horizon: int):
+        super().__init__()
+        self.oracle, self.horizon = Belady(future), horizon
+
+    def bind(self, n_layers, n_expert, n_slots):
+        super().bind(n_layers, n_expert, n_slots)
+        self.oracle.bind(n_layers, n_expert, n_slots)
+
+    def observe(self, step, ids, hit_mask, used):
+        super().observe(step, ids, hit_mask, used)
+        self.oracle.observe(step, ids, hit_mask, used)
+
+    def worth_if_used(self, step, keys):
+        # the miss is observed next, so "again" is after that observation
+        soon = self.oracle.next_use(keys, self.oracle.seen + 1) - self.oracle.seen <= self.horizon
+        return np.where(soon, super().worth_if_used(step, keys), -np.inf)
 
 
 CANDIDATES = [  # (label, policy factory, inserts, admission)
@@ -69,7 +103,24 @@ CANDIDATES = [  # (label, policy factory, inserts, admission)
     ("heat, eager, half-life 32", lambda: make_policy("heat", half_life=32), 2, "eager"),
     ("lfu, eager (no admission test)", lambda: make_policy("lfu"), 2, "eager"),
     ("heat, eager, seen before", HeatSeenBefore, 2, "eager"),
-    ("heat, eager, stale worth (admit())", HeatStaleWorth, 2, "eager"),
+    ("heat, eager, stale worth (admit())", lambda: HeatMargin(1.0), 2, "eager"),
+]
+
+
+FRONTIER = [  # (label, policy factory(trace's steps), inserts): eager, prompt warm, K=16
+    ("heat (the live default)", lambda steps: make_policy("heat"), 2),
+    ("heat, margin 0.25", lambda steps: HeatMargin(0.25), 2),
+    ("heat, margin 0.5", lambda steps: HeatMargin(0.5), 2),
+    ("heat, margin 0.75", lambda steps: HeatMargin(0.75), 2),
+    ("heat, stale worth (margin 1)", lambda steps: HeatMargin(1.0), 2),
+    ("heat, seen before 0.05", lambda steps: HeatSeenBefore(0.05), 2),
+    ("heat, seen before 0.3", lambda steps: HeatSeenBefore(0.3), 2),
+    ("heat, seen before 0.5", lambda steps: HeatSeenBefore(0.5), 2),
+    ("heat, half-life 32", lambda steps: make_policy("heat", half_life=32), 2),
+    ("heat, half-life 64", lambda steps: make_policy("heat", half_life=64), 2),
+    ("heat, INSERTS=1", lambda steps: make_policy("heat"), 1),
+    ("heat, admitting only what returns within 8 steps (offline)", lambda steps: HeatOracleAdmission(steps, 8), 2),
+    ("belady (offline: knows the future)", lambda steps: "belady", 2),
 ]
 
 
@@ -140,11 +191,49 @@ def candidate_table(traces):
     print("| upstream, same bytes | " + " | ".join(row) + " |" + " |" * (len(routings) - len(traces)))
 
 
+def frontier(traces):
+    """Hits against bytes at K=16: admission rules that upload less, against the issue's target
+    (+3 points over upstream on average, at most half its bytes per decode token on each)."""
+    print("\nHits against bytes, K=16, eager, prompt warm: decode hit% (points over upstream), "
+          "upload bytes per decode token as a share of upstream's\n")
+    ups = [upstream(t, 16) for t in traces]
+    print("| admission | " + " | ".join(Path(t.path).name.split(".")[0] for t in traces)
+          + " | mean points | most bytes |")
+    print("|---|" + "---:|" * (len(traces) + 2))
+    for label, factory, inserts in FRONTIER:
+        gains, shares, row = [], [], []
+        for trace, up in zip(traces, ups):
+            policy = factory(step_inputs(trace, PER_LAYER, "warm"))
+            r = simulate(trace, PER_LAYER, policy, 16, inserts=inserts, admission="eager", prefill="warm")
+            gains.append(100 * (r.hit_rate - up.hit_rate))
+            shares.append(r.upload_bytes_per_token / up.upload_bytes_per_token)
+            row.append(f"{100 * r.hit_rate:.1f} ({gains[-1]:+.1f}), {shares[-1]:.0%}")
+        print(f"| {label} | " + " | ".join(row) + f" | {np.mean(gains):+.1f} | {max(shares):.0%} |")
+    print()
+    for trace in traces:
+        prompt, decode = trace.ids[trace.phase != DECODE], trace.ids[trace.phase == DECODE]
+        print(f"{Path(trace.path).name}: 16 experts per layer kept from the start, no decode upload: the "
+              f"prompt's most used hit {static_hit_rate(prompt, decode, trace.n_expert, 16):.1%} of the "
+              f"decode lookups, the decode's own most used {static_hit_rate(decode, decode, trace.n_expert, 16):.1%}")
+
+
+def static_hit_rate(chosen_from, lookups, n_expert, k):
+    """Hit rate of `lookups` ((steps, layers, n) ids) on a fixed cache of the k experts per layer
+    used most in `chosen_from` (ties: the lower id)."""
+    hits = 0
+    for layer in range(lookups.shape[1]):
+        ids = chosen_from[:, layer].ravel()
+        top = np.argsort(-np.bincount(ids[ids >= 0], minlength=n_expert), kind="stable")[:k]
+        hits += np.isin(lookups[:, layer], top).sum()
+    return hits / (lookups >= 0).sum()
+
+
 def main():
     traces = [read_trace(p) for p in (sys.argv[1:] or [str(p) for p in SHIPPED_TRACES])]
     all_runs = {Path(t.path).name: comparison_table(t) for t in traces}
     targets(all_runs)
     candidate_table(traces)
+    frontier(traces)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,9 @@ def test_bench_decode_end_to_end(tmp_path, tiny_path):
         assert row["status"] == "ok" and len(row["tok_s_runs"]) == 2
         assert row["tok_s_min"] <= row["tok_s_median"] <= row["tok_s_max"]
     assert rows["stock"]["ratio"] == 1.0 and rows["stock"]["hit_rate"] is None
+    assert rows["stock"]["prompt_ratio"] == 1.0
+    for row in rows.values():  # the prompt is timed in every run, to its logits
+        assert len(row["prompt_tok_s_runs"]) == 2 and row["prompt_tok_s_median"] > 0 and row["prompt_ratio"] > 0
     for k in (2, 4):
         row = rows[f"K={k}"]
         assert 0.0 <= row["hit_rate"] <= 1.0 and row["device_bytes"] > 0 and row["step_us_per_token"] > 0
