@@ -89,8 +89,7 @@ class LiveCache:
         self.step_ns_max = 0
         self.wait_us = 0
         self.failed = None
-        self._observed = None
-        self._stock_observed = None
+        self._observed = {}  # stock (bool) -> libllama's observed ids, mapped once
         self._shape = self.ffi.new("int32_t[2]")  # out-parameters (n_cols, stride), reused every step
         self._handover = self.ffi.new("struct llama_moe_cache_handover *")
         self._closed = False
@@ -265,12 +264,11 @@ class LiveCache:
         ptr = read(self.ctx, shape, shape + 1)
         if ptr == self.ffi.NULL:
             return None
-        name = "_stock_observed" if stock else "_observed"
-        if getattr(self, name) is None:  # the buffer lives as long as the cache: map it once
+        if stock not in self._observed:  # the buffer lives as long as the cache: map it once
             n = len(self.layers) * shape[1]
-            setattr(self, name, np.frombuffer(self.ffi.buffer(ptr, 4 * n), dtype=np.int32).reshape(
-                len(self.layers), shape[1]))
-        return getattr(self, name)[:, :shape[0]].copy()
+            self._observed[stock] = np.frombuffer(self.ffi.buffer(ptr, 4 * n), dtype=np.int32).reshape(
+                len(self.layers), shape[1])
+        return self._observed[stock][:, :shape[0]].copy()
 
     # --- reporting ------------------------------------------------------------------------
 

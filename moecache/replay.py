@@ -302,7 +302,7 @@ def _segments(trace, model, prefill=None):
 def step_inputs(trace, model, prefill=None):
     """Every step input of a model, in order: what the offline policies read ahead."""
     segments = _segments(trace, model, prefill)
-    return _memo(trace, ("future", model, prefill),
+    return _memo(trace, ("step_inputs", model, prefill),
                  lambda: [item for _, items in segments for item in items])
 
 
