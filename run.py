@@ -24,6 +24,6 @@ if __name__ == "__main__":
         if subprocess.run(bootstrap, env={**os.environ, "PYTHON": sys.executable}).returncode != 0:
             sys.exit("run.py: error: scripts/bootstrap.sh failed (see above)")
         os.execv(sys.executable, [sys.executable, *sys.argv])  # start again with the new packages
-    from moecache.cli import main
+    from moecache.live.cli import main
 
     sys.exit(main())

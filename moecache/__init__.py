@@ -6,11 +6,11 @@
 """
 
 _EXPORTS = {
-    "attach": "moecache.activate",
-    "experts_on_host": "moecache.placement",
-    "CacheConfig": "moecache.config",
-    "ConfigError": "moecache.config",
-    "RpcDevice": "moecache.rpc",
+    "attach": "moecache.live.activate",
+    "experts_on_host": "moecache.live.placement",
+    "CacheConfig": "moecache.live.config",
+    "ConfigError": "moecache.live.config",
+    "RpcDevice": "moecache.live.rpc",
 }
 
 

@@ -101,7 +101,7 @@ def _save(args, report):
 
 def _check_inputs(args):
     """Everything that can fail fast, before a model is loaded."""
-    from moecache.config import CacheConfig, ConfigError
+    from moecache.live.config import CacheConfig, ConfigError
 
     if not os.path.isfile(args.model):
         raise BenchError(f"model file not found: {args.model}")
@@ -129,12 +129,12 @@ def run(args, on_row=None) -> dict:
         del os.environ[name]
     import llama_cpp  # noqa: F401  (after the environment is clean)
 
-    from moecache import ggml
+    from moecache.live import ggml
 
     if ggml.has_gpu():
         device = "GPU"
     else:
-        from moecache.rpc import RpcDevice
+        from moecache.live.rpc import RpcDevice
 
         rpc = RpcDevice(threads=args.threads)  # noqa: F841  (serves until this process exits)
         device = "loopback RPC device (CPU backend; a mechanism check, not a speed claim)"
@@ -204,11 +204,11 @@ def _measure(args, name, slots, progress, mib=None):
     `slots` per layer, or of the largest K that `mib` MiB hold."""
     import llama_cpp
 
-    from moecache.activate import attach
-    from moecache.config import ConfigError
-    from moecache.decode import greedy
-    from moecache.live import CacheUnavailable
-    from moecache.placement import experts_on_host
+    from moecache.live.activate import attach
+    from moecache.live.cache import CacheUnavailable
+    from moecache.live.config import ConfigError
+    from moecache.live.decode import greedy
+    from moecache.live.placement import experts_on_host
 
     row = {"config": name, "slots": slots, "status": "ok", "tok_s_runs": [], "tok_s_median": None,
            "tok_s_min": None, "tok_s_max": None, "prompt_tok_s_runs": [], "prompt_tok_s_median": None,

@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 
-from moecache import ggml
+from moecache.live import ggml
 from moecache.util import OneLineParser, int_arg, int_list_arg
 
 GGML_TYPE_F32, GGML_TYPE_Q4_0, GGML_TYPE_I32 = 0, 2, 26

@@ -25,7 +25,7 @@ from moecache.util import OneLineParser, atomic_write, int_arg
 ONE_RUN = r"""
 import json, sys
 import llama_cpp
-from moecache.decode import greedy
+from moecache.live.decode import greedy
 path, n, threads, ngl = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 llm = llama_cpp.Llama(path, n_gpu_layers=ngl, n_ctx=512, n_threads=threads, n_threads_batch=threads, verbose=False)
 greedy(llm, b"The three primary colors are", 1)  # warm-up, not timed

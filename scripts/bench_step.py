@@ -6,7 +6,7 @@
 
 --evict-mib N reads N MiB before each timed step, as a decode graph streaming the experts does
 between two live steps: the step then runs with cold CPU caches.
---replay RUNS times whole replays instead (moecache.replay.simulate, the offline driver) and
+--replay RUNS times whole replays instead (moecache.offline.replay.simulate, the offline driver) and
 prints the median replay throughput of RUNS runs in lookups/s; --trace replays that trace file
 instead of the synthetic routing.
 """
@@ -15,8 +15,8 @@ import sys
 
 import numpy as np
 
-from moecache.replay import PER_LAYER, admission_list_arg, simulate
-from moecache.traces import RouteTrace, read_trace, synthetic_routing
+from moecache.core.traces import RouteTrace, read_trace, synthetic_routing
+from moecache.offline.replay import PER_LAYER, admission_list_arg, simulate
 from moecache.util import OneLineParser, int_arg
 
 

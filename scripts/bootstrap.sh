@@ -11,4 +11,4 @@ python=${PYTHON:-python3}  # the interpreter to install into (run.py passes its 
 wheel=$(ls "$repo"/dist/llama_cpp_python-*+moecache.*.whl)
 "$python" -m pip install --quiet --disable-pip-version-check --root-user-action=ignore "$wheel"
 "$python" -m pip install --quiet --disable-pip-version-check --root-user-action=ignore -e "$repo[test]"
-"$python" -c "import llama_cpp, moecache.native as n; print('bootstrap: llama_cpp', llama_cpp.__version__, 'patch series', n.patch_version())"
+"$python" -c "import llama_cpp, moecache.live.native as n; print('bootstrap: llama_cpp', llama_cpp.__version__, 'patch series', n.patch_version())"

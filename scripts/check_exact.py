@@ -44,13 +44,13 @@ def _check(args) -> int:
     import llama_cpp
     import numpy as np
 
-    from moecache import ggml
-    from moecache.activate import attach
-    from moecache.decode import greedy
-    from moecache.placement import experts_on_host
+    from moecache.live import ggml
+    from moecache.live.activate import attach
+    from moecache.live.decode import greedy
+    from moecache.live.placement import experts_on_host
 
     if not ggml.has_gpu():
-        from moecache.rpc import RpcDevice
+        from moecache.live.rpc import RpcDevice
 
         rpc = RpcDevice(threads=args.threads)  # noqa: F841  (serves until this process exits)
 

@@ -5,28 +5,28 @@ of docs/policies.md ("Eager admission, upstream llama.cpp's cache and modelled c
                                                      installed moecache, as every script here)
 
 Per trace and K = 8, 16, 32: decode hit%, MiB uploaded per decode token and MODELLED expert
-milliseconds per decode token (moecache.cost: host 60 GB/s; link PCIe 4.0 x16, 25 GB/s, and
+milliseconds per decode token (moecache.offline.cost: host 60 GB/s; link PCIe 4.0 x16, 25 GB/s, and
 PCIe 5.0 x16, 50 GB/s) for today's default (heat, boundary admission, prompts not fed), heat
 and LRU with eager admission, the live default (heat, eager, the cache warmed from each prompt),
-and the upstream model given the same device bytes (moecache.upstream). Then the issue's K=16
+and the upstream model given the same device bytes (moecache.offline.upstream). Then the issue's K=16
 targets (the live default against upstream and today's default, with the bytes the prompts
 uploaded), the eager-timing policy candidates tried against heat,
 on the traces and on the synthetic routing of scripts/replay_table.py, and hits against bytes
 at K=16: admission rules that upload less, and the offline optimum. The candidates live here,
-outside moecache.policies.
+outside moecache.core.policies.
 """
 
 import sys
 from pathlib import Path
 
 import numpy as np
-
-from moecache.cost import DEFAULT_HOST_GBPS, DEFAULT_LINK_GBPS, PCIE5_LINK_GBPS, Bandwidth
-from moecache.policies import Belady, Heat, make_policy
-from moecache.replay import MIB, PER_LAYER, UPSTREAM, simulate, step_inputs
-from moecache.traces import DECODE, SHIPPED_TRACES, RouteTrace, read_trace, synthetic_routing
-from moecache.upstream import equal_bytes
 from replay_table import SYNTHETIC
+
+from moecache.core.banks import equal_bytes
+from moecache.core.policies import Belady, Heat, make_policy
+from moecache.core.traces import DECODE, SHIPPED_TRACES, RouteTrace, read_trace, synthetic_routing
+from moecache.offline.cost import DEFAULT_HOST_GBPS, DEFAULT_LINK_GBPS, PCIE5_LINK_GBPS, Bandwidth
+from moecache.offline.replay import MIB, PER_LAYER, UPSTREAM, simulate, step_inputs
 
 LINKS = [("PCIe 4.0", Bandwidth(DEFAULT_HOST_GBPS, DEFAULT_LINK_GBPS)),
          ("PCIe 5.0", Bandwidth(DEFAULT_HOST_GBPS, PCIE5_LINK_GBPS))]

@@ -167,7 +167,7 @@ if [ "$rehearsal" = 0 ]; then
     phase install bash -c '{ [ -z "$3" ] || python3 -m pip install -q --no-index --no-deps --upgrade --target "$4" "$3"/wheels/*.whl; } \
         && python3 -m pip install --no-deps --no-build-isolation --no-index --force-reinstall "$1" \
         && python3 -m pip install --no-deps --no-build-isolation --no-index "$2" \
-        && cd / && python3 -c "import llama_cpp, moecache.native as n, moecache.ggml as g; print(llama_cpp.__version__, n.patch_version()); g.has_gpu() or exit(\"ggml sees no GPU: the CUDA backend did not start\")"' \
+        && cd / && python3 -c "import llama_cpp, moecache.live.native as n, moecache.live.ggml as g; print(llama_cpp.__version__, n.patch_version()); g.has_gpu() or exit(\"ggml sees no GPU: the CUDA backend did not start\")"' \
         _ "$wheel" "$repo" "$bundle" "$out/site" || exit 1
 fi
 

@@ -5,7 +5,7 @@
 
 Prints decode hit% at K = n_expert/8, INSERTS=2, with the share of the LRU->Belady gap
 closed, on both shipped traces (plus uploads per layer per step) and on synthetic locality
-routing. The candidates are kept here, outside moecache.policies, so the negative results in
+routing. The candidates are kept here, outside moecache.core.policies, so the negative results in
 docs/policies.md stay reproducible:
 
 - markov-same / markov-prev: heat plus a co-activation term learned online: P(expert b is
@@ -27,9 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
-from moecache.policies import DecayedLfu, Policy, make_policy
-from moecache.replay import PER_LAYER, simulate
-from moecache.traces import SHIPPED_TRACES, RouteTrace, read_trace, synthetic_routing
+from moecache.core.policies import DecayedLfu, Policy, make_policy
+from moecache.core.traces import SHIPPED_TRACES, RouteTrace, read_trace, synthetic_routing
+from moecache.offline.replay import PER_LAYER, simulate
 
 SYNTHETIC = [  # (label, layers, experts, top-k, options); seeds 3.. as in replay_table.py
     ("8 of 128, sticky", 24, 128, 8, {}),

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import numpy as np
 
-from moecache.engine import CacheEngine
-from moecache.policies import DEFAULT_POLICY, POLICIES, Policy, make_policy
-from moecache.profile import UsageProfile
-from moecache.replay import PER_LAYER, simulate
-from moecache.traces import DECODE, SHIPPED_TRACES, RouteTrace, read_trace, synthetic_routing
+from moecache.core.engine import CacheEngine
+from moecache.core.policies import DEFAULT_POLICY, POLICIES, Policy, make_policy
+from moecache.core.profile import UsageProfile
+from moecache.core.traces import DECODE, SHIPPED_TRACES, RouteTrace, read_trace, synthetic_routing
+from moecache.offline.replay import PER_LAYER, simulate
 
 
 class PopularityOracle(Policy):
@@ -90,7 +90,7 @@ SYNTHETIC = [  # (label, layers, experts, top-k, generator options)
 
 def synthetic_table():
     names = ["lru", "lfu", "gdsf", "arc", "sieve", DEFAULT_POLICY]
-    print("\nsynthetic locality routing (moecache.traces.synthetic_routing, 300 steps, seeds 3..5), "
+    print("\nsynthetic locality routing (moecache.core.traces.synthetic_routing, 300 steps, seeds 3..5), "
           "K = experts/8, INSERTS=2: hit% (gap closed)\n")
     print("| routing | belady | " + " | ".join(names) + " |")
     print("|---|---:|" + "---:|" * len(names))

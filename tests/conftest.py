@@ -12,8 +12,8 @@ import pytest
 
 N_THREADS = max(1, min(2, os.cpu_count() or 1))
 
-from moecache import decode  # noqa: E402
-from moecache.traces import TRACES_DIR as TRACES  # noqa: E402  (the shipped real traces)
+from moecache.core.traces import TRACES_DIR as TRACES  # noqa: E402  (the shipped real traces)
+from moecache.live import decode  # noqa: E402
 
 # every model load() made; the device fixture frees those still alive before stopping the server
 _loaded: weakref.WeakSet = weakref.WeakSet()
@@ -22,7 +22,7 @@ _loaded: weakref.WeakSet = weakref.WeakSet()
 @pytest.fixture(scope="session")
 def rpc_device():
     """One loopback RPC device for the whole session (ggml cannot unregister a device)."""
-    from moecache.rpc import RpcDevice
+    from moecache.live.rpc import RpcDevice
 
     device = RpcDevice(threads=1)
     yield device
@@ -51,7 +51,7 @@ def load(path, *, n_gpu_layers=-1, experts_on_host=True, repack=False, n_ctx=512
          **llama_kwargs):
     import llama_cpp
 
-    from moecache.placement import experts_on_host as host_experts
+    from moecache.live.placement import experts_on_host as host_experts
 
     # experts on host, or everything where n_gpu_layers puts it without repacking (the RPC
     # server does not repack)
@@ -86,7 +86,7 @@ def default_params(name: str, **fields):
 
 
 def greedy(llm, prompt: bytes, n: int):
-    """moecache.decode.greedy as (tokens, logits[n, n_vocab]), logits[i] the distribution token
+    """moecache.live.decode.greedy as (tokens, logits[n, n_vocab]), logits[i] the distribution token
     i was picked from."""
     run = decode.greedy(llm, prompt, n, keep_logits=True)
     return run.tokens, run.logits[:n]

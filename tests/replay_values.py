@@ -7,7 +7,7 @@ Each entry is a run named by what it replays: trace or routing, model, policy, s
 its value [hits, lookups, hits incl. prefill, lookups incl. prefill, bytes uploaded (global:
 read) for decode] (synthetic routing: 1 byte per expert). The table scripts' own policies
 (the popularity oracle, the issue-4 candidates) are included, so every figure of the doc is
-covered. The values were written by the replay code before moecache.replay.simulate existed;
+covered. The values were written by the replay code before moecache.offline.replay.simulate existed;
 this file computes them with simulate.
 """
 
@@ -20,11 +20,11 @@ from pathlib import Path
 
 import numpy as np
 
-from moecache.engine import CacheEngine
-from moecache.policies import make_policy
-from moecache.profile import UsageProfile
-from moecache.replay import GLOBAL, MIB, PER_LAYER, per_layer_slots, simulate
-from moecache.traces import DECODE, SHIPPED_TRACES, RouteTrace, read_trace, synthetic_routing
+from moecache.core.engine import CacheEngine
+from moecache.core.policies import make_policy
+from moecache.core.profile import UsageProfile
+from moecache.core.traces import DECODE, SHIPPED_TRACES, RouteTrace, read_trace, synthetic_routing
+from moecache.offline.replay import GLOBAL, MIB, PER_LAYER, per_layer_slots, simulate
 
 REPO = Path(__file__).resolve().parents[1]
 STORED = Path(__file__).with_name("replay_values.json")

@@ -55,7 +55,7 @@ def test_bench_decode_saves_after_every_configuration(tmp_path, tiny_path, monke
     spec = importlib.util.spec_from_file_location("bench_decode", BENCH)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    from moecache import ggml
+    from moecache.live import ggml
 
     monkeypatch.setattr(ggml, "has_gpu", lambda: True)  # no RPC server: _measure is replaced too
     measured = []
@@ -163,7 +163,7 @@ def test_gpu_bundle_holds_the_patched_source_and_the_missing_wheels(tmp_path):
         init = tar.extractfile("./llama_cpp/__init__.py").read().decode()
     assert "./vendor/llama.cpp/src/llama-moe-cache.cpp" in names
     assert not any(n.startswith(("./.git/", "./vendor/llama.cpp/models/")) for n in names)
-    assert "+moecache." in init and "moecache.activate" in init
+    assert "+moecache." in init and "moecache.live.activate" in init
     wheels = sorted(p.name.split("-")[0] for p in (bundle / "wheels").iterdir())
     assert wheels == ["cffi", "diskcache", "gguf", "pycparser"]
     assert os.path.getsize(bundle / "src.tar.gz") < 32 << 20  # small enough to copy around

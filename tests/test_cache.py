@@ -15,18 +15,17 @@ import time
 
 import numpy as np
 import pytest
+from conftest import default_params, greedy, load
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import default_params, greedy, load
-
 llama_cpp = pytest.importorskip("llama_cpp")
 
-from moecache import native  # noqa: E402
-from moecache.activate import attach  # noqa: E402
-from moecache.config import ConfigError  # noqa: E402
-from moecache.live import CacheUnavailable  # noqa: E402
-from moecache.profile import UsageProfile  # noqa: E402
+from moecache.core.profile import UsageProfile  # noqa: E402
+from moecache.live import native  # noqa: E402
+from moecache.live.activate import attach  # noqa: E402
+from moecache.live.cache import CacheUnavailable  # noqa: E402
+from moecache.live.config import ConfigError  # noqa: E402
 
 PROMPT = b"The three primary colors are"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -163,8 +162,8 @@ def speculative(path, n_tokens, **cache_args):
 
 
 def test_speculative_decoding_is_bit_identical_and_accounts_every_lookup(tmp_path, rpc_device, smol_path):
-    from moecache.replay import PER_LAYER, simulate
-    from moecache.traces import read_trace
+    from moecache.core.traces import read_trace
+    from moecache.offline.replay import PER_LAYER, simulate
 
     text_off, evals_off, _ = speculative(smol_path, 128)
     trace_path = tmp_path / "spec.route.csv"
@@ -409,7 +408,7 @@ def test_a_repacked_model_without_a_file_source_loads_plain(monkeypatch, caplog)
     file gets plain buffers instead, with one logged line."""
     import llama_cpp.llama_cpp as lib
 
-    from moecache import placement
+    from moecache.live import placement
 
     seen = []
     monkeypatch.setattr(lib, "llama_model_load_from_file", lambda path, params: seen.append(params.use_extra_bufts))
@@ -442,7 +441,7 @@ def test_freed_contexts_do_not_keep_their_caches(tmp_path, rpc_device, tiny_path
     import gc
     import weakref
 
-    from moecache import activate
+    from moecache.live import activate
 
     stats = tmp_path / "stats.json"
     kept = len(activate._caches)
@@ -465,10 +464,10 @@ def test_freed_contexts_do_not_keep_their_caches(tmp_path, rpc_device, tiny_path
 def test_zero_code_contexts_do_not_accumulate(tiny_path):
     run = _run_python("""
         import gc
-        from moecache.rpc import RpcDevice
+        from moecache.live.rpc import RpcDevice
         device = RpcDevice(threads=1)
         from llama_cpp import Llama
-        import moecache.activate as activate
+        import moecache.live.activate as activate
         counts = []
         for i in range(50):
             llm = Llama(model_path=%r, n_gpu_layers=-1, n_ctx=256, verbose=False)
@@ -490,14 +489,14 @@ def _run_python(code: str, env: dict, timeout=300) -> subprocess.CompletedProces
 
 
 UNMODIFIED_PROGRAM = """
-    from moecache.rpc import RpcDevice
+    from moecache.live.rpc import RpcDevice
     device = RpcDevice(threads=2)        # this machine has no GPU: the loopback test device
     # --- an unmodified llama-cpp-python program ---
     from llama_cpp import Llama
     llm = Llama(model_path={path!r}, n_gpu_layers=-1, n_ctx=256, verbose=False)
     out = llm.create_completion("The three primary colors are", max_tokens=24, temperature=0.0)
     print("TEXT=" + repr(out["choices"][0]["text"]))
-    import llama_cpp, moecache.native as native
+    import llama_cpp, moecache.live.native as native
     print("LAYERS=%d" % native.lib().llama_moe_cache_n_layers(native.as_context(llm._ctx.ctx)))
 """
 
@@ -519,7 +518,7 @@ def test_zero_code_activation(tmp_path, tiny_path):
 
 
 def test_zero_code_trace_of_a_model_whose_name_has_spaces(tmp_path, tiny_path):
-    from moecache.traces import read_trace
+    from moecache.core.traces import read_trace
 
     trace_path = tmp_path / "live.route.csv"
     run = _run_python(UNMODIFIED_PROGRAM.format(path=tiny_path),
@@ -532,7 +531,7 @@ def test_zero_code_trace_of_a_model_whose_name_has_spaces(tmp_path, tiny_path):
 
 def test_zero_code_trace_of_a_long_non_ascii_model_name(tmp_path, tiny_path):
     """general.name is read into 255 bytes: a long UTF-8 name is cut mid-character."""
-    from moecache.traces import read_trace
+    from moecache.core.traces import read_trace
 
     model = tmp_path / "named.gguf"
     subprocess.run([sys.executable, "-m", "gguf.scripts.gguf_new_metadata", "--force", "--general-name",
@@ -593,7 +592,7 @@ def test_a_failing_trace_write_stops_the_trace_not_the_cache(tmp_path, caplog, r
 
 DECODING_FOREVER = """
     import llama_cpp, numpy as np
-    from moecache.rpc import RpcDevice
+    from moecache.live.rpc import RpcDevice
     device = RpcDevice(threads=1)
     print("DEVICE=%d" % device.process.pid, flush=True)
     llm = llama_cpp.Llama(model_path={path!r}, n_gpu_layers=-1, n_ctx=4096, verbose=False)
@@ -616,7 +615,7 @@ def test_stats_profile_and_trace_survive_a_crash(tmp_path, tiny_path, killed):
     import select
     import signal
 
-    from moecache.traces import read_trace
+    from moecache.core.traces import read_trace
 
     files = {name: tmp_path / name for name in ("stats.json", "profile.json", "trace.csv")}
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_MOE_CACHE_")}
@@ -680,12 +679,12 @@ def test_zero_code_refusal_is_the_only_line_in_a_verbose_log(tiny_path):
 def test_inert_without_the_variable(tiny_path):
     run = _run_python("""
         import sys
-        from moecache.rpc import RpcDevice
+        from moecache.live.rpc import RpcDevice
         device = RpcDevice(threads=2)
         from llama_cpp import Llama
         llm = Llama(model_path=%r, n_gpu_layers=-1, n_ctx=256, verbose=False)
         llm.create_completion("hello", max_tokens=4)
-        print("ACTIVATED=%%s" %% ("moecache.activate" in sys.modules))
+        print("ACTIVATED=%%s" %% ("moecache.live.activate" in sys.modules))
     """ % tiny_path, {})
     assert run.returncode == 0, run.stderr
     assert "ACTIVATED=False" in run.stdout
@@ -695,10 +694,10 @@ def test_two_devices_each_hold_their_layers_cache(smol_path):
     run = _run_python("""
         import json, numpy as np, sys
         sys.path.insert(0, "tests")
-        from moecache.rpc import RpcDevice
+        from moecache.live.rpc import RpcDevice
         devices = [RpcDevice(threads=1), RpcDevice(threads=1)]
         from conftest import default_params, greedy, load
-        from moecache.activate import attach
+        from moecache.live.activate import attach
         stock = greedy(load(%r), b"The three primary colors are", 48)
         llm = load(%r)
         cache = attach(llm, slots=2, inserts=1, policy="lru")
@@ -723,7 +722,7 @@ def _decode_graph_names(path: str, slots: int) -> list[str]:
 
     import llama_cpp.llama_cpp as lib
 
-    from moecache import ggml
+    from moecache.live import ggml
 
     base = ggml.libggml_base()
     base.ggml_get_name.restype = ctypes.c_char_p
@@ -759,8 +758,8 @@ def test_cache_off_builds_the_stock_graph(rpc_device, tiny_path):
 
 @pytest.mark.parametrize("policy", ["lru", "default"])
 def test_live_trace_replays_to_the_live_hit_count(tmp_path, rpc_device, smol_path, policy):
-    from moecache.replay import PER_LAYER, simulate
-    from moecache.traces import read_trace
+    from moecache.core.traces import read_trace
+    from moecache.offline.replay import PER_LAYER, simulate
 
     trace_path = tmp_path / "live.route.csv"
     llm = load(smol_path)
@@ -853,8 +852,8 @@ def synth48():
 
 
 def test_eager_admission_raises_the_live_hit_rate_and_replays_exactly(tmp_path, rpc_device, synth48):
-    from moecache.replay import PER_LAYER, simulate
-    from moecache.traces import read_trace
+    from moecache.core.traces import read_trace
+    from moecache.offline.replay import PER_LAYER, simulate
 
     n_tokens = 128
     stock = greedy(load(synth48), PROMPT, n_tokens)
@@ -888,8 +887,8 @@ def test_a_long_prompt_warms_the_cache_exactly_and_replays_to_the_live_hit_count
     """A prompt longer than LLAMA_MOE_CACHE_MAX_BATCH runs the stock graph (in ubatches of n_batch
     tokens), each ubatch a prefill step that uploads its most used experts; the logits stay
     bit-identical, and the replay with prefill="warm" reproduces the live hit count."""
-    from moecache.replay import PER_LAYER, simulate
-    from moecache.traces import PREFILL, read_trace
+    from moecache.core.traces import PREFILL, read_trace
+    from moecache.offline.replay import PER_LAYER, simulate
 
     n_tokens = 48
     stock = greedy(load(synth48, n_batch=n_batch), LONG_PROMPT, n_tokens)

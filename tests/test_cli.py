@@ -42,7 +42,7 @@ def test_run_py_bad_input_is_one_line(args, env, message):
 
 def test_placement_rejects_bad_arguments():
     pytest.importorskip("llama_cpp")
-    from moecache.placement import expert_overrides, experts_on_host
+    from moecache.live.placement import expert_overrides, experts_on_host
 
     with pytest.raises(ValueError, match="repack must be True or False"):
         with experts_on_host(repack="yes"):

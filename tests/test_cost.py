@@ -2,7 +2,7 @@
 
 import pytest
 
-from moecache.cost import DEFAULT_HOST_GBPS, DEFAULT_LINK_GBPS, Bandwidth
+from moecache.offline.cost import DEFAULT_HOST_GBPS, DEFAULT_LINK_GBPS, Bandwidth
 
 GB = 1e9
 
@@ -37,7 +37,7 @@ def test_defaults_and_bad_bandwidths():
 
 
 def test_each_replay_model_gets_its_formula():
-    from moecache.replay import ReplayResult
+    from moecache.offline.replay import ReplayResult
 
     totals = {"hits": 6, "misses": 4, "uploads": 1, "upload_bytes": 0.1 * GB,
               "miss_bytes": 0.4 * GB, "lookup_bytes": 1 * GB}

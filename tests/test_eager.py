@@ -1,12 +1,12 @@
-"""The eager-admission rule libllama follows during a graph, modelled in moecache.eager."""
+"""The eager-admission rule libllama follows during a graph, modelled in moecache.core.admission."""
 
 import numpy as np
 import pytest
 
-from moecache.eager import Handover, admissions, build_handover
-from moecache.engine import CacheEngine
-from moecache.policies import Lru, make_policy
-from moecache.traces import synthetic_routing
+from moecache.core.admission import Handover, admissions, build_handover
+from moecache.core.engine import CacheEngine
+from moecache.core.policies import Lru, make_policy
+from moecache.core.traces import synthetic_routing
 
 INF = np.inf
 

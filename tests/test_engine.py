@@ -1,9 +1,9 @@
 import numpy as np
 import pytest
 
-from moecache.engine import CacheEngine
-from moecache.policies import Lru, Policy, make_policy
-from moecache.traces import synthetic_routing
+from moecache.core.engine import CacheEngine
+from moecache.core.policies import Lru, Policy, make_policy
+from moecache.core.traces import synthetic_routing
 
 
 class ReferenceLru:
@@ -342,8 +342,8 @@ def test_uploads_of_one_boundary_never_evict_each_other():
 
 
 def test_an_upload_not_ready_stays_in_flight_until_a_later_boundary():
-    from moecache.engine import CacheEngine
-    from moecache.policies import make_policy
+    from moecache.core.engine import CacheEngine
+    from moecache.core.policies import make_policy
 
     engine = CacheEngine(1, 4, 1, make_policy("lru"), inserts=1)
     engine.step(None)

@@ -19,7 +19,7 @@ import pytest
 llama_cpp = pytest.importorskip("llama_cpp")
 gguf = pytest.importorskip("gguf")
 
-from moecache.decode import greedy  # noqa: E402
+from moecache.live.decode import greedy  # noqa: E402
 from moecache.models import smol_moe, tiny_moe  # noqa: E402
 
 N_THREADS = max(1, min(4, os.cpu_count() or 1))

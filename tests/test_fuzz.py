@@ -14,10 +14,10 @@ import pytest
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-
-from moecache.profile import ProfileError, UsageProfile  # noqa: E402
-from moecache.traces import TraceError, read_trace  # noqa: E402
 from test_traces import SMALL as SMALL_TRACE  # noqa: E402
+
+from moecache.core.profile import ProfileError, UsageProfile  # noqa: E402
+from moecache.core.traces import TraceError, read_trace  # noqa: E402
 
 # CI has 2 cores: a bounded number of examples per property, each fast
 FUZZ = settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", 150)), deadline=2000, derandomize=True,
@@ -171,7 +171,7 @@ def test_profile_reader_on_mutated_profiles(scratch, data):
 
 # --- LLAMA_MOE_CACHE_* variables ----------------------------------------------------------
 
-from moecache.config import ENV_PREFIX, CacheConfig, ConfigError  # noqa: E402
+from moecache.live.config import ENV_PREFIX, CacheConfig, ConfigError  # noqa: E402
 
 INT_VARIABLES = ("SLOTS", "INSERTS", "WAIT", "DEBUG", "FLUSH_STEPS")
 PATH_VARIABLES = ("STATS", "TRACE", "PROFILE")
@@ -228,12 +228,12 @@ def test_every_variable_through_cache_config(tmp_path_factory, environ):
 @given(ENVIRONMENT.filter(lambda env: all("\x00" not in v and not any("\udc00" <= c <= "\udfff" for c in v)
                                           for v in env.values())))
 def test_every_variable_through_zero_code_activation(tmp_path_factory, environ):
-    """moecache.activate.install, what the patched llama_cpp runs at import: it never raises;
+    """moecache.live.activate.install, what the patched llama_cpp runs at import: it never raises;
     a bad value is one logged line naming the variable, and the cache stays off."""
     import logging
     from unittest import mock
 
-    activate = pytest.importorskip("moecache.activate")
+    activate = pytest.importorskip("moecache.live.activate")
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append
@@ -275,7 +275,7 @@ def test_run_py_flags_and_variables(tmp_path_factory, environ, flags):
     import io
     from unittest import mock
 
-    from moecache import cli
+    from moecache.live import cli
 
     argv = [part for flag in flags for part in flag] + ["-m", "/nonexistent/model.gguf"]
     clean = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}

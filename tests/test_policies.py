@@ -2,10 +2,11 @@
 import numpy as np
 import pytest
 
-from moecache.engine import CacheEngine
-from moecache.policies import DEFAULT_POLICY, POLICIES, make_policy
-from moecache.replay import PER_LAYER, simulate
-from moecache.traces import SHIPPED_TRACES, RouteTrace, read_trace, synthetic_routing
+from moecache.core.engine import CacheEngine
+from moecache.core.policies import DEFAULT_POLICY, POLICIES, make_policy
+from moecache.core.traces import SHIPPED_TRACES, RouteTrace, read_trace, synthetic_routing
+from moecache.offline.replay import PER_LAYER, simulate
+
 ONLINE = [name for name, factory in POLICIES.items() if name != "belady"]
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from moecache.profile import ProfileError, UsageProfile
+from moecache.core.profile import ProfileError, UsageProfile
 
 GOOD = {"format": "moecache-profile", "version": 1, "model": "m", "n_expert": 4,
         "layers": [0, 1], "counts": [[1, 2, 0, 3], [0, 0, 5, 1]]}

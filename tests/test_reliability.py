@@ -10,12 +10,11 @@ import os
 
 import numpy as np
 import pytest
-
 from conftest import greedy, load
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
-from moecache.activate import attach  # noqa: E402
+from moecache.live.activate import attach  # noqa: E402
 
 PROMPT = b"The three primary colors are"
 

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from moecache.policies import Heat
-from moecache.profile import ProfileError, UsageProfile
-from moecache.replay import GLOBAL, MIB, PER_LAYER, main, simulate
-from moecache.traces import DECODE, read_trace
-
 from conftest import TRACES  # noqa: E402
+
+from moecache.core.policies import Heat
+from moecache.core.profile import ProfileError, UsageProfile
+from moecache.core.traces import DECODE, read_trace
+from moecache.offline.replay import GLOBAL, MIB, PER_LAYER, main, simulate
+
 QWEN = TRACES / "qwen3-30b-a3b.route.csv"
 GPTOSS = TRACES / "gpt-oss-120b.route.csv"
 REPO = Path(__file__).resolve().parents[1]
@@ -249,7 +249,7 @@ def test_cli_bad_flags_are_one_line_before_any_replay(tmp_path, capsys, args, me
 
 
 def test_cli_engine_larger_than_memory_is_one_line(tmp_path, monkeypatch, capsys):
-    import moecache.traces as traces
+    import moecache.core.traces as traces
 
     path = small_trace(tmp_path)
     read_trace(str(path))  # the trace itself fits

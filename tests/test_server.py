@@ -14,7 +14,6 @@ import time
 import urllib.request
 
 import pytest
-
 from conftest import load
 
 llama_cpp = pytest.importorskip("llama_cpp")

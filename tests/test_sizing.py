@@ -4,7 +4,7 @@ The device tests run on loopback RPC devices with a memory size (RpcDevice(memor
 reports N MiB less what is allocated on it as free and refuses allocations beyond, as a GPU
 does. They run in subprocesses: ggml cannot unregister a device, and a sized device left in
 this process would change where every later test's model goes. The expected K comes from this
-file's own arithmetic on the GGUF's expert tensors, not from moecache.sizing."""
+file's own arithmetic on the GGUF's expert tensors, not from moecache.live.sizing."""
 
 from __future__ import annotations
 
@@ -16,9 +16,8 @@ import textwrap
 
 import pytest
 
-from moecache.config import CacheConfig, ConfigError
-from moecache.sizing import slots_for_budget
-from moecache.upstream import equal_bytes
+from moecache.core.banks import equal_bytes, slots_for_budget
+from moecache.live.config import CacheConfig, ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIB = 1 << 20
@@ -79,8 +78,9 @@ def test_slots_for_budget_is_the_largest_k_that_fits(budget):
 
 def test_replay_per_layer_k_is_the_largest_that_fits_the_budget():
     from conftest import TRACES
-    from moecache.replay import per_layer_slots
-    from moecache.traces import read_trace
+
+    from moecache.core.traces import read_trace
+    from moecache.offline.replay import per_layer_slots
 
     trace = read_trace(str(TRACES / "qwen3-30b-a3b.route.csv"))
     for budget in (300, 1000, 3000, 4000):
@@ -93,8 +93,9 @@ def test_replay_per_layer_k_is_the_largest_that_fits_the_budget():
 
 def test_replay_budget_runs_both_models_at_the_same_bytes(tmp_path):
     from conftest import TRACES
-    from moecache.replay import PER_LAYER, main, simulate
-    from moecache.traces import read_trace
+
+    from moecache.core.traces import read_trace
+    from moecache.offline.replay import PER_LAYER, main, simulate
 
     path = TRACES / "qwen3-30b-a3b.route.csv"
     out = tmp_path / "r.csv"
@@ -111,7 +112,8 @@ def test_replay_budget_runs_both_models_at_the_same_bytes(tmp_path):
 
 def test_replay_budget_below_one_slot_per_layer_is_one_line(capsys):
     from conftest import TRACES
-    from moecache.replay import main
+
+    from moecache.offline.replay import main
 
     assert main([str(TRACES / "qwen3-30b-a3b.route.csv"), "--budget-mib", "100", "--policies", "lru"]) == 2
     err = capsys.readouterr().err
@@ -149,13 +151,13 @@ def expected_k(path, layers, budget, alignment, n_expert):
 SCENARIO = """
     import json, logging, sys
     sys.path.insert(0, "tests")
-    from moecache.rpc import RpcDevice
+    from moecache.live.rpc import RpcDevice
     devices = [RpcDevice(threads=1, memory_mib=m) for m in {memory}]
     from conftest import greedy, load
-    from moecache import ggml
-    from moecache.activate import attach
-    from moecache.config import ConfigError
-    from moecache.live import CacheUnavailable
+    from moecache.live import ggml
+    from moecache.live.activate import attach
+    from moecache.live.config import ConfigError
+    from moecache.live.cache import CacheUnavailable
 
     rpc = [d for d in ggml.devices() if ggml.device_name(d).startswith("RPC")]
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
@@ -178,7 +180,7 @@ SCENARIO = """
             if {exact}:
                 tokens, logits = greedy(llm, b"The three primary colors are", 24)
                 cache.detach()
-                from moecache import native
+                from moecache.live import native
                 native.init(cache.ctx, 0)
                 stock = greedy(llm, b"The three primary colors are", 24)
                 row["exact"] = tokens == stock[0] and bool((logits == stock[1]).all())
@@ -330,7 +332,7 @@ def test_a_failed_allocation_retries_once_at_the_largest_k_that_fits(sized_model
 def test_zero_code_sizing(tmp_path, sized_model, env):
     stats = tmp_path / "stats.json"
     code = textwrap.dedent("""
-        from moecache.rpc import RpcDevice
+        from moecache.live.rpc import RpcDevice
         device = RpcDevice(threads=1, memory_mib=16)
         from llama_cpp import Llama
         llm = Llama(model_path=%r, n_gpu_layers=-1, n_ctx=256, verbose=False)
@@ -351,8 +353,9 @@ def test_zero_code_sizing(tmp_path, sized_model, env):
 
 def test_a_budget_without_the_model_file_is_one_line_and_releases_the_trial(rpc_device, tiny_path):
     from conftest import load
-    from moecache import native
-    from moecache.activate import attach
+
+    from moecache.live import native
+    from moecache.live.activate import attach
 
     llm = load(tiny_path)
     with pytest.raises(ConfigError) as err:

@@ -1,10 +1,9 @@
 import numpy as np
 import pytest
-
-from moecache.traces import (DECODE, PREFILL, TraceError, TraceWriter, read_trace,
-                             synthetic_routing)
-
 from conftest import TRACES  # noqa: E402
+
+from moecache.core.traces import DECODE, PREFILL, TraceError, TraceWriter, read_trace, synthetic_routing
+
 QWEN = TRACES / "qwen3-30b-a3b.route.csv"
 GPTOSS = TRACES / "gpt-oss-120b.route.csv"
 
@@ -192,7 +191,7 @@ def test_trailing_blank_lines_and_crlf_are_read(tmp_path):
 
 
 def test_a_grid_larger_than_memory_is_refused_before_allocating(tmp_path, monkeypatch):
-    import moecache.traces as traces
+    import moecache.core.traces as traces
 
     monkeypatch.setattr(traces, "available_memory", lambda: 100)
     with pytest.raises(TraceError) as info:
@@ -201,7 +200,7 @@ def test_a_grid_larger_than_memory_is_refused_before_allocating(tmp_path, monkey
 
 
 def test_from_routing_and_select():
-    from moecache.traces import RouteTrace
+    from moecache.core.traces import RouteTrace
 
     routing = synthetic_routing(6, 2, 8, 2, seed=1)
     trace = RouteTrace.from_routing(routing, 8, expert_bytes=[10, 20])
@@ -214,9 +213,9 @@ def test_from_routing_and_select():
 def test_a_multi_token_step_reads_back_as_one_batch_and_replays_as_one_observation(tmp_path):
     """A live ubatch of several tokens is one write_step (one batch); its last layer may run
     fewer tokens (the outputs only). The per-layer replay observes the batch as one step."""
-    from moecache.engine import CacheEngine
-    from moecache.policies import make_policy
-    from moecache.replay import PER_LAYER, simulate
+    from moecache.core.engine import CacheEngine
+    from moecache.core.policies import make_policy
+    from moecache.offline.replay import PER_LAYER, simulate
 
     path = str(tmp_path / "batches.csv")
     single = np.array([[1, 2], [3, 0]])

@@ -3,9 +3,10 @@
 import numpy as np
 import pytest
 
-from moecache.replay import MIB, simulate
-from moecache.traces import DECODE, PREFILL, RouteTrace
-from moecache.upstream import MAX_BATCH, SlotLru, UpstreamCache, equal_bytes, size_groups
+from moecache.core.banks import equal_bytes
+from moecache.core.traces import DECODE, PREFILL, RouteTrace
+from moecache.offline.replay import MIB, simulate
+from moecache.offline.upstream import MAX_BATCH, SlotLru, UpstreamCache, size_groups
 
 
 def lru(n_slots, n_layers=2, n_expert=8):
@@ -156,7 +157,7 @@ def test_replay_feeds_short_prompts_and_counts_decode_alone():
 
 
 def test_replay_splits_prompts_into_ubatches_and_bypasses_long_ones():
-    from moecache.replay import _ubatches
+    from moecache.offline.replay import _ubatches
     # 33 prompt tokens of expert 1 in one ubatch bypass the cache: nothing cached before decode
     long = trace([[[1]]] * (MAX_BATCH + 1) + [[[1]]], [PREFILL] * (MAX_BATCH + 1) + [DECODE], [128])
     r = simulate(long, "upstream", "upstream", 10 * 128 / MIB)  # 9 slots >= 8 experts
@@ -179,8 +180,9 @@ def test_equal_bytes_counts_one_zero_slot_per_bank():
 # --- in the replay driver and its command line ---------------------------------------------
 
 from conftest import TRACES  # noqa: E402
-from moecache.replay import main  # noqa: E402
-from moecache.traces import read_trace  # noqa: E402
+
+from moecache.core.traces import read_trace  # noqa: E402
+from moecache.offline.replay import main  # noqa: E402
 
 QWEN, GPTOSS = TRACES / "qwen3-30b-a3b.route.csv", TRACES / "gpt-oss-120b.route.csv"
 

@@ -12,8 +12,16 @@ import textwrap
 import numpy as np
 import pytest
 
-from moecache.util import (IntegerError, OneLineParser, Progress, atomic_write, int_arg,
-                           int_list_arg, parse_int, parse_int_list)
+from moecache.util import (
+    IntegerError,
+    OneLineParser,
+    Progress,
+    atomic_write,
+    int_arg,
+    int_list_arg,
+    parse_int,
+    parse_int_list,
+)
 
 
 @pytest.mark.parametrize("value,expected", [

@@ -8,8 +8,8 @@ import logging
 import sys
 
 from . import native, placement, sizing
+from .cache import CacheUnavailable, LiveCache
 from .config import CacheConfig, ConfigError
-from .live import CacheUnavailable, LiveCache
 
 log = logging.getLogger("moecache")
 

@@ -29,6 +29,7 @@ import math
 import re
 from dataclasses import asdict, dataclass, field
 
+from ..core.banks import slots_for_budget
 from . import ggml
 from .config import ENV_PREFIX, CacheConfig, ConfigError
 
@@ -39,23 +40,8 @@ GGML_TYPE_I32 = 26
 EXPERT_TENSORS = ("ffn_up_exps", "ffn_gate_exps", "ffn_down_exps")  # the order libllama allocates
 
 
-def slots_for_budget(bytes_of, budget: int, n_expert: int) -> int:
-    """The largest K in [1, n_expert] with bytes_of(K) <= budget (bytes_of grows with K); 0 when
-    not even K = 1 fits."""
-    if bytes_of(1) > budget:
-        return 0
-    low, high = 1, n_expert  # bytes_of(low) fits
-    while low < high:
-        mid = (low + high + 1) // 2
-        if bytes_of(mid) <= budget:
-            low = mid
-        else:
-            high = mid - 1
-    return low
-
-
 def _native():
-    """moecache.native, imported when first needed: the offline replay uses this module's rule
+    """moecache.live.native, imported when first needed: the offline replay uses this module's rule
     without libllama's cffi module."""
     from . import native
 

@@ -33,7 +33,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .util import IntegerError, parse_int
+from ..util import IntegerError, parse_int
 
 MAGIC = "# route_trace v1"
 REQUIRED_COLUMNS = ("turn", "phase", "step", "layer", "slot", "expert", "weight",
@@ -43,7 +43,7 @@ PREFILL, DECODE = 0, 1
 
 # The real traces the repository ships (traces/README.md: source, licence): the one place that
 # knows where they are.
-TRACES_DIR = Path(__file__).resolve().parents[1] / "traces"
+TRACES_DIR = Path(__file__).resolve().parents[2] / "traces"
 SHIPPED_TRACES = (TRACES_DIR / "qwen3-30b-a3b.route.csv", TRACES_DIR / "gpt-oss-120b.route.csv")
 
 

@@ -1,6 +1,6 @@
 """Eviction/admission policies for the per-layer expert cache (see docs/policies.md).
 
-The engine (moecache.engine.CacheEngine) owns slots and the one-step publication delay; a
+The engine (moecache.core.engine.CacheEngine) owns slots and the one-step publication delay; a
 policy only ranks experts. Interface, all arrays indexed by the engine's layer index:
 
     bind(n_layers, n_expert, n_slots)          allocate state; called once by the engine
@@ -19,7 +19,7 @@ Optional, looked up once by the engine:
                                                slot or over a victim of strictly lower
                                                priority; -inf refuses. Also orders the misses
                                                when more than INSERTS compete (else rank order)
-    worth_if_used(step, keys) -> float         eager admission (moecache.eager): the admit()
+    worth_if_used(step, keys) -> float         eager admission (moecache.core.admission): the admit()
                                                worth a miss in the graph about to run will have
                                                once that use is observed (at step + 1); without
                                                it admit(), and without that +inf

@@ -5,7 +5,7 @@ limit, eviction after each batch sparing the batch's own experts. A batch is one
 lookups (a turn's whole prefill, or one decode token); one lookup per distinct expert per
 batch. Keys are layer index * n_expert + expert.
 
-A policy ranks the resident keys; like the per-layer policies (moecache.policies) it is one
+A policy ranks the resident keys; like the per-layer policies (moecache.core.policies) it is one
 small class behind one interface, in a registry (BUDGET_POLICIES):
 
     bind(n_parts, batches)          allocate state; batches: every (layer, keys) the cache

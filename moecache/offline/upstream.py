@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..core.banks import layers_by_size
+
 MAX_BATCH = 32          # upstream's max_batch: larger ubatches bypass the cache
 CUDA_ALIGNMENT = 128    # ggml's CUDA buffer alignment, the pad of each bank
 DEFAULT_UBATCH = 512    # llama.cpp's default n_ubatch: how prompts are split
@@ -44,14 +46,6 @@ class Group:
     layers: tuple[int, ...]     # engine layer indices
     expert_bytes: int           # bytes of one expert (all its tensors) in these layers
     n_slots: int                # 0: not cached
-
-
-def layers_by_size(expert_bytes) -> dict[int, list[int]]:
-    """The layers of each expert size (in bytes), in layer order: a bank's, or a group's, layers."""
-    members: dict[int, list[int]] = {}
-    for layer, size in enumerate(expert_bytes):
-        members.setdefault(int(size), []).append(layer)
-    return members
 
 
 def size_groups(expert_bytes, n_expert: int, n_expert_used: int, budget_bytes: int,
@@ -172,11 +166,3 @@ class UpstreamCache:
         lookups = totals["hits"] + totals["misses"]
         return {"steps": self.step_index, "hit_rate": totals["hits"] / lookups if lookups else None,
                 "totals": totals}
-
-
-def equal_bytes(expert_bytes, slots_per_layer: int) -> int:
-    """Device bytes of moecache's per-layer cache at K slots: a bank per expert layout (layers of
-    equal expert_bytes, the grouping this model uses too) of n_layers * K slots plus one all-zero
-    slot that uncached experts are remapped to; the budget the upstream model gets for an
-    equal-memory comparison."""
-    return sum(size * (len(layers) * slots_per_layer + 1) for size, layers in layers_by_size(expert_bytes).items())

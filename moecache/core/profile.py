@@ -17,7 +17,7 @@ import reprlib
 
 import numpy as np
 
-from .util import atomic_write
+from ..util import atomic_write
 
 FORMAT, VERSION = "moecache-profile", 1
 # counts are decode steps: 2**53 keeps every sum of them exact in int64 and in JSON's doubles

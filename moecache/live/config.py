@@ -6,9 +6,9 @@ import os
 import tempfile
 from dataclasses import dataclass, fields
 
-from .engine import ADMISSIONS
-from .policies import DEFAULT_POLICY, POLICIES
-from .util import parse_int
+from ..core.admission import ADMISSIONS
+from ..core.policies import DEFAULT_POLICY, POLICIES
+from ..util import parse_int
 
 
 class ConfigError(ValueError):
@@ -23,7 +23,7 @@ MAX_BATCH = 512  # libllama's limit on max_batch
 class CacheConfig:
     slots: int | str = 0           # experts cached per layer; 0 = off; "auto": as MIB=auto
     mib: int | str = 0             # or a device budget in MiB over all devices (0 = off); "auto":
-                                   # each device's free memory less RESERVE_MIB (moecache.sizing)
+                                   # each device's free memory less RESERVE_MIB (moecache.live.sizing)
     reserve_mib: int = 1024        # MiB that auto sizing (and a failed allocation's retry) leaves
                                    # free on each device: llama.cpp's own --fit margin
     inserts: int = 2               # uploads per layer per decode step

@@ -11,7 +11,7 @@ import os
 import sys
 import time
 
-from .util import OneLineParser, int_arg
+from ..util import OneLineParser, int_arg
 
 GGML_MAX_N_THREADS = 512  # ggml.h: more threads overrun ggml's per-thread arrays (a segfault)
 
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
 
 
 def _run(args) -> int:
-    from .models import smol_moe
+    from ..models import smol_moe
     from .config import CacheConfig
 
     # validate the cache settings before anything slow happens; a flag's size replaces the variables'
@@ -150,7 +150,7 @@ def _attach_or_stock(llm, **settings):
     import logging
 
     from .activate import attach
-    from .live import CacheUnavailable
+    from .cache import CacheUnavailable
 
     llama_log = logging.getLogger("llama-cpp-python")  # llama_cpp prints libllama's log to sys.stderr
     level, captured = llama_log.level, io.StringIO()

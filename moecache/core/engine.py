@@ -17,12 +17,12 @@ Timing (boundary t sits between graph t-1 and graph t; no graph runs during step
 - Prefetch (policies with predict()) only uses the upload budget the misses left.
 
 admission="eager" moves the misses' uploads into the graph that missed them: at boundary t
-the engine hands libllama a Handover (moecache.eager) for graph t, whose CPU observers start
+the engine hands libllama a Handover (moecache.core.admission) for graph t, whose CPU observers start
 uploads by its rule; step(ids of graph t) at boundary t+1 takes those admissions (modelled
 from the handover, so replay and a waiting live run agree) and publishes them with the uploads
 due: a miss in graph s is usable from graph s + 1. No boundary then uploads misses itself.
 
-step(ids, prefill=True) takes a prompt ubatch that the stock graph ran (moecache.live: every
+step(ids, prefill=True) takes a prompt ubatch that the stock graph ran (moecache.live.cache: every
 ubatch in which not every token needs an output): no slot was read, so nothing is a hit or a
 miss nor counted in usage (the profile), and the stock graph started no eager upload. The
 policy observes the prompt as one step; then each layer takes up to K of the prompt's experts,
@@ -42,11 +42,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ._core import ffi, lib
-from .eager import Handover, admissions
+from .._core import ffi, lib
+from .admission import ADMISSIONS, Handover, admissions
 from .policies import Policy
 
-ADMISSIONS = ("boundary", "eager")  # a miss is uploaded at the next boundary, or during its graph
 COUNTERS = ("hits", "misses", "uploads", "evictions", "prefetch_uploads", "prefetch_hits",
             "prefetch_waste", "late",  # late: due uploads not complete at their boundary
             "prefill_uploads")  # uploads of the prompt's experts (step(..., prefill=True))
@@ -274,7 +273,7 @@ class CacheEngine:
 
     def _handover(self, t) -> Handover:
         """Eager: the victim order and worths the graph about to run follows (native/engine_core.c
-        orders the slots as moecache.eager.build_handover does)."""
+        orders the slots as moecache.core.admission.build_handover does)."""
         keys = np.maximum(self.slot_expert, 0) + self._key_base  # junk where a slot is empty: ignored
         priority = np.asarray(self.policy.priority(t, keys), dtype=np.float64)
         if self._worth_if_used is None:  # no admission test: every miss is worth a victim

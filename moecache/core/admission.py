@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+ADMISSIONS = ("boundary", "eager")  # a miss is uploaded at the next boundary, or during its graph
+
 
 @dataclass
 class Handover:

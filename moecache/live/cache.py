@@ -13,7 +13,7 @@ graph, which copies its selections out: the engine takes those as a prefill step
 the prompt's most used experts are uploaded, counted apart).
 
 Eager admission (LLAMA_MOE_CACHE_ADMISSION=eager): the boundary also hands libllama the
-engine's Handover (moecache.eager), whose rule the CPU observers follow during the next graph
+engine's Handover (moecache.core.admission), whose rule the CPU observers follow during the next graph
 to start the uploads of its misses at once; the next boundary reads back which uploads they
 started and gives them to the engine (with LLAMA_MOE_CACHE_WAIT=1 they must equal the
 engine's model of them, or the cache freezes).
@@ -31,14 +31,14 @@ import time
 
 import numpy as np
 
+from ..core.admission import admissions
+from ..core.engine import COUNTERS, CacheEngine
+from ..core.policies import make_policy
+from ..core.profile import ProfileError, UsageProfile
+from ..core.traces import DECODE, PREFILL, TraceWriter
+from ..util import atomic_write
 from . import native, sizing
 from .config import CacheConfig, ConfigError
-from .eager import admissions
-from .engine import COUNTERS, CacheEngine
-from .policies import make_policy
-from .profile import ProfileError, UsageProfile
-from .traces import DECODE, PREFILL, TraceWriter
-from .util import atomic_write
 
 log = logging.getLogger("moecache")
 

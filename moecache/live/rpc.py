@@ -21,8 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from ..util import OneLineParser, int_arg, parse_int
 from . import ggml
-from .util import OneLineParser, int_arg, parse_int
 
 _registered: list["RpcDevice"] = []
 
@@ -44,7 +44,7 @@ class RpcDevice:
         memory = [] if memory_mib is None else ["--memory-mib", str(parse_int(memory_mib, "memory_mib", minimum=0))]
         self.endpoint = f"127.0.0.1:{_free_port()}"
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "moecache.rpc", "--serve", self.endpoint,
+            [sys.executable, "-m", "moecache.live.rpc", "--serve", self.endpoint,
              "--lib-dir", str(ggml.lib_dir()), "--threads", str(threads or os.cpu_count() or 1), *memory],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
             # the server idles between graphs: spinning OpenMP threads would starve the client
@@ -155,7 +155,7 @@ class _SizedDevice:
          self.buft.alloc_buffer, self._free_address) = map(as_address, self.callbacks)
         self.buft.device = self.address
         if ggml.device_name(self.address) != ggml.device_name(cpu):
-            raise RuntimeError("ggml's device struct layout is not the one moecache.rpc knows")
+            raise RuntimeError("ggml's device struct layout is not the one moecache.live.rpc knows")
 
     def _memory(self, dev, free, total):
         free[0], total[0] = max(0, self.size - self.used), self.size
@@ -165,7 +165,7 @@ class _SizedDevice:
         if backend:
             fields = _Backend.from_address(backend)
             if fields.device != ctypes.addressof(self.cpu):  # an exception would not leave a callback
-                print("moecache.rpc: ggml's backend struct layout is not the one it knows", file=sys.stderr)
+                print("moecache.live.rpc: ggml's backend struct layout is not the one it knows", file=sys.stderr)
                 os._exit(3)
             fields.device = self.address
         return backend

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import functools
 
-from ._native import ffi
-
+from .._native import ffi
 
 # the patch series (patches/) this package is written against: llama_moe_cache_version()
 PATCH_VERSION = "8"
