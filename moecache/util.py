@@ -129,6 +129,21 @@ class OneLineParser(argparse.ArgumentParser):
 
 # --- files --------------------------------------------------------------------------------------
 
+def current_umask() -> int:
+    """The process's umask, read without changing it (os.umask can only set it: setting and
+    restoring would race with other threads creating files)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write(path, data: str | bytes | Callable[[Path], None]) -> Path:
     """Write data to path so that readers see the old file or the whole new one, never a part:
     it goes to a temporary file in the same directory, is flushed to disk and renamed over path.
@@ -149,7 +164,7 @@ def atomic_write(path, data: str | bytes | Callable[[Path], None]) -> Path:
             data(tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
+        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp's 0600 would ignore the user's umask
         os.replace(tmp, out)
     except BaseException:
         tmp.unlink(missing_ok=True)

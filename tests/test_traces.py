@@ -1,3 +1,5 @@
+import os
+
 import numpy as np
 import pytest
 from conftest import TRACES  # noqa: E402
@@ -142,6 +144,22 @@ def test_writer_round_trip_and_crash_leaves_readable_prefix(tmp_path):
     assert (trace.residency[2:, :, 0] == 1).all()
     with pytest.raises(ValueError, match="closed"):
         writer.write_step(0, DECODE, 9, ids[0], None, residency)
+
+
+def test_writer_refuses_a_symlink_and_follows_the_umask(tmp_path):
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me")
+    (tmp_path / "trace.csv").symlink_to(target)
+    args = dict(model="m", arch="qwen3moe", n_layer=1, n_expert=4, n_expert_used=2, layers=[(0, 10, 1)])
+    with pytest.raises(OSError, match="symbolic link"):
+        TraceWriter(str(tmp_path / "trace.csv"), **args)
+    assert target.read_text() == "keep me"
+    old = os.umask(0o077)
+    try:
+        TraceWriter(str(tmp_path / "own.csv"), **args).close()
+    finally:
+        os.umask(old)
+    assert (tmp_path / "own.csv").stat().st_mode & 0o777 == 0o600
 
 
 def test_writer_rejects_bad_steps(tmp_path):

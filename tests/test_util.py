@@ -17,6 +17,7 @@ from moecache.util import (
     OneLineParser,
     Progress,
     atomic_write,
+    current_umask,
     int_arg,
     int_list_arg,
     parse_int,
@@ -134,6 +135,17 @@ def test_atomic_write_text_and_bytes(tmp_path, data, expected):
     assert atomic_write(str(path), data) == path
     assert path.read_bytes() == expected and os.listdir(tmp_path) == ["out"]
     assert path.stat().st_mode & 0o777 == 0o644
+
+
+@pytest.mark.parametrize("umask,mode", [(0o077, 0o600), (0o002, 0o664)])
+def test_atomic_write_follows_the_umask(tmp_path, umask, mode):
+    old = os.umask(umask)
+    try:
+        assert current_umask() == umask
+        atomic_write(tmp_path / "stats.json", "{}")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "stats.json").stat().st_mode & 0o777 == mode
 
 
 def test_atomic_write_with_a_writer_function(tmp_path):

@@ -25,6 +25,7 @@ tokens whose logits are wanted). Without the column every decode token is its ow
 from __future__ import annotations
 
 import csv
+import errno
 import os
 import re
 from dataclasses import dataclass, replace
@@ -501,7 +502,12 @@ class TraceWriter:
         preamble += [f"# layer={l} expert_bytes={b} dense_bytes={d}" for l, b, d in layers]
         preamble.append(",".join(REQUIRED_COLUMNS + ("batch",)))
         self._batch = 0
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+        try:  # O_NOFOLLOW: a symlink planted at the path must not get its target truncated
+            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_NOFOLLOW, 0o666)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise OSError(e.errno, "is a symbolic link; give the trace's own path", path) from None
+            raise
         self._write("\n".join(preamble) + "\n")
 
     def _write(self, text: str) -> None:
