@@ -105,6 +105,10 @@ def test_small_trace_columns_by_name(tmp_path):
     (lambda s: s.replace("0,1,1,2,1,7,0.5,0,2000", f"0,1,1,2,1,7,0.5,0,{2**70}"),
      f"t.csv:11: expert_bytes={2**70} is out of range"),
     (lambda s: s.replace("0,1,1,2,1,7,0.5,0,2000", "0,1,1,2,1,7,0.5,0,-5"), "t.csv:11: negative expert_bytes"),
+    # a field csv refuses, and a preamble line too long to read whole (issue 24, found 9)
+    (lambda s: s.replace("0,1,1,2,1,7,0.5,0,2000", "0,1,1,2,1,7,0.5,0," + "9" * 140_000),
+     "t.csv:11: field larger than field limit"),
+    (lambda s: s.replace("# layer=2 ", "# layer=2 " + "x" * 70_000 + "=1 "), "t.csv:4: line longer than 65536 characters"),
     (lambda s: s.replace("0,1,1,1,1,5,0.3,0,1000", "0,1,1,1,1,5,0.3,0,1000\n\n"), "t.csv:10: expected 9 fields, got 0"),
 ])
 def test_malformed_traces_fail_with_file_and_line(tmp_path, edit, message):
@@ -114,6 +118,15 @@ def test_malformed_traces_fail_with_file_and_line(tmp_path, edit, message):
     assert message in str(info.value)
     assert str(info.value).startswith(path)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("batch", [2**31, 2**63 - 1, -1])
+def test_a_batch_number_out_of_range_names_its_line(tmp_path, batch):
+    lines = SMALL.splitlines()
+    lines[4] += ",batch"
+    lines[5:] = [f"{row},{batch if i >= 2 else 0}" for i, row in enumerate(lines[5:])]
+    with pytest.raises(TraceError, match=rf"t.csv:8: batch={batch} must be in \[0, {2**31 - 1}\]"):
+        read_trace(write(tmp_path, "\n".join(lines) + "\n"))
 
 
 def test_missing_file_is_a_trace_error(tmp_path):

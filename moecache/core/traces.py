@@ -123,8 +123,9 @@ class RouteTrace:
 # sized by them fit in memory and every derived integer fits in int64.
 MAX_LAYERS = 4096
 MAX_EXPERTS = 65536
-MAX_INDEX = 2**31 - 1          # turn and step numbers
+MAX_INDEX = 2**31 - 1          # turn, step and batch numbers
 MAX_EXPERT_BYTES = 2**40
+MAX_LINE = 1 << 16            # characters in a preamble line (a row field has csv's own limit)
 INT_COLUMNS = ("turn", "phase", "step", "layer", "slot", "expert", "residency")
 _CHUNK = 1 << 16               # rows converted to arrays at a time
 
@@ -187,13 +188,22 @@ def _int_field(path, lineno, fields, key, minimum, maximum, context=""):
         raise TraceError(f"{path}:{lineno}: {e}{context}") from None
 
 
+def _bounded_line(path, lineno, f) -> str:
+    """The next line, refused past MAX_LINE characters: a corrupt file's one huge line must
+    not be read into memory whole."""
+    line = f.readline(MAX_LINE + 1)
+    if len(line) > MAX_LINE:
+        raise TraceError(f"{path}:{lineno}: line longer than {MAX_LINE} characters")
+    return line
+
+
 def _read_preamble(path, f) -> _Preamble:
     """The magic line, the # lines and the column header line (not parsed) of an open trace."""
     if f.readline().strip() != MAGIC:
         raise TraceError(f"{path}:1: not a route trace (first line must be {MAGIC!r})")
     model, model_line, layer_bytes = None, 2, {}
     lineno = 1
-    for line in f:
+    for line in iter(lambda: _bounded_line(path, lineno + 1, f), ""):
         lineno += 1
         if not line.startswith("#"):
             break
@@ -247,7 +257,7 @@ def _read_rows(path, f, header, first_line):
     converters.append((col["weight"], float))
     parts, chunk, chunk_line, blank_line = [], [], 0, None
     reader = csv.reader(f, quoting=csv.QUOTE_NONE)
-    for row in reader:
+    for row in _rows_or_error(path, reader, first_line):
         lineno = first_line + reader.line_num - 1
         if len(row) <= 1 and not (row and row[0].strip()):  # blank: allowed only after the last row
             if blank_line is None:
@@ -270,6 +280,19 @@ def _read_rows(path, f, header, first_line):
     columns = [np.concatenate(c) for c in zip(*parts)]
     rows = np.stack(columns[:7], axis=1)
     return rows, columns[-1].astype(np.float32), dict(zip(optional, columns[8:-1]))
+
+
+def _rows_or_error(path, reader, first_line):
+    """reader's rows; csv's own errors (e.g. a field over its size limit) as TraceErrors
+    naming the line."""
+    while True:
+        try:
+            row = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as e:
+            raise TraceError(f"{path}:{first_line + reader.line_num - 1}: {e}") from None
+        yield row
 
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -327,9 +350,9 @@ def read_route_trace(path: str) -> RouteTrace:
     _check_rows(path, preamble, rows)
     dropped = optional["dropped"] != 0 if "dropped" in optional else np.zeros(len(rows), dtype=bool)
     batch = optional.get("batch")
-    if batch is not None and (batch < 0).any():
-        r = int(np.flatnonzero(batch < 0)[0])
-        raise TraceError(f"{path}:{preamble.header_line + 1 + r}: batch={batch[r]} is negative")
+    if batch is not None and ((batch < 0) | (batch > MAX_INDEX)).any():
+        r = int(np.flatnonzero((batch < 0) | (batch > MAX_INDEX))[0])
+        raise TraceError(f"{path}:{preamble.header_line + 1 + r}: batch={batch[r]} must be in [0, {MAX_INDEX}]")
     return _to_trace(path, preamble, rows, weight, dropped, batch)
 
 
