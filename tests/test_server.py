@@ -156,3 +156,27 @@ def test_server_burst_with_the_cache(tmp_path, rpc_device, tiny_path):
     print(f"\nserver burst: 20 concurrent in {t_concurrent:.2f} s, 20 sequential in {t_sequential:.2f} s "
           f"(median {latencies[10] * 1e3:.0f} ms per completion), "
           f"{report['decode_steps']} decode steps, hit rate {100 * report['hit_rate']:.1f}%")
+
+
+def test_sigterm_writes_the_final_stats(tmp_path, tiny_path):
+    # systemd, docker and Kubernetes stop a service with SIGTERM; with the default FLUSH_STEPS a
+    # short run has written no stats before it
+    port = _free_port()
+    stats = tmp_path / "stats.json"
+    server = _serve(["--model", tiny_path, "--n_ctx", "512", "--host", "127.0.0.1", "--port", str(port),
+                     "--verbose", "false"],
+                    {"LLAMA_MOE_CACHE_SLOTS": "2", "LLAMA_MOE_CACHE_STATS": str(stats)},
+                    stdout=subprocess.DEVNULL)
+    try:
+        _wait_ready(server, port, timeout=120)
+        assert _complete(port)[0] == 200
+        assert not stats.exists()
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            _, err = server.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            _, err = server.communicate()
+    assert server.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert json.loads(stats.read_text())["decode_steps"] > 0

@@ -12,6 +12,7 @@ on to llama.cpp."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 from ..util import OneLineParser
@@ -24,6 +25,10 @@ def _settings_error(error) -> str:
     """A pydantic ValidationError as one line naming the flags."""
     return "; ".join(("--" + ".".join(map(str, e["loc"])) + ": " if e["loc"] else "") + e["msg"]
                      for e in error.errors())
+
+
+def _exit_on_sigterm(signum, frame):
+    sys.exit(128 + signum)  # the status a shell reports for a process the signal ended
 
 
 def main(argv=None) -> int:
@@ -75,6 +80,10 @@ def main(argv=None) -> int:
         if not enabled:
             print(f"{PROG}: neither LLAMA_MOE_CACHE_SLOTS nor LLAMA_MOE_CACHE_MIB is set: the expert cache is off",
                   file=sys.stderr)
+        # uvicorn shuts down on SIGTERM (systemd's, docker's, Kubernetes' stop), then re-raises it
+        # with this handler restored: exiting here, not by the signal, runs the exit handlers
+        # that write the cache's final stats and profile
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
         sys.argv = [PROG, *server_argv]
         server.main()  # a model llama.cpp cannot load raises ValueError: one line, status 2
 
