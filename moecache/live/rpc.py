@@ -33,16 +33,50 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _listening_inode(port: int) -> int | None:
+    """The socket inode of the TCP listener on 127.0.0.1:port (Linux's /proc/net/tcp), or None."""
+    wanted = f"0100007F:{port:04X}"
+    try:
+        with open("/proc/net/tcp") as f:
+            lines = f.readlines()[1:]
+    except OSError as e:
+        raise RuntimeError(f"the loopback RPC device needs Linux's /proc/net/tcp to check who listens "
+                           f"on its port: {e.strerror}") from None
+    for line in lines:
+        fields = line.split()
+        if fields[1] == wanted and fields[3] == "0A":  # local address, state LISTEN
+            return int(fields[9])
+    return None
+
+
+def _owns_socket(pid: int, inode: int) -> bool:
+    fd_dir = f"/proc/{pid}/fd"
+    try:
+        fds = os.listdir(fd_dir)
+    except OSError:  # exited meanwhile
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"{fd_dir}/{fd}") == f"socket:[{inode}]":
+                return True
+        except OSError:
+            continue
+    return False
+
+
 class RpcDevice:
     """Starts the server subprocess and registers it with this process's ggml. The server dies
     with this process; close() stops it earlier. A registered device cannot be unregistered from
     ggml: close() only once every model and context that use it are freed."""
 
-    def __init__(self, *, threads: int | None = None, timeout: float = 30.0, memory_mib: int | None = None):
+    def __init__(self, *, threads: int | None = None, timeout: float = 30.0, memory_mib: int | None = None,
+                 port: int | None = None):
+        """port: where the server listens (default: a free one)."""
         if threads is not None and (not isinstance(threads, int) or threads < 1):
             raise ValueError(f"threads must be a positive integer, got {threads!r}")
         memory = [] if memory_mib is None else ["--memory-mib", str(parse_int(memory_mib, "memory_mib", minimum=0))]
-        self.endpoint = f"127.0.0.1:{_free_port()}"
+        port = _free_port() if port is None else parse_int(port, "port", minimum=1, maximum=65535)
+        self.endpoint = f"127.0.0.1:{port}"
         self.process = subprocess.Popen(
             [sys.executable, "-m", "moecache.live.rpc", "--serve", self.endpoint,
              "--lib-dir", str(ggml.lib_dir()), "--threads", str(threads or os.cpu_count() or 1), *memory],
@@ -62,17 +96,23 @@ class RpcDevice:
         _registered.append(self)
 
     def _wait_listening(self, timeout: float) -> None:
-        host, port = self.endpoint.split(":")
+        """Until the server listens. ggml-rpc has no authentication and no timeout: whatever
+        listens on the port gets the model's tensors, and a silent one hangs the client. So the
+        listener must be the child started here; another process that took the port in the
+        window between choosing it and the child binding it is an error, never registered."""
+        port = int(self.endpoint.rsplit(":", 1)[1])
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 err = self.process.stderr.read().decode(errors="replace").strip().splitlines()
                 raise RuntimeError(f"RPC server exited with {self.process.returncode}: {err[-1] if err else ''}")
-            try:
-                socket.create_connection((host, int(port)), timeout=0.2).close()
+            inode = _listening_inode(port)
+            if inode is not None:
+                if not _owns_socket(self.process.pid, inode):
+                    raise RuntimeError(f"another process listens on {self.endpoint}, not the RPC server "
+                                       f"started here: not registering it")
                 return
-            except OSError:
-                time.sleep(0.05)
+            time.sleep(0.05)
         raise TimeoutError(f"RPC server on {self.endpoint} did not listen within {timeout:.0f} s")
 
     def close(self) -> None:
