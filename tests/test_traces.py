@@ -175,6 +175,31 @@ def test_writer_refuses_a_symlink_and_follows_the_umask(tmp_path):
     assert (tmp_path / "own.csv").stat().st_mode & 0o777 == 0o600
 
 
+def test_a_full_disk_leaves_whole_steps(tmp_path, monkeypatch):
+    path = str(tmp_path / "t.csv")
+    ids = synthetic_routing(3, 2, 8, 2, seed=3)
+    writer = TraceWriter(path, model="m", arch="qwen3moe", n_layer=2, n_expert=8, n_expert_used=2,
+                         layers=[(0, 10, 1), (1, 10, 1)])
+    no_residency = np.zeros((2, 2), dtype=np.int8)
+    writer.write_step(0, DECODE, 0, ids[0], None, no_residency)
+    real_write = os.write
+
+    def disk_fills(fd, data):  # half of this step's bytes fit, then the disk is full
+        if len(data) > 8:
+            return real_write(fd, data[: len(data) // 2])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "write", disk_fills)
+    with pytest.raises(OSError, match="No space"):
+        writer.write_step(0, DECODE, 1, ids[1], None, no_residency)
+    monkeypatch.undo()
+    trace = read_trace(path)  # reads back: the torn step was cut off
+    assert np.array_equal(trace.ids, ids[:1])
+    writer.write_step(0, DECODE, 2, ids[2], None, no_residency)  # space again: goes on whole
+    writer.close()
+    assert read_trace(path).ids.shape == (2, 2, 2)
+
+
 def test_writer_rejects_bad_steps(tmp_path):
     writer = TraceWriter(str(tmp_path / "w.csv"), model="m", arch="a", n_layer=2, n_expert=4,
                          n_expert_used=2, layers=[(0, 10, 0), (1, 10, 0)])

@@ -525,6 +525,7 @@ class TraceWriter:
         preamble += [f"# layer={l} expert_bytes={b} dense_bytes={d}" for l, b, d in layers]
         preamble.append(",".join(REQUIRED_COLUMNS + ("batch",)))
         self._batch = 0
+        self._size = 0  # bytes of the whole steps written
         try:  # O_NOFOLLOW: a symlink planted at the path must not get its target truncated
             self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_NOFOLLOW, 0o666)
         except OSError as e:
@@ -534,9 +535,17 @@ class TraceWriter:
         self._write("\n".join(preamble) + "\n")
 
     def _write(self, text: str) -> None:
+        """All of text, or nothing: a write that fails part way (a full disk) is cut back off,
+        so the file stays whole steps."""
         data = text.encode()
-        while data:
-            data = data[os.write(self._fd, data):]
+        size = len(data)
+        try:
+            while data:
+                data = data[os.write(self._fd, data):]
+        except OSError:
+            os.ftruncate(self._fd, self._size)
+            raise
+        self._size += size
 
     def write_step(self, turn: int, phase: int, step: int, ids, weights, residency) -> None:
         """ids, residency: (n_layers, n_used) ints; weights: same shape or None (written as nan).
