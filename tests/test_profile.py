@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 
 from moecache.core.profile import ProfileError, UsageProfile
+
+REPO = Path(__file__).resolve().parent.parent
 
 GOOD = {"format": "moecache-profile", "version": 1, "model": "m", "n_expert": 4,
         "layers": [0, 1], "counts": [[1, 2, 0, 3], [0, 0, 5, 1]]}
@@ -77,3 +83,18 @@ def test_largest_valid_counts_load_exactly(tmp_path):
     path = tmp_path / "p.json"
     path.write_text(_with(counts=[[2**53, 0, 0, 0], [0, 0, 5, 1]]))
     assert UsageProfile.load(str(path)).counts[0, 0] == 2**53
+
+
+def test_processes_sharing_a_profile_lose_no_counts(tmp_path):
+    # each adds one step of use 40 times: read, merge and replace race without the lock
+    path = tmp_path / "shared.json"
+    code = textwrap.dedent(f"""
+        from moecache.core.profile import UsageProfile
+        one = UsageProfile("m", [0, 1], [[1, 0, 2], [0, 1, 0]])
+        for _ in range(40):
+            one.add_to({str(path)!r})
+    """)
+    workers = [subprocess.Popen([sys.executable, "-c", code], cwd=REPO) for _ in range(3)]
+    assert [w.wait(timeout=120) for w in workers] == [0, 0, 0]
+    counts = UsageProfile.load(str(path)).counts
+    assert counts.tolist() == [[120, 0, 240], [0, 120, 0]]

@@ -12,7 +12,10 @@ File: JSON {"format": "moecache-profile", "version": 1, "model": str, "n_expert"
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import os
 import reprlib
 
 import numpy as np
@@ -86,6 +89,16 @@ class UsageProfile:
                 "n_expert": self.n_expert, "layers": self.layers, "counts": self.counts.tolist()}
         atomic_write(path, json.dumps(data))
 
+    def add_to(self, path: str) -> None:
+        """Add these counts to the profile at path (created if absent). Processes and contexts
+        sharing one file take turns: read, merge and replace under an exclusive lock, so no
+        one's counts are lost."""
+        with _locked(path):
+            total = self
+            if os.path.exists(path):
+                total = self.merged(UsageProfile.load(path, layers=self.layers, n_expert=self.n_expert))
+            total.save(path)
+
     @classmethod
     def load(cls, path: str, *, layers=None, n_expert=None) -> "UsageProfile":
         """Load and, when layers/n_expert are given, check it fits the running model. Any
@@ -141,3 +154,16 @@ def _is_count(value, maximum: int) -> bool:
 
 def _span(layers):
     return f"{layers[0]}..{layers[-1]}" if layers else "none"
+
+
+@contextlib.contextmanager
+def _locked(path: str):
+    """An exclusive lock for path's read-modify-write: on a lock file beside it, as the profile
+    itself is replaced by each write."""
+    directory, name = os.path.split(os.path.abspath(path))
+    fd = os.open(os.path.join(directory, f".{name}.lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
