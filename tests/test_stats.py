@@ -1,0 +1,58 @@
+"""python -m moecache.stats: a stats JSON as a per-layer table, once or whenever it changes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from moecache.stats import main, table
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def stats(hits: int) -> dict:
+    layers = [{"layer": 3, "hits": hits, "misses": 10 - hits, "uploads": 2, "evictions": 1, "late": 0,
+               "prefill_uploads": 4},
+              {"layer": 5, "hits": 0, "misses": 0, "uploads": 0, "evictions": 0, "late": 0, "prefill_uploads": 0}]
+    totals = {c: sum(layer[c] for layer in layers) for c in layers[0] if c != "layer"}
+    return {"policy": "heat", "slots": 2, "inserts": 2, "admission": "eager", "device_bytes": 3 << 20,
+            "decode_steps": 5, "decode_tokens": 5, "hit_rate": hits / 10, "totals": totals,
+            "step_us_mean": 250.0, "failed": None, "layers": layers}
+
+
+def test_the_table_has_a_row_per_layer_and_the_totals():
+    lines = table(stats(7)).splitlines()
+    assert lines[0] == ("policy heat, K=2, inserts 2, admission eager, 3.0 MiB; 5 decode steps (5 tokens), "
+                        "hit rate 70.0%, step 250 us mean")
+    assert lines[1].split() == ["layer", "hit", "rate", "hits", "misses", "uploads", "evictions", "late",
+                                "prefill", "uploads"]
+    assert lines[2].split() == ["3", "70.0%", "7", "3", "2", "1", "0", "4"]
+    assert lines[3].split() == ["5", "-", "0", "0", "0", "0", "0", "0"]  # no lookups: no rate
+    assert lines[4].split() == ["all", "70.0%", "7", "3", "2", "1", "0", "4"]
+
+
+def test_a_file_that_is_not_stats_is_one_line(tmp_path, capsys):
+    (tmp_path / "x.json").write_text("[1, 2]")
+    assert main([str(tmp_path / "x.json")]) == 2
+    assert capsys.readouterr().err == (f"python -m moecache.stats: error: {tmp_path / 'x.json'}: "
+                                       f"not a moecache stats file (no layers and totals)\n")
+    assert main([str(tmp_path / "missing.json")]) == 2
+
+
+def test_watch_prints_again_when_the_file_changes(tmp_path):
+    path = tmp_path / "stats.json"
+    path.write_text(json.dumps(stats(1)))
+    viewer = subprocess.Popen([sys.executable, "-m", "moecache.stats", str(path), "--watch", "1"],
+                              stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        assert "hit rate 10.0%" in viewer.stdout.readline()
+        time.sleep(0.05)  # a distinct modification time
+        path.write_text(json.dumps(stats(9)))
+        lines = [viewer.stdout.readline() for _ in range(5)]
+        assert "hit rate 90.0%" in lines[-1]
+    finally:
+        viewer.kill()
+        viewer.wait()
