@@ -31,16 +31,35 @@ def _exit_on_sigterm(signum, frame):
     sys.exit(128 + signum)  # the status a shell reports for a process the signal ended
 
 
+def _with_metrics(create_app):
+    """llama_cpp.server's create_app, its app given GET /metrics: the expert caches' counters
+    as Prometheus text (moecache.live.metrics)."""
+    def create(**settings):
+        from fastapi import Response
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        from .activate import live_caches
+        from .metrics import exposition
+
+        app = create_app(**settings)
+        app.add_api_route("/metrics", lambda: Response(exposition(live_caches), media_type=CONTENT_TYPE_LATEST),
+                          methods=["GET"], include_in_schema=False)
+        return app
+
+    return create
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         import llama_cpp.server.__main__ as server
         from llama_cpp.server.cli import add_args_from_model, parse_model_from_args
         from llama_cpp.server.settings import ModelSettings, ServerSettings, Settings
+        import prometheus_client  # noqa: F401  (/metrics)
         from pydantic import ValidationError
     except ImportError as e:
         print(f"{PROG}: error: {e} (the server needs: pip install uvicorn fastapi pydantic-settings "
-              f"sse-starlette 'starlette-context<0.4')", file=sys.stderr)
+              f"sse-starlette 'starlette-context<0.4' prometheus_client)", file=sys.stderr)
         return 2
 
     # the stock server's flags, with one-line errors
@@ -84,6 +103,7 @@ def main(argv=None) -> int:
         # with this handler restored: exiting here, not by the signal, runs the exit handlers
         # that write the cache's final stats and profile
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        server.create_app = _with_metrics(server.create_app)
         sys.argv = [PROG, *server_argv]
         server.main()  # a model llama.cpp cannot load raises ValueError: one line, status 2
 

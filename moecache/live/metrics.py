@@ -1,0 +1,66 @@
+"""Prometheus metrics of the live caches, for `python -m moecache.serve`'s /metrics: hits,
+misses, uploads, evictions and late uploads per layer, upload bytes, hit ratio, step time and
+the cache's size, one `context` label per live cache. Names follow llama.cpp server's own
+/metrics (`llamacpp:prompt_tokens_total`, ...): `moecache:hits_total`, ..."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+PER_LAYER = {  # stats counter -> help
+    "hits": "Expert lookups served by the device cache",
+    "misses": "Expert lookups computed on the CPU",
+    "uploads": "Experts uploaded into the cache",
+    "evictions": "Experts evicted from the cache",
+    "late": "Uploads not complete at the boundary they were due",
+    "prefill_uploads": "Uploads of the prompt's experts",
+}
+PER_CACHE_COUNTERS = {
+    "decode_steps": "Decode steps the cache observed",
+    "decode_tokens": "Tokens in those steps",
+    "prefill_tokens": "Prompt tokens the cache observed",
+    "upload_bytes": "Bytes uploaded into the cache",
+}
+
+
+class CacheCollector:
+    """Collects from caches() at each scrape: the numbers are the caches' own stats()."""
+
+    def __init__(self, caches: Callable[[], Iterable]):
+        self.caches = caches
+
+    def collect(self):
+        layer_families = {name: CounterMetricFamily(f"moecache:{name}", text, labels=["context", "layer"])
+                          for name, text in PER_LAYER.items()}
+        cache_families = {name: CounterMetricFamily(f"moecache:{name}", text, labels=["context"])
+                          for name, text in PER_CACHE_COUNTERS.items()}
+        ratio = GaugeMetricFamily("moecache:hit_ratio", "Hits per decode lookup", labels=["context"])
+        step = GaugeMetricFamily("moecache:step_seconds_mean", "Mean time of the cache's step between graphs",
+                                 labels=["context"])
+        size = GaugeMetricFamily("moecache:device_bytes", "Device memory of the cache", labels=["context"])
+        slots = GaugeMetricFamily("moecache:slots", "Experts cached per layer", labels=["context"])
+        for index, cache in enumerate(self.caches()):
+            stats, context = cache.stats(), str(index)
+            for layer in stats["layers"]:
+                for name, family in layer_families.items():
+                    family.add_metric([context, str(layer["layer"])], layer[name])
+            for name, family in cache_families.items():
+                family.add_metric([context], stats["totals"][name] if name == "upload_bytes" else stats[name])
+            if stats["hit_rate"] is not None:
+                ratio.add_metric([context], stats["hit_rate"])
+            step.add_metric([context], (stats["step_us_mean"] or 0) / 1e6)
+            size.add_metric([context], stats["device_bytes"])
+            slots.add_metric([context], stats["slots"])
+        yield from layer_families.values()
+        yield from cache_families.values()
+        yield from (ratio, step, size, slots)
+
+
+def exposition(caches: Callable[[], Iterable]) -> bytes:
+    """The Prometheus text of these caches now."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(CacheCollector(caches))
+    return generate_latest(registry)
