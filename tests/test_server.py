@@ -76,6 +76,15 @@ def _complete(port: int) -> tuple[int, str, int, float]:
                 time.perf_counter() - t0)
 
 
+def _metrics(port: int) -> dict:
+    """GET /metrics, parsed as Prometheus text: {family name: family}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60) as response:
+        assert response.status == 200 and response.headers["Content-Type"].startswith("text/plain")
+        return {family.name: family for family in text_string_to_metric_families(response.read().decode())}
+
+
 def _wait_ready(server: subprocess.Popen, port: int, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while True:
@@ -117,13 +126,25 @@ def test_server_burst_with_the_cache(tmp_path, rpc_device, tiny_path):
             except Exception as e:  # noqa: BLE001 - reported below
                 errors.append(f"request {i}: {e!r}")
 
+        scrapes: list = []
+        done = threading.Event()
+
+        def scrape():  # /metrics while the requests run
+            while not done.is_set():
+                scrapes.append(_metrics(port))
+                time.sleep(0.2)
+
         t0 = time.perf_counter()
+        scraper = threading.Thread(target=scrape)
         threads = [threading.Thread(target=one, args=(i,)) for i in range(20)]
-        for t in threads:
+        for t in [scraper, *threads]:
             t.start()
         for t in threads:
             t.join(timeout=300)
+        done.set()
+        scraper.join(timeout=60)
         t_concurrent = time.perf_counter() - t0
+        final_metrics = _metrics(port)
         assert not errors, errors
         assert not any(t.is_alive() for t in threads), "a request hung"
         t0 = time.perf_counter()
@@ -146,6 +167,13 @@ def test_server_burst_with_the_cache(tmp_path, rpc_device, tiny_path):
     assert len(set(stock_first)) > 5, f"a degenerate greedy text proves little: {stock_first!r}"
 
     report = json.loads(stats.read_text())
+    assert scrapes, "no /metrics scrape while the requests ran"
+    hits = [sum(s.value for s in family.samples if s.name == "moecache:hits_total")
+            for family in (m["moecache:hits"] for m in scrapes + [final_metrics])]
+    assert hits == sorted(hits) and hits[-1] > 0  # counters only grow
+    layers = {s.labels["layer"] for s in final_metrics["moecache:hits"].samples}
+    assert len(layers) == len(report["layers"])
+    assert final_metrics["moecache:slots"].samples[0].value == 2
     # cached ubatches (up to LLAMA_MOE_CACHE_MAX_BATCH tokens): the first request's prompt, then
     # each request's sampled tokens but the last, and every request after the first its prompt's
     # last token again (the prompt is in the KV cache); the cache observes each graph at the next

@@ -56,3 +56,27 @@ def test_watch_prints_again_when_the_file_changes(tmp_path):
     finally:
         viewer.kill()
         viewer.wait()
+
+
+def test_metrics_are_prometheus_text_per_layer_and_per_cache():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from moecache.live.metrics import exposition
+
+    class Cache:  # what a LiveCache's stats() gives, two contexts
+        def __init__(self, hits):
+            self.hits = hits
+
+        def stats(self):
+            s = stats(self.hits)
+            s["totals"]["upload_bytes"] = 1024
+            s["prefill_tokens"] = 12
+            return s
+
+    families = {f.name: f for f in text_string_to_metric_families(exposition(lambda: [Cache(7), Cache(2)]).decode())}
+    hits = {(s.labels["context"], s.labels["layer"]): s.value for s in families["moecache:hits"].samples}
+    assert hits == {("0", "3"): 7, ("0", "5"): 0, ("1", "3"): 2, ("1", "5"): 0}
+    assert families["moecache:hits"].type == "counter"
+    assert [s.value for s in families["moecache:hit_ratio"].samples] == [0.7, 0.2]
+    assert [s.value for s in families["moecache:upload_bytes"].samples] == [1024, 1024]
+    assert [s.value for s in families["moecache:step_seconds_mean"].samples] == [250e-6, 250e-6]
