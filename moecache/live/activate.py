@@ -17,6 +17,11 @@ _caches: list[LiveCache] = []   # the caches of live contexts: keeps them (and t
 _context_callback = None
 
 
+def live_caches() -> list[LiveCache]:
+    """The caches of the contexts alive now (a copy: freeing a context drops its cache)."""
+    return list(_caches)
+
+
 def _setup_logging(debug: bool) -> None:
     if not log.handlers:
         handler = logging.StreamHandler(sys.stderr)

@@ -164,7 +164,7 @@ class LiveCache:
 
     def _step(self):
         lib, ctx, engine = self.lib, self.ctx, self.engine
-        admitted = self._read_admitted() if engine.admission == "eager" else None
+        admitted = self.admitted() if engine.admission == "eager" else None
         # an upload is due one step after it started: it had a whole token to finish
         if self.config.wait:
             self.wait_us += lib.llama_moe_cache_wait_uploads(ctx)
@@ -218,7 +218,7 @@ class LiveCache:
             self.trace.close()
             self.trace = None
 
-    def _read_admitted(self):
+    def admitted(self):
         """(n, 3) int32 rows (layer, expert, slot) of the uploads libllama's observers started
         during the last cached graph, in the order they started."""
         ptr = self.lib.llama_moe_cache_admitted(self.ctx, self._shape)
