@@ -82,15 +82,15 @@ def main(argv=None) -> int:
 
 def _bench(args) -> int:
     _check_inputs(args)
-    report = run(args, on_row=lambda partial: _save(args, partial))
-    _save(args, report)
+    report = run(args, on_row=lambda partial: save(args, partial))
+    save(args, report)
     print(markdown(report))
     if args.png:
         plot(report, args.png)
     return 0
 
 
-def _save(args, report):
+def save(args, report):
     """Write the table and the JSON; called after every configuration too, so that a run stopped
     by a time limit leaves what it measured."""
     if args.md:
@@ -167,7 +167,7 @@ def run(args, on_row=None) -> dict:
             notes.append(f"K={slots} skipped: the model has {n_expert} experts per layer")
             progress.advance(f"{name} skipped", 1 + args.repetitions)
             continue
-        row, info = _measure(args, name, slots, progress, mib=budgets.get(name))
+        row, info = measure(args, name, slots, progress, mib=budgets.get(name))
         rows.append(row)
         if info:
             n_expert = n_expert or info["n_expert"]
@@ -199,7 +199,7 @@ def _report(args, device, rows, notes, n_expert, prompt_tokens) -> dict:
     }
 
 
-def _measure(args, name, slots, progress, mib=None):
+def measure(args, name, slots, progress, mib=None):
     """One configuration: load, warm up, time; returns (row, model info or None). A cache of
     `slots` per layer, or of the largest K that `mib` MiB hold."""
     import llama_cpp

@@ -1,19 +1,26 @@
-"""Shared fixtures for the tests that run llama.cpp: the loopback RPC test device and model
-loading with the experts in host memory."""
+"""Shared fixtures and helpers for the tests that run llama.cpp: the loopback RPC test device,
+model loading with the experts in host memory, and what the live cache tests observe with."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import subprocess
+import sys
+import textwrap
 import weakref
-from pathlib import Path
 
+import numpy as np
 import pytest
 
 N_THREADS = max(1, min(2, os.cpu_count() or 1))
 
 from moecache.core.traces import TRACES_DIR as TRACES  # noqa: E402  (the shipped real traces)
 from moecache.live import decode  # noqa: E402
+
+PROMPT = b"The three primary colors are"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # every model load() made; the device fixture frees those still alive before stopping the server
 _loaded: weakref.WeakSet = weakref.WeakSet()
@@ -90,3 +97,53 @@ def greedy(llm, prompt: bytes, n: int):
     i was picked from."""
     run = decode.greedy(llm, prompt, n, keep_logits=True)
     return run.tokens, run.logits[:n]
+
+
+def record_plans(cache):
+    """Wrap the cache's engine so that each step's observation and plan are kept."""
+    plans = []
+    step = cache.engine.step
+
+    def recording(ids=None, ready=None, admitted=None, prefill=False):
+        plan = step(ids, ready, admitted, prefill=prefill)
+        plan.observed = None if ids is None else np.array(ids)
+        plan.prefill = prefill
+        plans.append(plan)
+        return plan
+
+    cache.engine.step = recording
+    return plans
+
+
+def unreported(cache) -> int:
+    """Eager admission: the uploads the last graph started, which no boundary has reported to
+    the engine yet (libllama counts them once they complete)."""
+    return len(cache.admitted())
+
+
+@contextlib.contextmanager
+def moecache_log_lines(caplog):
+    """Within the block, caplog also gets the moecache logger's records (it does not propagate
+    to caplog's root handler); yields the list of their messages, filled when the block ends."""
+    lines: list[str] = []
+    moecache_log = logging.getLogger("moecache")
+    moecache_log.addHandler(caplog.handler)
+    try:
+        yield lines
+    finally:
+        moecache_log.removeHandler(caplog.handler)
+        lines += [r.getMessage() for r in caplog.records if r.name == "moecache"]
+
+
+def run_python(code: str, env: dict, timeout=300) -> subprocess.CompletedProcess:
+    """`code` in a fresh interpreter from the repository root, with env as its only
+    LLAMA_MOE_CACHE_* variables."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_MOE_CACHE_")}
+    full_env.update(env)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full_env, cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def output_line(text: str, prefix: str) -> str:
+    """The rest of text's first line that starts with prefix."""
+    return next(line[len(prefix):] for line in text.splitlines() if line.startswith(prefix))

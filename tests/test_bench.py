@@ -57,10 +57,10 @@ def test_bench_decode_saves_after_every_configuration(tmp_path, tiny_path, monke
     spec.loader.exec_module(bench)
     from moecache.live import ggml
 
-    monkeypatch.setattr(ggml, "has_gpu", lambda: True)  # no RPC server: _measure is replaced too
+    monkeypatch.setattr(ggml, "has_gpu", lambda: True)  # no RPC server: measure is replaced too
     measured = []
 
-    def measure(args, name, slots, progress, mib=None):
+    def fake_measure(args, name, slots, progress, mib=None):
         measured.append(name)
         row = {"config": name, "slots": slots, "status": "ok", "tok_s_runs": [10.0 * len(measured)],
                "tok_s_median": 10.0 * len(measured), "tok_s_min": 10.0 * len(measured),
@@ -68,11 +68,11 @@ def test_bench_decode_saves_after_every_configuration(tmp_path, tiny_path, monke
                "step_us_per_token": None, "device_bytes": None, "cache_device": None}
         return row, {"n_expert": 8, "prompt_tokens": 5}
 
-    monkeypatch.setattr(bench, "_measure", measure)
+    monkeypatch.setattr(bench, "measure", fake_measure)
     js = tmp_path / "bench.json"
     args = bench.parser().parse_args(["-m", tiny_path, "--slots", "0,2,4", "--json", str(js)])
     saved = []
-    bench.run(args, on_row=lambda report: (bench._save(args, report), saved.append(json.loads(js.read_text()))))
+    bench.run(args, on_row=lambda report: (bench.save(args, report), saved.append(json.loads(js.read_text()))))
     assert [len(s["rows"]) for s in saved] == [1, 2, 3]
     assert [s["notes"] for s in saved] == [["still to run: K=4, K=2"], ["still to run: K=2"], []]
     rows = saved[-1]["rows"]

@@ -7,11 +7,11 @@ first use (see test_fixtures.py); MOECACHE_OFFLINE=1 skips them.
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import os
 import shutil
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,10 +19,12 @@ import pytest
 llama_cpp = pytest.importorskip("llama_cpp")
 gguf = pytest.importorskip("gguf")
 
+import conftest  # noqa: E402
+
+from moecache.live import ggml  # noqa: E402
 from moecache.live.decode import greedy  # noqa: E402
 from moecache.models import smol_moe, tiny_moe  # noqa: E402
 
-N_THREADS = max(1, min(4, os.cpu_count() or 1))
 _offline = pytest.mark.skipif(os.environ.get("MOECACHE_OFFLINE") == "1",
                               reason="MOECACHE_OFFLINE=1: no PyPI download")
 
@@ -32,23 +34,6 @@ def smol(f):
     return pytest.mark.smol_moe(_offline(f))
 
 
-def _ggml_base():
-    """The libggml-base already loaded by llama_cpp (same soname, so the same copy)."""
-    names = ("libggml-base.so.0", "libggml-base.so", "libggml-base.dylib", "ggml-base.dll")
-    for n in names:
-        try:
-            return ctypes.CDLL(n)
-        except OSError:
-            pass
-    libdir = Path(getattr(llama_cpp.llama_cpp._lib, "_name", "")).parent
-    for n in names:
-        try:
-            return ctypes.CDLL(str(libdir / n))
-        except OSError:
-            pass
-    pytest.skip("libggml-base not found next to libllama")
-
-
 class RouteProbe:
     """Records the experts each MoE layer selects, via the ggml eval callback.
 
@@ -56,7 +41,7 @@ class RouteProbe:
     """
 
     def __init__(self):
-        lib = _ggml_base()
+        lib = ggml.libggml_base()
         lib.ggml_get_name.restype = ctypes.c_char_p
         lib.ggml_get_name.argtypes = [ctypes.c_void_p]
         lib.ggml_get_data.restype = ctypes.c_void_p
@@ -90,13 +75,12 @@ class RouteProbe:
 
 
 def load(path, probe=None, n_ctx=512):
-    m = llama_cpp.Llama(str(path), n_ctx=n_ctx, n_threads=N_THREADS, verbose=False)
-    if probe is not None:
-        from llama_cpp._internals import LlamaContext
-
-        m.context_params.cb_eval = probe.cb
-        m._ctx = LlamaContext(model=m._model, params=m.context_params, verbose=False)
-    return m
+    """The model all on the CPU, placed as llama.cpp places it by default (host experts repacked
+    where it repacks); with a probe, its callback sees every graph."""
+    sees_graphs = (conftest.default_params("llama_context_default_params", cb_eval=probe.cb) if probe is not None
+                   else contextlib.nullcontext())
+    with sees_graphs:
+        return conftest.load(str(path), n_gpu_layers=0, experts_on_host=False, repack=True, n_ctx=n_ctx)
 
 
 def first_logits(m, tokens):

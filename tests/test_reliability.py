@@ -131,7 +131,7 @@ def test_stock_llama_cpp_computes_a_token_differently_alone(smol_path):
         llm.reset()
         for batch in batches:
             llm.eval(batch)
-        return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(llm.n_vocab(),)).copy()
+        return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),)).copy()
 
     whole = last_logits(tokens)
     assert np.array_equal(last_logits(tokens[:6], tokens[6:]), whole)  # no batch of one: the same

@@ -359,10 +359,10 @@ def test_a_budget_without_the_model_file_is_one_line_and_releases_the_trial(rpc_
 
     llm = load(tiny_path)
     with pytest.raises(ConfigError) as err:
-        attach(llm._ctx.ctx, mib=4)  # a bare context: no Llama to say which file it came from
+        attach(llm.ctx, mib=4)  # a bare context: no Llama to say which file it came from
     assert str(err.value) == ("LLAMA_MOE_CACHE_MIB=4: sizing by memory needs the model's GGUF file: "
                               "attach a llama_cpp.Llama")
-    assert native.lib().llama_moe_cache_n_layers(native.as_context(llm._ctx.ctx)) == 0
+    assert native.lib().llama_moe_cache_n_layers(native.as_context(llm.ctx)) == 0
 
 
 # --- run.py -------------------------------------------------------------------------------------

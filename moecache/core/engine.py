@@ -65,6 +65,13 @@ def _f64(array):
     return ffi.NULL if array is None else ffi.from_buffer("double[]", array)
 
 
+def _read_only(array):
+    """A view of one of the engine's tables that callers cannot write through."""
+    view = array.view()
+    view.flags.writeable = False
+    return view
+
+
 def _join(parts):
     """One (n, 3) job table."""
     if not parts:
@@ -454,6 +461,21 @@ class CacheEngine:
     def uploads_due(self) -> int:
         """How many uploads the next step() publishes (when they are complete)."""
         return len(self._pending[0])
+
+    @property
+    def in_flight(self) -> np.ndarray:
+        """(n_layers, n_slots) bool, read-only: slots whose upload has not been published yet."""
+        return _read_only(self._in_flight)
+
+    @property
+    def pinned(self) -> np.ndarray:
+        """(n_layers, n_expert) bool, read-only: experts pinned in their slots."""
+        return _read_only(self._pinned)
+
+    @property
+    def assigned(self) -> np.ndarray:
+        """(n_layers, n_expert) int32, read-only: each expert's slot, published or in flight (-1: none)."""
+        return _read_only(self._assigned)
 
     # --- reporting ----------------------------------------------------------------------
 
