@@ -26,7 +26,8 @@ from moecache.core.banks import equal_bytes
 from moecache.core.policies import Belady, Heat, make_policy
 from moecache.core.traces import DECODE, SHIPPED_TRACES, RouteTrace, read_trace, synthetic_routing
 from moecache.offline.cost import DEFAULT_HOST_GBPS, DEFAULT_LINK_GBPS, PCIE5_LINK_GBPS, Bandwidth
-from moecache.offline.replay import MIB, PER_LAYER, UPSTREAM, simulate, step_inputs
+from moecache.offline.replay import MIB, PER_LAYER, UPSTREAM, simulate
+from moecache.offline.steps import future
 
 LINKS = [("PCIe 4.0", Bandwidth(DEFAULT_HOST_GBPS, DEFAULT_LINK_GBPS)),
          ("PCIe 5.0", Bandwidth(DEFAULT_HOST_GBPS, PCIE5_LINK_GBPS))]
@@ -203,7 +204,7 @@ def frontier(traces):
     for label, factory, inserts in FRONTIER:
         gains, shares, row = [], [], []
         for trace, up in zip(traces, ups):
-            policy = factory(step_inputs(trace, PER_LAYER, "warm"))
+            policy = factory(future(trace, PER_LAYER, "warm"))
             r = simulate(trace, PER_LAYER, policy, 16, inserts=inserts, admission="eager", prefill="warm")
             gains.append(100 * (r.hit_rate - up.hit_rate))
             shares.append(r.upload_bytes_per_token / up.upload_bytes_per_token)

@@ -29,7 +29,9 @@ from moecache.offline.replay import GLOBAL, MIB, PER_LAYER, per_layer_slots, sim
 REPO = Path(__file__).resolve().parents[1]
 STORED = Path(__file__).with_name("replay_values.json")
 PER_LAYER_POLICIES = ["belady", "lru", "lfu", "gdsf", "random", "arc", "sieve", "heat"]
-GLOBAL_POLICIES = ["lru", "lfu", "random", "belady", "layer", "layerlfu"]
+GLOBAL_POLICIES = ["lru", "plain-lfu", "random", "belady", "layer-lru", "layer-plain-lfu"]
+# the global policies' names when the values were stored (the keys of replay_values.json)
+RECORDED_AS = {"plain-lfu": "lfu", "layer-lru": "layer", "layer-plain-lfu": "layerlfu"}
 
 
 def script(name):
@@ -98,7 +100,8 @@ def trace_values(trace, name, table, experiments):
     runs = [(p, b) for p in GLOBAL_POLICIES for b in budgets]
     runs += [("lru", f * working_set) for f in (0.25, 0.5, 0.9, 0.95, 2.0)] + [("belady", 0.5 * working_set)]
     for policy, budget in runs:
-        values[f"{name} global {policy} MiB={budget:.6g}"] = value(simulate(trace, GLOBAL, policy, budget))
+        label = RECORDED_AS.get(policy, policy)
+        values[f"{name} global {label} MiB={budget:.6g}"] = value(simulate(trace, GLOBAL, policy, budget))
     return values
 
 

@@ -6,6 +6,7 @@ from moecache.core.engine import CacheEngine
 from moecache.core.policies import DEFAULT_POLICY, POLICIES, make_policy
 from moecache.core.traces import SHIPPED_TRACES, RouteTrace, read_trace, synthetic_routing
 from moecache.offline.replay import PER_LAYER, simulate
+from moecache.offline.steps import next_use, observation_keys
 
 ONLINE = [name for name, factory in POLICIES.items() if name != "belady"]
 
@@ -19,7 +20,7 @@ def test_registry_and_default():
     assert "'lur'" in str(info.value) and "lru" in str(info.value) and "default" in str(info.value)
     with pytest.raises(ValueError, match="offline replay only"):
         make_policy("belady")
-    assert make_policy("belady", future=[np.zeros((1, 1), int)]).offline_only
+    assert make_policy("belady", future=next_use([np.array([0])], 1)).offline_only
 
 
 def hit_rate(routing, n_expert, slots, policy, inserts):
@@ -64,7 +65,8 @@ def test_random_policy_is_seeded():
 
 def test_belady_rejects_a_different_future():
     routing = synthetic_routing(5, 2, 16, 2, seed=1)
-    engine = CacheEngine(2, 16, 4, make_policy("belady", future=list(routing)), offline=True)
+    future = next_use(observation_keys(routing, 16), 2 * 16)
+    engine = CacheEngine(2, 16, 4, make_policy("belady", future=future), offline=True)
     engine.step(None)
     with pytest.raises(ValueError, match="differs from the future"):
         engine.step(routing[1])
