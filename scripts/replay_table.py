@@ -16,32 +16,11 @@ from pathlib import Path
 import numpy as np
 
 from moecache.core.engine import CacheEngine
-from moecache.core.policies import DEFAULT_POLICY, POLICIES, Policy, make_policy
+from moecache.core.policies import DEFAULT_POLICY, POLICIES, make_policy
 from moecache.core.profile import UsageProfile
 from moecache.core.traces import DECODE, SHIPPED_TRACES, RouteTrace, read_trace, synthetic_routing
+from moecache.offline.experiments import SYNTHETIC, PopularityOracle
 from moecache.offline.replay import PER_LAYER, simulate
-
-
-class PopularityOracle(Policy):
-    """Diagnostic, offline: ranks experts by their use count over the WHOLE replay (known up
-    front: `ids`, the (steps, layers, k) routing it will see) and admits a miss only over a
-    less popular victim. It bounds what learning popularity online could reach; it knows
-    nothing about when an expert is used."""
-    name = "popularity-oracle"
-    offline_only = True
-
-    def __init__(self, ids):
-        self.ids = ids
-
-    def bind(self, n_layers, n_expert, n_slots):
-        super().bind(n_layers, n_expert, n_slots)
-        self.total = UsageProfile.from_ids("", range(n_layers), n_expert, self.ids).counts.astype(float)
-
-    def priority(self, step, keys):
-        return self.total.take(keys)
-
-    def admit(self, step, keys):
-        return self.total.take(keys)
 
 
 def hit_pct(trace, policy, slots, inserts=2, **options):
@@ -79,13 +58,6 @@ def policy_table(trace, slots):
         h = hit_pct(trace, PopularityOracle(trace.decode_ids), slots, inserts)
         cells += [f"{h:.1f}", f"{gap_closed(h, hits[('lru', inserts)], hits[('belady', inserts)]):.0f}%"]
     print("| popularity oracle (diagnostic, offline) | " + " | ".join(cells) + " |")
-
-
-SYNTHETIC = [  # (label, layers, experts, top-k, generator options)
-    ("8 of 128, sticky", 24, 128, 8, {}),
-    ("2 of 64", 24, 64, 2, {"stickiness": 1.0}),
-    ("4 of 64, fast drift", 24, 64, 4, {"skew": 0.5, "stickiness": 2.5, "drift": 0.2}),
-]
 
 
 def synthetic_table():

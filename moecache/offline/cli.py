@@ -32,18 +32,8 @@ from ..core.traces import DECODE, PREFILL, read_trace
 from ..util import OneLineParser, Progress, atomic_write, int_arg, int_list_arg
 from .budget import BUDGET_POLICIES
 from .cost import DEFAULT_HOST_GBPS, DEFAULT_LINK_GBPS, Bandwidth
-from .replay import (
-    GLOBAL,
-    MIB,
-    MODELS,
-    PER_LAYER,
-    PREFILL_MODES,
-    UPSTREAM,
-    ReplayResult,
-    per_layer_slots,
-    policy_names,
-    simulate,
-)
+from .replay import (GLOBAL, MIB, MODELS, PER_LAYER, PREFILL_MODES, UPSTREAM, ReplayResult,
+                     per_layer_slots, policy_names, simulate)
 
 
 def _budgets_arg(text):
