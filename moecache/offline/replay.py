@@ -227,17 +227,31 @@ def _per_layer_cache(trace, policy, slots, inserts, admission, prefill, profile,
     return engine, label, engine.n_slots, engine.inserts
 
 
-def _global_cache(trace, policy, budget_mib, seed):
+def _budget_bytes(model, budget_mib):
+    """The byte budget of the global and upstream models' size (MiB)."""
     if isinstance(budget_mib, bool) or not isinstance(budget_mib, (int, float, np.number)) \
             or not math.isfinite(budget_mib) or budget_mib <= 0:
-        raise ValueError(f"the global model's size is a finite budget in MiB > 0, got {budget_mib!r}")
+        raise ValueError(f"the {model} model's size is a finite budget in MiB > 0, got {budget_mib!r}")
+    return int(budget_mib * MIB)
+
+
+def _global_cache(trace, policy, budget_mib, seed):
+    budget = _budget_bytes(GLOBAL, budget_mib)
     if isinstance(policy, str):
         label, policy = policy, make_budget_policy(policy, future=steps.future(trace, GLOBAL), seed=seed)
     elif isinstance(policy, BudgetPolicy):
         label = policy.name
     else:
         raise ValueError(f"policy must be a name or a BudgetPolicy, got {policy!r}")
-    return ByteBudgetCache(policy, int(budget_mib * MIB), trace.expert_bytes, trace.n_expert), label
+    return ByteBudgetCache(policy, budget, trace.expert_bytes, trace.n_expert), label
+
+
+def _upstream_cache(trace, policy, budget_mib):
+    if policy not in MODELS[UPSTREAM]:
+        raise ValueError(f"unknown policy {policy!r} for the upstream model; valid: "
+                         f"{', '.join(MODELS[UPSTREAM])}")
+    return UpstreamCache(trace.expert_bytes, trace.n_expert, trace.n_expert_used,
+                         _budget_bytes(UPSTREAM, budget_mib)), policy
 
 
 def per_layer_slots(trace: RouteTrace, budget_mib: float) -> int:
@@ -247,14 +261,3 @@ def per_layer_slots(trace: RouteTrace, budget_mib: float) -> int:
         raise ValueError(f"--budget-mib {budget_mib:g} is below one slot per layer for the per-layer "
                          f"model: this trace needs at least {math.ceil(equal_bytes(trace.expert_bytes, 1) / MIB)} MiB")
     return k
-
-
-def _upstream_cache(trace, policy, budget_mib):
-    if policy not in MODELS[UPSTREAM]:
-        raise ValueError(f"unknown policy {policy!r} for the upstream model; valid: "
-                         f"{', '.join(MODELS[UPSTREAM])}")
-    if isinstance(budget_mib, bool) or not isinstance(budget_mib, (int, float, np.number)) \
-            or not math.isfinite(budget_mib) or budget_mib <= 0:
-        raise ValueError(f"the upstream model's size is a finite budget in MiB > 0, got {budget_mib!r}")
-    return UpstreamCache(trace.expert_bytes, trace.n_expert, trace.n_expert_used,
-                         int(budget_mib * MIB)), policy
