@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from moecache.core.banks import equal_bytes
+from moecache.core.model import hit_rate
 from moecache.core.policies import make_policy
 from moecache.core.traces import DECODE, SHIPPED_TRACES, RouteTrace, read_trace, synthetic_routing
 from moecache.offline.cost import DEFAULT_HOST_GBPS, DEFAULT_LINK_GBPS, PCIE5_LINK_GBPS, Bandwidth
@@ -171,7 +172,7 @@ def static_hit_rate(chosen_from, lookups, n_expert, k):
         ids = chosen_from[:, layer].ravel()
         top = np.argsort(-np.bincount(ids[ids >= 0], minlength=n_expert), kind="stable")[:k]
         hits += np.isin(lookups[:, layer], top).sum()
-    return hits / (lookups >= 0).sum()
+    return hit_rate(hits, (lookups >= 0).sum() - hits)
 
 
 def main():
