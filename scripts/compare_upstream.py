@@ -24,9 +24,9 @@ import numpy as np
 from moecache.core.banks import equal_bytes
 from moecache.core.model import hit_rate
 from moecache.core.policies import make_policy
-from moecache.core.traces import DECODE, SHIPPED_TRACES, RouteTrace, read_trace, synthetic_routing
+from moecache.core.traces import DECODE, SHIPPED_TRACES, RouteTrace, read_trace
 from moecache.offline.cost import DEFAULT_HOST_GBPS, DEFAULT_LINK_GBPS, PCIE5_LINK_GBPS, Bandwidth
-from moecache.offline.experiments import SYNTHETIC, HeatMargin, HeatOracleAdmission, HeatSeenBefore
+from moecache.offline.experiments import HeatMargin, HeatOracleAdmission, HeatSeenBefore, synthetic_routings
 from moecache.offline.replay import MIB, PER_LAYER, UPSTREAM, simulate
 from moecache.offline.steps import future
 
@@ -118,8 +118,8 @@ def candidate_table(traces):
     print("\nCandidates: decode hit% at K = n_expert/8, INSERTS=2 unless said (on the real traces: "
           "MiB up/token, modelled ms/token at PCIe 4.0 / 5.0)\n")
     routings = [(Path(t.path).name.split(".")[0], t) for t in traces]
-    routings += [(label, RouteTrace.from_routing(synthetic_routing(300, layers, experts, k, seed=seed, **options), experts))
-                 for seed, (label, layers, experts, k, options) in enumerate(SYNTHETIC, start=3)]
+    routings += [(label, RouteTrace.from_routing(routing, experts))
+                 for label, _, routing, experts in synthetic_routings()]
     print("| candidate | " + " | ".join(label for label, _ in routings) + " |")
     print("|---|" + "---:|" * len(routings))
     for label, factory, inserts, admission in CANDIDATES:

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from moecache.core.traces import SHIPPED_TRACES, RouteTrace, read_trace, synthetic_routing
-from moecache.offline.experiments import DEFAULT_CANDIDATES, SKEWED, SYNTHETIC
+from moecache.core.traces import SHIPPED_TRACES, RouteTrace, read_trace
+from moecache.offline.experiments import DEFAULT_CANDIDATES, SKEWED, SYNTHETIC, synthetic_routings
 from moecache.offline.replay import PER_LAYER, simulate
 
 
@@ -62,8 +62,7 @@ def main():
     print("|---|---:|---:|" + "---:|" * len(DEFAULT_CANDIDATES))
     for path in paths:
         row(Path(path).name.split(".")[0], read_trace(path), True)
-    for seed, (label, layers, experts, k, options) in enumerate([*SYNTHETIC, SKEWED], start=3):
-        routing = synthetic_routing(300, layers, experts, k, seed=seed, **options)
+    for label, _, routing, experts in synthetic_routings([*SYNTHETIC, SKEWED]):
         row(label, RouteTrace.from_routing(routing, experts), False)
 
 

@@ -15,11 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
-from moecache.core.engine import CacheEngine
-from moecache.core.policies import DEFAULT_POLICY, POLICIES, make_policy
+from moecache.core.policies import DEFAULT_POLICY, POLICIES
 from moecache.core.profile import UsageProfile
-from moecache.core.traces import DECODE, SHIPPED_TRACES, RouteTrace, read_trace, synthetic_routing
-from moecache.offline.experiments import SYNTHETIC, PopularityOracle
+from moecache.core.traces import DECODE, SHIPPED_TRACES, RouteTrace, read_trace
+from moecache.offline.experiments import PopularityOracle, preloaded_only, synthetic_routings
 from moecache.offline.replay import PER_LAYER, simulate
 
 
@@ -27,11 +26,8 @@ def hit_pct(trace, policy, slots, inserts=2, **options):
     return 100 * simulate(trace, PER_LAYER, policy, slots, inserts=inserts, prefill="off", **options).hit_rate
 
 
-def preloaded_only(trace, slots, profile):
-    """The default policy preloaded from the profile, without its rates as the prior."""
-    engine = CacheEngine(trace.layers.size, trace.n_expert, slots, make_policy(DEFAULT_POLICY), offline=True)
-    engine.preload(profile.top(slots))
-    return 100 * simulate(trace, PER_LAYER, engine, prefill="off").hit_rate
+def preloaded_pct(trace, slots, profile):
+    return 100 * preloaded_only(trace, DEFAULT_POLICY, slots, profile).hit_rate
 
 
 def gap_closed(policy, lru, belady):
@@ -66,8 +62,8 @@ def synthetic_table():
           "K = experts/8, INSERTS=2: hit% (gap closed)\n")
     print("| routing | belady | " + " | ".join(names) + " |")
     print("|---|---:|" + "---:|" * len(names))
-    for seed, (label, layers, experts, k, options) in enumerate(SYNTHETIC, start=3):
-        trace = RouteTrace.from_routing(synthetic_routing(300, layers, experts, k, seed=seed, **options), experts)
+    for label, _, routing, experts in synthetic_routings():
+        trace = RouteTrace.from_routing(routing, experts)
         slots = experts // 8
         best = hit_pct(trace, "belady", slots)
         hits = {n: hit_pct(trace, n, slots) for n in names}
@@ -116,7 +112,7 @@ def warm_start_table(trace, slots):
                   for warm in (False, True)]
         print(f"| {replayed} <- {source} | " + " | ".join(
             f"{hit[name, warm]:.1f}" for name in ("lru", DEFAULT_POLICY, "belady") for warm in (False, True))
-            + f" | {closed[0]:.0f}% | {closed[1]:.0f}% | {preloaded_only(part, slots, profile):.1f} |")
+            + f" | {closed[0]:.0f}% | {closed[1]:.0f}% | {preloaded_pct(part, slots, profile):.1f} |")
 
 
 def synthetic_warm_start_table():
@@ -126,13 +122,12 @@ def synthetic_warm_start_table():
           f"INSERTS=2: profile of steps 0-149 warming 150-299, and the reverse\n")
     print("| routing | replayed | cold | preloaded only | preloaded + prior |")
     print("|---|---|---:|---:|---:|")
-    for seed, (label, layers, experts, k, options) in enumerate(SYNTHETIC, start=3):
-        routing = synthetic_routing(300, layers, experts, k, seed=seed, **options)
+    for label, _, routing, experts in synthetic_routings():
         slots = experts // 8
         for replayed, source in ((slice(150, None), slice(0, 150)), (slice(0, 150), slice(150, None))):
             part = RouteTrace.from_routing(routing[replayed], experts)
-            profile = UsageProfile.from_ids("synthetic", range(layers), experts, routing[source])
-            hit = [hit_pct(part, DEFAULT_POLICY, slots), preloaded_only(part, slots, profile),
+            profile = UsageProfile.from_ids("synthetic", range(routing.shape[1]), experts, routing[source])
+            hit = [hit_pct(part, DEFAULT_POLICY, slots), preloaded_pct(part, slots, profile),
                    hit_pct(part, DEFAULT_POLICY, slots, profile=profile)]
             print(f"| {label} | {replayed.start or 0}-{(replayed.stop or 300) - 1} | "
                   + " | ".join(f"{h:.1f}" for h in hit) + " |")

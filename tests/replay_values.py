@@ -19,11 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
-from moecache.core.engine import CacheEngine
-from moecache.core.policies import make_policy
 from moecache.core.profile import UsageProfile
-from moecache.core.traces import DECODE, SHIPPED_TRACES, RouteTrace, read_trace, synthetic_routing
-from moecache.offline.experiments import DEFAULT_CANDIDATES, SKEWED, SYNTHETIC, PopularityOracle
+from moecache.core.traces import DECODE, SHIPPED_TRACES, RouteTrace, read_trace
+from moecache.offline.experiments import (DEFAULT_CANDIDATES, SKEWED, SYNTHETIC, PopularityOracle,
+                                          preloaded_only, synthetic_routings)
 from moecache.offline.replay import GLOBAL, MIB, PER_LAYER, per_layer_slots, simulate
 
 STORED = Path(__file__).with_name("replay_values.json")
@@ -37,13 +36,6 @@ def value(r):
     decode, every = r.totals, r.totals_all
     return [decode["hits"], decode["hits"] + decode["misses"], every["hits"],
             every["hits"] + every["misses"], decode["upload_bytes"]]
-
-
-def preloaded(trace, slots, profile):
-    """heat preloaded from the profile without its rates (no prior)."""
-    engine = CacheEngine(trace.layers.size, trace.n_expert, slots, make_policy("heat"), offline=True)
-    engine.preload(profile.top(slots))
-    return simulate(trace, PER_LAYER, engine, prefill="off")
 
 
 def trace_values(trace, name):
@@ -79,7 +71,7 @@ def trace_values(trace, name):
                 values[f"{name} {replayed}-half per-layer {policy} K={k16} inserts=2 {label}"] = value(
                     simulate(part, PER_LAYER, policy, k16, profile=profile if warm else None, prefill="off"))
         values[f"{name} {replayed}-half per-layer heat K={k16} inserts=2 preloaded <- {source}"] = \
-            value(preloaded(part, k16, profile))
+            value(preloaded_only(part, "heat", k16, profile))
 
     for budget in (1000, 2000, 3000, 4000):  # the per-layer model at a byte budget
         k = per_layer_slots(trace, budget)
@@ -99,8 +91,7 @@ def trace_values(trace, name):
 
 def synthetic_values():
     values = {}
-    for seed, (label, layers, experts, k, options) in enumerate([*SYNTHETIC, SKEWED], start=3):
-        routing = synthetic_routing(300, layers, experts, k, seed=seed, **options)
+    for label, seed, routing, experts in synthetic_routings([*SYNTHETIC, SKEWED]):
         trace = RouteTrace.from_routing(routing, experts)
         slots = experts // 8
         name = f"synthetic {label} seed={seed}"
@@ -112,10 +103,10 @@ def synthetic_values():
             continue
         for replayed, source in ((slice(150, None), slice(0, 150)), (slice(0, 150), slice(150, None))):
             part = RouteTrace.from_routing(routing[replayed], experts)
-            profile = UsageProfile.from_ids("synthetic", range(layers), experts, routing[source])
+            profile = UsageProfile.from_ids("synthetic", range(routing.shape[1]), experts, routing[source])
             span = f"{replayed.start or 0}-{(replayed.stop or 300) - 1}"
             values[f"{name} steps {span} heat K={slots} cold"] = value(simulate(part, PER_LAYER, "heat", slots, prefill="off"))
-            values[f"{name} steps {span} heat K={slots} preloaded"] = value(preloaded(part, slots, profile))
+            values[f"{name} steps {span} heat K={slots} preloaded"] = value(preloaded_only(part, "heat", slots, profile))
             values[f"{name} steps {span} heat K={slots} warm"] = value(
                 simulate(part, PER_LAYER, "heat", slots, profile=profile, prefill="off"))
     return values

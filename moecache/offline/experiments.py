@@ -27,8 +27,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..core.engine import CacheEngine
 from ..core.policies import Belady, DecayedLfu, Heat, NextUse, Policy, make_policy
 from ..core.profile import UsageProfile
+from ..core.traces import RouteTrace, synthetic_routing
+from .replay import PER_LAYER, ReplayResult, simulate
 
 SYNTHETIC = [  # the tables' synthetic locality routing: (label, layers, experts, top-k, options), seeds 3..
     ("8 of 128, sticky", 24, 128, 8, {}),
@@ -36,6 +39,21 @@ SYNTHETIC = [  # the tables' synthetic locality routing: (label, layers, experts
     ("4 of 64, fast drift", 24, 64, 4, {"skew": 0.5, "stickiness": 2.5, "drift": 0.2}),
 ]
 SKEWED = ("2 of 128, skew 1.2", 36, 128, 2, {"skew": 1.2})  # the default candidates' fourth (seed 6)
+
+
+def synthetic_routings(rows=SYNTHETIC, n_steps: int = 300):
+    """(label, seed, routing (n_steps, layers, top-k) ids, n_expert) of each row, seeded 3, 4, ...
+    in order."""
+    for seed, (label, layers, experts, k, options) in enumerate(rows, start=3):
+        yield label, seed, synthetic_routing(n_steps, layers, experts, k, seed=seed, **options), experts
+
+
+def preloaded_only(trace: RouteTrace, policy: str, slots: int, profile: UsageProfile) -> ReplayResult:
+    """A warm start without the prior: the profile's top experts preloaded, the policy's
+    statistics left cold (moecache.offline.replay.simulate's profile= does both)."""
+    engine = CacheEngine(trace.layers.size, trace.n_expert, slots, make_policy(policy), offline=True)
+    engine.preload(profile.top(slots))
+    return simulate(trace, PER_LAYER, engine, prefill="off")
 
 
 class PopularityOracle(Policy):
