@@ -1,6 +1,6 @@
-"""`python -m moecache.replay`: the offline trace replay (moecache.offline.replay)."""
+"""`python -m moecache.replay`: the offline trace replay (moecache.offline.cli)."""
 
-from .offline.replay import main
+from .offline.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

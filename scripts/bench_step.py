@@ -16,7 +16,8 @@ import sys
 import numpy as np
 
 from moecache.core.traces import RouteTrace, read_trace, synthetic_routing
-from moecache.offline.replay import PER_LAYER, admission_list_arg, simulate
+from moecache.offline.cli import admission_list_arg
+from moecache.offline.replay import PER_LAYER, simulate
 from moecache.util import OneLineParser, int_arg
 
 

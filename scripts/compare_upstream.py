@@ -11,22 +11,24 @@ and LRU with eager admission, the live default (heat, eager, the cache warmed fr
 and the upstream model given the same device bytes (moecache.offline.upstream). Then the issue's K=16
 targets (the live default against upstream and today's default, with the bytes the prompts
 uploaded), the eager-timing policy candidates tried against heat,
-on the traces and on the synthetic routing of scripts/replay_table.py, and hits against bytes
-at K=16: admission rules that upload less, and the offline optimum. The candidates live here,
-outside moecache.core.policies.
+on the traces and on the synthetic routing of the other tables, and hits against bytes
+at K=16: admission rules that upload less, and the offline optimum. The candidates live in
+moecache.offline.experiments, outside moecache.core.policies.
 """
 
 import sys
 from pathlib import Path
 
 import numpy as np
-from replay_table import SYNTHETIC
 
 from moecache.core.banks import equal_bytes
-from moecache.core.policies import Belady, Heat, make_policy
-from moecache.core.traces import DECODE, SHIPPED_TRACES, RouteTrace, read_trace, synthetic_routing
+from moecache.core.model import hit_rate
+from moecache.core.policies import make_policy
+from moecache.core.traces import DECODE, SHIPPED_TRACES, RouteTrace, read_trace
 from moecache.offline.cost import DEFAULT_HOST_GBPS, DEFAULT_LINK_GBPS, PCIE5_LINK_GBPS, Bandwidth
-from moecache.offline.replay import MIB, PER_LAYER, UPSTREAM, simulate, step_inputs
+from moecache.offline.experiments import HeatMargin, HeatOracleAdmission, HeatSeenBefore, synthetic_routings
+from moecache.offline.replay import MIB, PER_LAYER, UPSTREAM, simulate
+from moecache.offline.steps import future
 
 LINKS = [("PCIe 4.0", Bandwidth(DEFAULT_HOST_GBPS, DEFAULT_LINK_GBPS)),
          ("PCIe 5.0", Bandwidth(DEFAULT_HOST_GBPS, PCIE5_LINK_GBPS))]
@@ -37,61 +39,6 @@ ROWS = [  # (label, policy, admission, prefill)
     ("heat, eager, prompt warm (live default)", "heat", "eager", "warm"),
 ]
 DEFAULT, LIVE = ROWS[0][0], ROWS[3][0]
-
-
-class HeatSeenBefore(Heat):
-    """Candidate: heat whose eager admission refuses an expert whose heat before this use is
-    under `threshold` of a fresh use (0.5: not used within about the last half-life),
-    TinyLFU's doorkeeper idea: first uses are rarely reused soon on these traces, and each
-    refused upload saves host bandwidth."""
-    name = "heat-seen-before"
-
-    def __init__(self, threshold: float = 0.5):
-        super().__init__()
-        self.threshold = threshold
-
-    def worth_if_used(self, step, keys):
-        worth = super().worth_if_used(step, keys)
-        fresh = self.growth ** (step - self.origin)
-        return np.where(self.scaled.take(keys) >= self.threshold * fresh, worth, -np.inf)
-
-
-class HeatMargin(Heat):
-    """Candidate: heat whose eager admission counts the running graph's use at 1 - margin of
-    a fresh use, so a miss must beat its victim by `margin` uses. margin 1 hands over heat's
-    plain admit() (the count before the use): "stale worth"."""
-    name = "heat-margin"
-
-    def __init__(self, margin: float):
-        super().__init__()
-        self.margin = margin
-
-    def worth_if_used(self, step, keys):
-        return self.admit(step, keys) + (1.0 - self.margin) * self.growth ** (step + 1 - self.origin)
-
-
-class HeatOracleAdmission(Heat):
-    """Not a candidate (it reads the future): heat's eviction with an admission that uploads a
-    miss only if it is used again within `horizon` observations, to separate what admission
-    could save from what eviction loses."""
-    name = "heat-oracle-admission"
-
-    def __init__(self, future, horizon: int):
-        super().__init__()
-        self.oracle, self.horizon = Belady(future), horizon
-
-    def bind(self, n_layers, n_expert, n_slots):
-        super().bind(n_layers, n_expert, n_slots)
-        self.oracle.bind(n_layers, n_expert, n_slots)
-
-    def observe(self, step, ids, hit_mask, used):
-        super().observe(step, ids, hit_mask, used)
-        self.oracle.observe(step, ids, hit_mask, used)
-
-    def worth_if_used(self, step, keys):
-        # the miss is observed next, so "again" is after that observation
-        soon = self.oracle.next_use(keys, self.oracle.seen + 1) - self.oracle.seen <= self.horizon
-        return np.where(soon, super().worth_if_used(step, keys), -np.inf)
 
 
 CANDIDATES = [  # (label, policy factory, inserts, admission)
@@ -171,8 +118,8 @@ def candidate_table(traces):
     print("\nCandidates: decode hit% at K = n_expert/8, INSERTS=2 unless said (on the real traces: "
           "MiB up/token, modelled ms/token at PCIe 4.0 / 5.0)\n")
     routings = [(Path(t.path).name.split(".")[0], t) for t in traces]
-    routings += [(label, RouteTrace.from_routing(synthetic_routing(300, layers, experts, k, seed=seed, **options), experts))
-                 for seed, (label, layers, experts, k, options) in enumerate(SYNTHETIC, start=3)]
+    routings += [(label, RouteTrace.from_routing(routing, experts))
+                 for label, _, routing, experts in synthetic_routings()]
     print("| candidate | " + " | ".join(label for label, _ in routings) + " |")
     print("|---|" + "---:|" * len(routings))
     for label, factory, inserts, admission in CANDIDATES:
@@ -203,7 +150,7 @@ def frontier(traces):
     for label, factory, inserts in FRONTIER:
         gains, shares, row = [], [], []
         for trace, up in zip(traces, ups):
-            policy = factory(step_inputs(trace, PER_LAYER, "warm"))
+            policy = factory(future(trace, PER_LAYER, "warm"))
             r = simulate(trace, PER_LAYER, policy, 16, inserts=inserts, admission="eager", prefill="warm")
             gains.append(100 * (r.hit_rate - up.hit_rate))
             shares.append(r.upload_bytes_per_token / up.upload_bytes_per_token)
@@ -225,7 +172,7 @@ def static_hit_rate(chosen_from, lookups, n_expert, k):
         ids = chosen_from[:, layer].ravel()
         top = np.argsort(-np.bincount(ids[ids >= 0], minlength=n_expert), kind="stable")[:k]
         hits += np.isin(lookups[:, layer], top).sum()
-    return hits / (lookups >= 0).sum()
+    return hit_rate(hits, (lookups >= 0).sum() - hits)
 
 
 def main():

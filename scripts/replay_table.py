@@ -15,44 +15,19 @@ from pathlib import Path
 
 import numpy as np
 
-from moecache.core.engine import CacheEngine
-from moecache.core.policies import DEFAULT_POLICY, POLICIES, Policy, make_policy
+from moecache.core.policies import DEFAULT_POLICY, POLICIES
 from moecache.core.profile import UsageProfile
-from moecache.core.traces import DECODE, SHIPPED_TRACES, RouteTrace, read_trace, synthetic_routing
+from moecache.core.traces import DECODE, SHIPPED_TRACES, RouteTrace, read_trace
+from moecache.offline.experiments import PopularityOracle, preloaded_only, synthetic_routings
 from moecache.offline.replay import PER_LAYER, simulate
-
-
-class PopularityOracle(Policy):
-    """Diagnostic, offline: ranks experts by their use count over the WHOLE replay (known up
-    front: `ids`, the (steps, layers, k) routing it will see) and admits a miss only over a
-    less popular victim. It bounds what learning popularity online could reach; it knows
-    nothing about when an expert is used."""
-    name = "popularity-oracle"
-    offline_only = True
-
-    def __init__(self, ids):
-        self.ids = ids
-
-    def bind(self, n_layers, n_expert, n_slots):
-        super().bind(n_layers, n_expert, n_slots)
-        self.total = UsageProfile.from_ids("", range(n_layers), n_expert, self.ids).counts.astype(float)
-
-    def priority(self, step, keys):
-        return self.total.take(keys)
-
-    def admit(self, step, keys):
-        return self.total.take(keys)
 
 
 def hit_pct(trace, policy, slots, inserts=2, **options):
     return 100 * simulate(trace, PER_LAYER, policy, slots, inserts=inserts, prefill="off", **options).hit_rate
 
 
-def preloaded_only(trace, slots, profile):
-    """The default policy preloaded from the profile, without its rates as the prior."""
-    engine = CacheEngine(trace.layers.size, trace.n_expert, slots, make_policy(DEFAULT_POLICY), offline=True)
-    engine.preload(profile.top(slots))
-    return 100 * simulate(trace, PER_LAYER, engine, prefill="off").hit_rate
+def preloaded_pct(trace, slots, profile):
+    return 100 * preloaded_only(trace, DEFAULT_POLICY, slots, profile).hit_rate
 
 
 def gap_closed(policy, lru, belady):
@@ -81,21 +56,14 @@ def policy_table(trace, slots):
     print("| popularity oracle (diagnostic, offline) | " + " | ".join(cells) + " |")
 
 
-SYNTHETIC = [  # (label, layers, experts, top-k, generator options)
-    ("8 of 128, sticky", 24, 128, 8, {}),
-    ("2 of 64", 24, 64, 2, {"stickiness": 1.0}),
-    ("4 of 64, fast drift", 24, 64, 4, {"skew": 0.5, "stickiness": 2.5, "drift": 0.2}),
-]
-
-
 def synthetic_table():
     names = ["lru", "lfu", "gdsf", "arc", "sieve", DEFAULT_POLICY]
     print("\nsynthetic locality routing (moecache.core.traces.synthetic_routing, 300 steps, seeds 3..5), "
           "K = experts/8, INSERTS=2: hit% (gap closed)\n")
     print("| routing | belady | " + " | ".join(names) + " |")
     print("|---|---:|" + "---:|" * len(names))
-    for seed, (label, layers, experts, k, options) in enumerate(SYNTHETIC, start=3):
-        trace = RouteTrace.from_routing(synthetic_routing(300, layers, experts, k, seed=seed, **options), experts)
+    for label, _, routing, experts in synthetic_routings():
+        trace = RouteTrace.from_routing(routing, experts)
         slots = experts // 8
         best = hit_pct(trace, "belady", slots)
         hits = {n: hit_pct(trace, n, slots) for n in names}
@@ -144,7 +112,7 @@ def warm_start_table(trace, slots):
                   for warm in (False, True)]
         print(f"| {replayed} <- {source} | " + " | ".join(
             f"{hit[name, warm]:.1f}" for name in ("lru", DEFAULT_POLICY, "belady") for warm in (False, True))
-            + f" | {closed[0]:.0f}% | {closed[1]:.0f}% | {preloaded_only(part, slots, profile):.1f} |")
+            + f" | {closed[0]:.0f}% | {closed[1]:.0f}% | {preloaded_pct(part, slots, profile):.1f} |")
 
 
 def synthetic_warm_start_table():
@@ -154,13 +122,12 @@ def synthetic_warm_start_table():
           f"INSERTS=2: profile of steps 0-149 warming 150-299, and the reverse\n")
     print("| routing | replayed | cold | preloaded only | preloaded + prior |")
     print("|---|---|---:|---:|---:|")
-    for seed, (label, layers, experts, k, options) in enumerate(SYNTHETIC, start=3):
-        routing = synthetic_routing(300, layers, experts, k, seed=seed, **options)
+    for label, _, routing, experts in synthetic_routings():
         slots = experts // 8
         for replayed, source in ((slice(150, None), slice(0, 150)), (slice(0, 150), slice(150, None))):
             part = RouteTrace.from_routing(routing[replayed], experts)
-            profile = UsageProfile.from_ids("synthetic", range(layers), experts, routing[source])
-            hit = [hit_pct(part, DEFAULT_POLICY, slots), preloaded_only(part, slots, profile),
+            profile = UsageProfile.from_ids("synthetic", range(routing.shape[1]), experts, routing[source])
+            hit = [hit_pct(part, DEFAULT_POLICY, slots), preloaded_pct(part, slots, profile),
                    hit_pct(part, DEFAULT_POLICY, slots, profile=profile)]
             print(f"| {label} | {replayed.start or 0}-{(replayed.stop or 300) - 1} | "
                   + " | ".join(f"{h:.1f}" for h in hit) + " |")

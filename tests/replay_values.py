@@ -6,37 +6,30 @@
 Each entry is a run named by what it replays: trace or routing, model, policy, size, inserts;
 its value [hits, lookups, hits incl. prefill, lookups incl. prefill, bytes uploaded (global:
 read) for decode] (synthetic routing: 1 byte per expert). The table scripts' own policies
-(the popularity oracle, the issue-4 candidates) are included, so every figure of the doc is
-covered. The values were written by the replay code before moecache.offline.replay.simulate existed;
-this file computes them with simulate.
+(moecache.offline.experiments: the popularity oracle, the issue-4 candidates) are included,
+so every figure of the doc is covered. The values were written by the replay code before
+moecache.offline.replay.simulate existed; this file computes them with simulate.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import numpy as np
 
-from moecache.core.engine import CacheEngine
-from moecache.core.policies import make_policy
 from moecache.core.profile import UsageProfile
-from moecache.core.traces import DECODE, SHIPPED_TRACES, RouteTrace, read_trace, synthetic_routing
+from moecache.core.traces import DECODE, SHIPPED_TRACES, RouteTrace, read_trace
+from moecache.offline.experiments import (DEFAULT_CANDIDATES, SKEWED, SYNTHETIC, PopularityOracle,
+                                          preloaded_only, synthetic_routings)
 from moecache.offline.replay import GLOBAL, MIB, PER_LAYER, per_layer_slots, simulate
 
-REPO = Path(__file__).resolve().parents[1]
 STORED = Path(__file__).with_name("replay_values.json")
 PER_LAYER_POLICIES = ["belady", "lru", "lfu", "gdsf", "random", "arc", "sieve", "heat"]
-GLOBAL_POLICIES = ["lru", "lfu", "random", "belady", "layer", "layerlfu"]
-
-
-def script(name):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+GLOBAL_POLICIES = ["lru", "plain-lfu", "random", "belady", "layer-lru", "layer-plain-lfu"]
+# the global policies' names when the values were stored (the keys of replay_values.json)
+RECORDED_AS = {"plain-lfu": "lfu", "layer-lru": "layer", "layer-plain-lfu": "layerlfu"}
 
 
 def value(r):
@@ -45,14 +38,7 @@ def value(r):
             every["hits"] + every["misses"], decode["upload_bytes"]]
 
 
-def preloaded(trace, slots, profile):
-    """heat preloaded from the profile without its rates (no prior)."""
-    engine = CacheEngine(trace.layers.size, trace.n_expert, slots, make_policy("heat"), offline=True)
-    engine.preload(profile.top(slots))
-    return simulate(trace, PER_LAYER, engine, prefill="off")
-
-
-def trace_values(trace, name, table, experiments):
+def trace_values(trace, name):
     values = {}
     k16 = trace.n_expert // 8
     runs = [(p, k16, i) for p in PER_LAYER_POLICIES for i in (2, None)]
@@ -68,8 +54,8 @@ def trace_values(trace, name, table, experiments):
         simulate(trace, PER_LAYER, "random", k16, seed=7, prefill="off"))
     for inserts in (2, None):
         values[f"{name} per-layer popularity-oracle K={k16} inserts={inserts}"] = value(
-            simulate(trace, PER_LAYER, table.PopularityOracle(trace.decode_ids), k16, inserts=inserts, prefill="off"))
-    for candidate, factory in experiments.CANDIDATES.items():
+            simulate(trace, PER_LAYER, PopularityOracle(trace.decode_ids), k16, inserts=inserts, prefill="off"))
+    for candidate, factory in DEFAULT_CANDIDATES.items():
         values[f"{name} per-layer candidate-{candidate} K={k16} inserts=2"] = value(
             simulate(trace, PER_LAYER, factory(), k16, prefill="off"))
 
@@ -85,7 +71,7 @@ def trace_values(trace, name, table, experiments):
                 values[f"{name} {replayed}-half per-layer {policy} K={k16} inserts=2 {label}"] = value(
                     simulate(part, PER_LAYER, policy, k16, profile=profile if warm else None, prefill="off"))
         values[f"{name} {replayed}-half per-layer heat K={k16} inserts=2 preloaded <- {source}"] = \
-            value(preloaded(part, k16, profile))
+            value(preloaded_only(part, "heat", k16, profile))
 
     for budget in (1000, 2000, 3000, 4000):  # the per-layer model at a byte budget
         k = per_layer_slots(trace, budget)
@@ -98,40 +84,39 @@ def trace_values(trace, name, table, experiments):
     runs = [(p, b) for p in GLOBAL_POLICIES for b in budgets]
     runs += [("lru", f * working_set) for f in (0.25, 0.5, 0.9, 0.95, 2.0)] + [("belady", 0.5 * working_set)]
     for policy, budget in runs:
-        values[f"{name} global {policy} MiB={budget:.6g}"] = value(simulate(trace, GLOBAL, policy, budget))
+        label = RECORDED_AS.get(policy, policy)
+        values[f"{name} global {label} MiB={budget:.6g}"] = value(simulate(trace, GLOBAL, policy, budget))
     return values
 
 
-def synthetic_values(table, experiments):
+def synthetic_values():
     values = {}
-    for seed, (label, layers, experts, k, options) in enumerate(experiments.SYNTHETIC, start=3):
-        routing = synthetic_routing(300, layers, experts, k, seed=seed, **options)
+    for label, seed, routing, experts in synthetic_routings([*SYNTHETIC, SKEWED]):
         trace = RouteTrace.from_routing(routing, experts)
         slots = experts // 8
         name = f"synthetic {label} seed={seed}"
         for policy in ("belady", "lru", "lfu", "gdsf", "arc", "sieve", "heat"):
             values[f"{name} {policy} K={slots}"] = value(simulate(trace, PER_LAYER, policy, slots, prefill="off"))
-        for candidate, factory in experiments.CANDIDATES.items():
+        for candidate, factory in DEFAULT_CANDIDATES.items():
             values[f"{name} candidate-{candidate} K={slots}"] = value(simulate(trace, PER_LAYER, factory(), slots, prefill="off"))
-        if label not in {row[0] for row in table.SYNTHETIC}:
+        if label == SKEWED[0]:  # the warm-start tables run the others only
             continue
         for replayed, source in ((slice(150, None), slice(0, 150)), (slice(0, 150), slice(150, None))):
             part = RouteTrace.from_routing(routing[replayed], experts)
-            profile = UsageProfile.from_ids("synthetic", range(layers), experts, routing[source])
+            profile = UsageProfile.from_ids("synthetic", range(routing.shape[1]), experts, routing[source])
             span = f"{replayed.start or 0}-{(replayed.stop or 300) - 1}"
             values[f"{name} steps {span} heat K={slots} cold"] = value(simulate(part, PER_LAYER, "heat", slots, prefill="off"))
-            values[f"{name} steps {span} heat K={slots} preloaded"] = value(preloaded(part, slots, profile))
+            values[f"{name} steps {span} heat K={slots} preloaded"] = value(preloaded_only(part, "heat", slots, profile))
             values[f"{name} steps {span} heat K={slots} warm"] = value(
                 simulate(part, PER_LAYER, "heat", slots, profile=profile, prefill="off"))
     return values
 
 
 def compute() -> dict:
-    table, experiments = script("replay_table"), script("policy_experiments")
     values = {}
     for path in SHIPPED_TRACES:
-        values.update(trace_values(read_trace(str(path)), path.name.split(".")[0], table, experiments))
-    values.update(synthetic_values(table, experiments))
+        values.update(trace_values(read_trace(str(path)), path.name.split(".")[0]))
+    values.update(synthetic_values())
     return {key: [int(v) for v in value] for key, value in values.items()}
 
 

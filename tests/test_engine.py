@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from moecache.core.engine import CacheEngine
-from moecache.core.policies import Lru, Policy, make_policy
+from moecache.core.policies import Lru, NextUse, Policy, make_policy
 from moecache.core.traces import synthetic_routing
 
 
@@ -303,7 +303,7 @@ def test_bad_observations_are_rejected(ids, message):
 
 
 def test_offline_only_policy_refused_live():
-    future = [np.zeros((1, 2), dtype=int)]
+    future = NextUse(first=np.full(8, np.inf), keys=[], after=[])  # nothing ahead
     with pytest.raises(ValueError, match="offline replay only"):
         CacheEngine(1, 8, 4, make_policy("belady", future=future))
     CacheEngine(1, 8, 4, make_policy("belady", future=future), offline=True)

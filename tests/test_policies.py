@@ -5,7 +5,9 @@ import pytest
 from moecache.core.engine import CacheEngine
 from moecache.core.policies import DEFAULT_POLICY, POLICIES, make_policy
 from moecache.core.traces import SHIPPED_TRACES, RouteTrace, read_trace, synthetic_routing
+from moecache.offline.budget import BUDGET_POLICIES, make_budget_policy
 from moecache.offline.replay import PER_LAYER, simulate
+from moecache.offline.steps import next_use, observation_keys
 
 ONLINE = [name for name, factory in POLICIES.items() if name != "belady"]
 
@@ -19,7 +21,7 @@ def test_registry_and_default():
     assert "'lur'" in str(info.value) and "lru" in str(info.value) and "default" in str(info.value)
     with pytest.raises(ValueError, match="offline replay only"):
         make_policy("belady")
-    assert make_policy("belady", future=[np.zeros((1, 1), int)]).offline_only
+    assert make_policy("belady", future=next_use([np.array([0])], 1)).offline_only
 
 
 def hit_rate(routing, n_expert, slots, policy, inserts):
@@ -64,7 +66,8 @@ def test_random_policy_is_seeded():
 
 def test_belady_rejects_a_different_future():
     routing = synthetic_routing(5, 2, 16, 2, seed=1)
-    engine = CacheEngine(2, 16, 4, make_policy("belady", future=list(routing)), offline=True)
+    future = next_use(observation_keys(routing, 16), 2 * 16)
+    engine = CacheEngine(2, 16, 4, make_policy("belady", future=future), offline=True)
     engine.step(None)
     with pytest.raises(ValueError, match="differs from the future"):
         engine.step(routing[1])
@@ -91,3 +94,26 @@ def test_decayed_counts_survive_rebasing_far_into_a_run():
     heat = lfu.priority(3000, np.arange(4))
     assert np.isfinite(heat).all()
     assert heat[2] > heat[1] > heat[0] == 0.0  # recent uses outweigh decayed old ones
+
+
+def test_next_use_is_each_keys_following_step():
+    # steps use keys {0, 2}, {2}, {0, 1}; key 3 never
+    future = next_use([np.array([0, 2]), np.array([2]), np.array([0, 1])], 4)
+    assert future.first.tolist() == [0, 2, 0, np.inf]
+    assert [after.tolist() for after in future.after] == [[2, 1], [np.inf], [np.inf, np.inf]]
+    assert observation_keys([np.array([[3, -1], [0, 3]])], 4)[0].tolist() == [3, 4, 7]
+
+
+def test_the_global_belady_refuses_other_batches():
+    policy = make_budget_policy("belady", future=next_use([np.array([0, 1])], 4))
+    policy.bind(1)
+    with pytest.raises(ValueError, match="batch 0 differs"):
+        policy.accessed(0, [2], {2: None})
+    with pytest.raises(ValueError, match="needs the batches ahead"):
+        make_budget_policy("belady")
+
+
+def test_a_name_in_both_registries_is_the_same_rule():
+    # the per-layer lfu decays its counts: the global model's plain one has its own name
+    assert set(POLICIES) & set(BUDGET_POLICIES) == {"lru", "random", "belady"}
+    assert "plain-lfu" in BUDGET_POLICIES

@@ -12,7 +12,8 @@ from conftest import TRACES  # noqa: E402
 from moecache.core.policies import Heat
 from moecache.core.profile import ProfileError, UsageProfile
 from moecache.core.traces import DECODE, read_trace
-from moecache.offline.replay import GLOBAL, MIB, PER_LAYER, main, simulate
+from moecache.offline.cli import main
+from moecache.offline.replay import GLOBAL, MIB, PER_LAYER, simulate
 
 QWEN = TRACES / "qwen3-30b-a3b.route.csv"
 GPTOSS = TRACES / "gpt-oss-120b.route.csv"
@@ -26,7 +27,7 @@ def qwen():
 
 @pytest.mark.parametrize("policy, budget, published", [
     ("lru", 4000, 80.3), ("belady", 4000, 92.7),
-    ("lru", 3000, 70.6), ("lfu", 3000, 71.3), ("layerlfu", 3000, 74.2), ("belady", 3000, 87.8),
+    ("lru", 3000, 70.6), ("plain-lfu", 3000, 71.3), ("layer-plain-lfu", 3000, 74.2), ("belady", 3000, 87.8),
 ])
 def test_global_model_reproduces_bigmoeonedge_published_figures(qwen, policy, budget, published):
     result = simulate(qwen, GLOBAL, policy, budget)

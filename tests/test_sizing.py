@@ -95,7 +95,8 @@ def test_replay_budget_runs_both_models_at_the_same_bytes(tmp_path):
     from conftest import TRACES
 
     from moecache.core.traces import read_trace
-    from moecache.offline.replay import PER_LAYER, main, simulate
+    from moecache.offline.cli import main
+    from moecache.offline.replay import PER_LAYER, simulate
 
     path = TRACES / "qwen3-30b-a3b.route.csv"
     out = tmp_path / "r.csv"
@@ -113,7 +114,7 @@ def test_replay_budget_runs_both_models_at_the_same_bytes(tmp_path):
 def test_replay_budget_below_one_slot_per_layer_is_one_line(capsys):
     from conftest import TRACES
 
-    from moecache.offline.replay import main
+    from moecache.offline.cli import main
 
     assert main([str(TRACES / "qwen3-30b-a3b.route.csv"), "--budget-mib", "100", "--policies", "lru"]) == 2
     err = capsys.readouterr().err

@@ -157,14 +157,14 @@ def test_replay_feeds_short_prompts_and_counts_decode_alone():
 
 
 def test_replay_splits_prompts_into_ubatches_and_bypasses_long_ones():
-    from moecache.offline.replay import _ubatches
+    from moecache.offline.steps import ubatches
     # 33 prompt tokens of expert 1 in one ubatch bypass the cache: nothing cached before decode
     long = trace([[[1]]] * (MAX_BATCH + 1) + [[[1]]], [PREFILL] * (MAX_BATCH + 1) + [DECODE], [128])
     r = simulate(long, "upstream", "upstream", 10 * 128 / MIB)  # 9 slots >= 8 experts
     assert (r.totals["hits"], r.totals["uploads"]) == (0, 1)
     assert r.totals_all["misses"] - r.totals["misses"] == 1  # the bypassed prompt: one lookup
     # in ubatches of at most max_batch tokens the prompt goes through the cache
-    steps = [step for _, items in _ubatches(long, n_ubatch=MAX_BATCH) for step in items]
+    steps = [step for _, items in ubatches(long, n_ubatch=MAX_BATCH) for step in items]
     assert [n for _, _, n in steps] == [MAX_BATCH, 1, 1]
     cache = UpstreamCache([128], 8, 1, 10 * 128)
     for step in steps:
@@ -182,7 +182,7 @@ def test_equal_bytes_counts_one_zero_slot_per_bank():
 from conftest import TRACES  # noqa: E402
 
 from moecache.core.traces import read_trace  # noqa: E402
-from moecache.offline.replay import main  # noqa: E402
+from moecache.offline.cli import main  # noqa: E402
 
 QWEN, GPTOSS = TRACES / "qwen3-30b-a3b.route.csv", TRACES / "gpt-oss-120b.route.csv"
 

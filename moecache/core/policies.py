@@ -35,6 +35,7 @@ Optional, looked up once by the engine:
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -171,52 +172,54 @@ class RandomEviction(Policy):
         return self.rng.random(np.shape(keys))
 
 
+@dataclass(frozen=True)
+class NextUse:
+    """When each key (layer * n_expert + expert) is used next over the steps a cache will
+    take: what the offline optima (Belady here, the global model's in moecache.offline.budget)
+    read ahead. The replay's trace adapter computes it (moecache.offline.steps.future)."""
+
+    first: np.ndarray           # (n_keys,) each key's first step; +inf: never used
+    keys: list[np.ndarray]      # per step: the distinct keys it uses, ascending
+    after: list[np.ndarray]     # per step, for each of its keys: the next step using it, or +inf
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
 class Belady(Policy):
     """Offline optimum (MIN) adapted to the engine's timing: evict the resident whose next use
-    is furthest away, admit a miss only if it is needed again before that victim. `future`
-    is the sequence of (L, n) observations the engine will see, in order."""
+    is furthest away, admit a miss only if it is needed again before that victim. `future`:
+    the NextUse of the observations the engine will see, in order."""
     name = "belady"
     offline_only = True
 
-    def __init__(self, future):
-        self.future = [np.asarray(ids) for ids in future]  # one (L, n) array per observation
-        if any(ids.ndim != 2 for ids in self.future):
-            raise ValueError("belady: future must be a sequence of (layers, n) arrays")
+    def __init__(self, future: NextUse):
+        self.future = future
 
     def bind(self, n_layers, n_expert, n_slots):
         super().bind(n_layers, n_expert, n_slots)
-        if any(ids.shape[0] != n_layers for ids in self.future):
-            raise ValueError(f"belady: future layer count differs from the engine's {n_layers}")
-        # Occurrence times of every key (layer * E + expert), ascending, each key's run
-        # followed by two +inf sentinels so "the use after next" is always readable.
-        T = len(self.future)
-        per_step = []
-        for t, ids in enumerate(self.future):
-            rows, cols = np.nonzero(ids >= 0)
-            per_step.append(np.unique(rows * n_expert + ids[rows, cols]) * (T + 1) + t)
-        pairs = np.sort(np.concatenate(per_step)) if per_step else np.empty(0, dtype=np.int64)
-        keys, times = pairs // (T + 1), pairs % (T + 1)
-        counts = np.bincount(keys, minlength=n_layers * n_expert) + 2
-        start = np.concatenate(([0], np.cumsum(counts)[:-1]))
-        self.times = np.full(counts.sum(), np.inf)
-        rank = np.arange(keys.size) - np.searchsorted(keys, keys)
-        self.times[start[keys] + rank] = times
-        self.cursor = start.copy()   # index of each key's next use
-        self.seen = 0                # observations consumed
+        if self.future.first.size != n_layers * n_expert:
+            raise ValueError(f"belady: the future's {self.future.first.size} keys differ from the "
+                             f"engine's {n_layers} x {n_expert}")
+        self.next_of = self.future.first.copy()  # each key's next use from the current observation on
+        self.seen = 0                            # observations consumed
 
     def observe(self, step, ids, hit_mask, used):
-        if self.seen >= len(self.future) or not np.array_equal(ids, self.future[self.seen]):
+        keys = np.flatnonzero(used.ravel())
+        if self.seen >= len(self.future) or not np.array_equal(keys, self.future.keys[self.seen]):
             raise ValueError(f"belady: observation {self.seen} differs from the future it was given")
-        self.cursor[np.flatnonzero(used.ravel())] += 1
+        self.next_of[keys] = self.future.after[self.seen]
         self.seen += 1
 
     def next_use(self, keys, after):
         """The observation index at which each key is next used, from `after` on (at most the
         one after the current); +inf: never again."""
-        t = self.times[self.cursor[keys]]
-        # next use must be >= `after`; the cursor already points at >= self.seen
-        later = self.times[self.cursor[keys] + 1]
-        return np.where(t < after, later, t)
+        t = self.next_of[keys]
+        now = t < after  # used by the current observation, which `after` has passed
+        if now.any():
+            current = self.future.keys[self.seen]
+            t[now] = self.future.after[self.seen][np.searchsorted(current, np.asarray(keys)[now])]
+        return t
 
     def priority(self, step, keys):
         # eviction unpublishes now, so losing the victim hurts from the next graph on
@@ -360,8 +363,8 @@ def resolve_policy(name: str) -> str:
 
 
 def make_policy(name: str, *, future=None, seed: int = 0, **params) -> Policy:
-    """Build a policy by name (see resolve_policy). future: the observations an offline policy
-    (belady) needs; seed: the random policy's; each goes only to the policies that use it.
+    """Build a policy by name (see resolve_policy). future: the NextUse an offline policy
+    (belady) reads ahead; seed: the random policy's; each goes only to the policies that use it.
     params: the policy's own (e.g. half_life)."""
     name = resolve_policy(name)
     if name not in POLICIES:

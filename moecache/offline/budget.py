@@ -5,11 +5,14 @@ limit, eviction after each batch sparing the batch's own experts. A batch is one
 lookups (a turn's whole prefill, or one decode token); one lookup per distinct expert per
 batch. Keys are layer index * n_expert + expert.
 
-A policy ranks the resident keys; like the per-layer policies (moecache.core.policies) it is one
-small class behind one interface, in a registry (BUDGET_POLICIES):
+Its policies rank the resident keys of one global set (or of one layer's share of the
+budget), one victim at a time, where the per-layer policies (moecache.core.policies) rank K
+slots per layer for an engine with an insert limit: the same rule (LRU, random, Belady) is
+a different algorithm there, so each model has its own, and the names here say "Budget".
+Registry names mean one thing across both registries: this model's LFU counts plain uses
+("plain-lfu"), the per-layer "lfu" decays them. Interface (BUDGET_POLICIES):
 
-    bind(n_parts, batches)          allocate state; batches: every (layer, keys) the cache
-                                    will see, in order (the offline optimum reads ahead)
+    bind(n_parts)                   allocate state
     admitted(part, key)             a missed key was just read in
     accessed(part, keys, touched)   after a batch's lookups: its keys in lookup order
                                     (repeats included) and `touched`, the distinct ones
@@ -19,7 +22,8 @@ small class behind one interface, in a registry (BUDGET_POLICIES):
     evictions_done(part)            the batch's evictions are over
 
 `part` is 0, or the layer for a partitioned policy (each layer gets an equal share of the
-budget and evicts only within itself).
+budget and evicts only within itself). The offline optimum reads ahead from the NextUse of
+the batches (moecache.offline.steps.future), given to make_budget_policy.
 """
 
 from __future__ import annotations
@@ -29,13 +33,17 @@ import random
 from collections import OrderedDict
 from typing import Callable
 
+from ..core.model import CacheModel
+from ..core.policies import NextUse
+
 
 class BudgetPolicy:
     name = "policy"
     partitioned = False
     seeded = False
+    offline_only = False  # reads ahead: make_budget_policy's future=
 
-    def bind(self, n_parts: int, batches) -> None:
+    def bind(self, n_parts: int) -> None:
         pass
 
     def admitted(self, part, key) -> None:
@@ -54,11 +62,11 @@ class BudgetPolicy:
         pass
 
 
-class Lru(BudgetPolicy):
-    """Evict the key whose last lookup is oldest."""
+class BudgetLru(BudgetPolicy):
+    """Evict the key whose last lookup is oldest (lookup order within a batch)."""
     name = "lru"
 
-    def bind(self, n_parts, batches):
+    def bind(self, n_parts):
         self.recency = [OrderedDict() for _ in range(n_parts)]  # oldest first
 
     def accessed(self, part, keys, touched):
@@ -77,9 +85,9 @@ class Lru(BudgetPolicy):
         del self.recency[part][key]
 
 
-class LayerLru(Lru):
+class BudgetLayerLru(BudgetLru):
     """LRU partitioned by layer."""
-    name = "layer"
+    name = "layer-lru"
     partitioned = True
 
 
@@ -88,7 +96,7 @@ class _LazyHeap(BudgetPolicy):
     pushes a new entry: an entry counts while it is its key's latest (`self.latest`), so
     stale ones are skipped when popped."""
 
-    def bind(self, n_parts, batches):
+    def bind(self, n_parts):
         self.heaps = [[] for _ in range(n_parts)]
         self.latest = {}    # resident key -> its current entry
         self.spared = []    # popped entries of the batch's own keys: pushed back afterwards
@@ -119,12 +127,13 @@ class _LazyHeap(BudgetPolicy):
         self.spared.clear()
 
 
-class Lfu(_LazyHeap):
-    """Evict the fewest batches used in (history survives eviction), then the oldest lookup."""
-    name = "lfu"
+class BudgetPlainLfu(_LazyHeap):
+    """Evict the fewest batches used in, counted plainly (no decay; history survives
+    eviction), then the oldest lookup."""
+    name = "plain-lfu"
 
-    def bind(self, n_parts, batches):
-        super().bind(n_parts, batches)
+    def bind(self, n_parts):
+        super().bind(n_parts)
         self.uses, self.last = {}, {}
         self.clock = 0  # one tick per lookup
 
@@ -140,27 +149,23 @@ class Lfu(_LazyHeap):
             self.push(part, (uses[key], last[key], key))
 
 
-class LayerLfu(Lfu):
-    """LFU partitioned by layer."""
-    name = "layerlfu"
+class BudgetLayerPlainLfu(BudgetPlainLfu):
+    """Plain LFU partitioned by layer."""
+    name = "layer-plain-lfu"
     partitioned = True
 
 
-class Belady(_LazyHeap):
+class BudgetBelady(_LazyHeap):
     """Offline optimum: evict the key used again furthest ahead (never again first), then the
-    earliest admitted."""
+    earliest admitted. `future`: the NextUse of the batches the cache will see."""
     name = "belady"
+    offline_only = True
 
-    def bind(self, n_parts, batches):
-        super().bind(n_parts, batches)
-        self.batches = batches
-        self.next_use = [None] * len(batches)  # per batch, {key: next batch using it, or inf}
-        upcoming = {}
-        for b in range(len(batches) - 1, -1, -1):
-            keys = set(batches[b][1])
-            self.next_use[b] = {key: upcoming.get(key, float("inf")) for key in keys}
-            for key in keys:
-                upcoming[key] = b
+    def __init__(self, future: NextUse):
+        self.future = future
+
+    def bind(self, n_parts):
+        super().bind(n_parts)
         self.seen = 0
         self.admissions = 0
         self.admitted_as = {}  # key -> its admission number
@@ -171,24 +176,25 @@ class Belady(_LazyHeap):
 
     def accessed(self, part, keys, touched):
         b = self.seen
-        expected = self.batches[b][1] if b < len(self.batches) else None
-        if keys is not expected and keys != expected:
+        expected = self.future.keys[b].tolist() if b < len(self.future) else None
+        if sorted(touched) != expected:
             raise ValueError(f"belady: batch {b} differs from the batches it was given")
         self.seen += 1
-        upcoming = self.next_use[b]
+        upcoming = dict(zip(expected, self.future.after[b].tolist()))
         for key in touched:
             self.push(part, (-upcoming[key], self.admitted_as[key], key))
 
 
-class RandomEviction(BudgetPolicy):
-    """Evict a uniformly random resident key outside the batch (seeded, reproducible)."""
+class BudgetRandom(BudgetPolicy):
+    """Evict a uniformly random resident key outside the batch (seeded, reproducible; its
+    own generator and sampling, so it draws other victims than the per-layer "random")."""
     name = "random"
     seeded = True
 
     def __init__(self, seed: int = 0):
         self.rng = random.Random(seed)
 
-    def bind(self, n_parts, batches):
+    def bind(self, n_parts):
         self.members = []    # resident keys
         self.position = {}   # key -> index in members
 
@@ -215,29 +221,29 @@ class RandomEviction(BudgetPolicy):
 
 
 BUDGET_POLICIES: dict[str, Callable[..., BudgetPolicy]] = {
-    "lru": Lru,
-    "lfu": Lfu,
-    "random": RandomEviction,
-    "belady": Belady,
-    "layer": LayerLru,
-    "layerlfu": LayerLfu,
-}
+    policy.name: policy for policy in (BudgetLru, BudgetPlainLfu, BudgetRandom, BudgetBelady,
+                                       BudgetLayerLru, BudgetLayerPlainLfu)}
 
 
-def make_budget_policy(name: str, *, seed: int = 0) -> BudgetPolicy:
+def make_budget_policy(name: str, *, future: NextUse | None = None, seed: int = 0) -> BudgetPolicy:
+    """Build a global-model policy by name. future: what the offline optimum (belady) reads
+    ahead; seed: the random policy's; each goes only to the policies that use it."""
     if name not in BUDGET_POLICIES:
         raise ValueError(f"unknown policy {name!r} for the global model; valid: "
                          f"{', '.join(BUDGET_POLICIES)}")
     factory = BUDGET_POLICIES[name]
+    if factory.offline_only:
+        if future is None:
+            raise ValueError(f"policy {name!r} needs the batches ahead (future=)")
+        return factory(future)
     return factory(seed=seed) if factory.seeded else factory()
 
 
-class ByteBudgetCache:
-    """Resident (layer, expert) keys under `budget_bytes`, run one batch per step().
-    stats() reports in CacheEngine.stats()'s names; uploads are the reads of missed experts."""
+class ByteBudgetCache(CacheModel):
+    """Resident (layer, expert) keys under `budget_bytes`, run one batch per step(). Its
+    counters have CacheEngine.stats()'s names; uploads are the reads of missed experts."""
 
-    def __init__(self, policy: BudgetPolicy, budget_bytes: int, expert_bytes, n_expert: int,
-                 batches):
+    def __init__(self, policy: BudgetPolicy, budget_bytes: int, expert_bytes, n_expert: int):
         n_layers = len(expert_bytes)
         self.policy = policy
         self.partitioned = policy.partitioned
@@ -248,7 +254,7 @@ class ByteBudgetCache:
         self.resident = set()
         self.counters = dict.fromkeys(("hits", "misses", "uploads", "evictions", "upload_bytes"), 0)
         self.step_index = 0
-        policy.bind(len(self.used_bytes), batches)
+        policy.bind(len(self.used_bytes))
 
     def step(self, batch) -> None:
         """batch: (layer index, keys in lookup order)."""
@@ -288,9 +294,4 @@ class ByteBudgetCache:
             policy.dropped(part, key)
         policy.evictions_done(part)
 
-    def stats(self) -> dict:
-        totals = dict(self.counters)
-        lookups = totals["hits"] + totals["misses"]
-        return {"steps": self.step_index, "hit_rate": totals["hits"] / lookups if lookups else None,
-                "totals": totals}
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..core.banks import layers_by_size
+from ..core.model import CacheModel
 
 MAX_BATCH = 32          # upstream's max_batch: larger ubatches bypass the cache
 CUDA_ALIGNMENT = 128    # ggml's CUDA buffer alignment, the pad of each bank
@@ -110,10 +111,10 @@ class SlotLru:
         return n_hit, fills
 
 
-class UpstreamCache:
-    """All groups of one model under one byte budget, run one (layer, ubatch) per step().
-    stats() reports in CacheEngine.stats()'s names: misses include the lookups the cache
-    bypassed (read on the host), uploads only the experts copied to the device."""
+class UpstreamCache(CacheModel):
+    """All groups of one model under one byte budget, run one (layer, ubatch) per step(). Its
+    counters have CacheEngine.stats()'s names: misses include the lookups the cache bypassed
+    (read on the host), uploads only the experts copied to the device."""
 
     def __init__(self, expert_bytes, n_expert: int, n_expert_used: int, budget_bytes: int,
                  alignment: int = CUDA_ALIGNMENT):
@@ -160,9 +161,3 @@ class UpstreamCache:
         counters["upload_bytes"] += uploads * size
         counters["miss_bytes"] += misses * size
         counters["lookup_bytes"] += len(distinct) * size
-
-    def stats(self) -> dict:
-        totals = dict(self.counters)
-        lookups = totals["hits"] + totals["misses"]
-        return {"steps": self.step_index, "hit_rate": totals["hits"] / lookups if lookups else None,
-                "totals": totals}

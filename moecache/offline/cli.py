@@ -1,0 +1,330 @@
+"""`python -m moecache.replay`: the replay's command line, tables, CSV and plot; every run goes
+through moecache.offline.replay.simulate (the models are described there).
+
+    python -m moecache.replay TRACE [--slots 8,16,32,64] [--policies lru,belady,default]
+                              [--inserts 2] [--admission boundary,eager] [--prefill warm]
+                              [--budget-mib 3000,4000]
+                              [--host-gbps 60] [--link-gbps 25] [--csv FILE] [--plot PNG]
+
+--slots sizes the per-layer model (K per layer) and the upstream model (at the device bytes of
+each K); --budget-mib sizes the global and the upstream models, and the per-layer model at
+the largest K whose slots fit it: K per layer plus one zero slot per bank of equal expert
+sizes, as LLAMA_MOE_CACHE_MIB sizes the live cache (moecache.live.sizing). A policy name runs
+in every requested model whose registry has it.
+
+Rates are fractions (hit_rate 0.578) in results and CSV; the printed tables show them as
+percent (hit% 57.8). Every table also shows MODELLED expert milliseconds per decode token
+(moecache.offline.cost, from --host-gbps and --link-gbps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+
+from ..core.admission import ADMISSIONS
+from ..core.banks import equal_bytes
+from ..core.policies import DEFAULT_POLICY, POLICIES
+from ..core.profile import UsageProfile
+from ..core.traces import DECODE, PREFILL, read_trace
+from ..util import OneLineParser, Progress, atomic_write, int_arg, int_list_arg
+from .budget import BUDGET_POLICIES
+from .cost import DEFAULT_HOST_GBPS, DEFAULT_LINK_GBPS, Bandwidth
+from .replay import (GLOBAL, MIB, MODELS, PER_LAYER, PREFILL_MODES, UPSTREAM, ReplayResult,
+                     per_layer_slots, policy_names, simulate)
+
+
+def _budgets_arg(text):
+    """--budget-mib: comma-separated finite numbers > 0."""
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
+    if not values or not all(math.isfinite(v) and v > 0 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: budgets must be finite numbers > 0")
+    return values
+
+
+def _inserts_arg(text):
+    """--inserts: an integer >= 1, or 'unlimited' (None)."""
+    return None if text == "unlimited" else int_arg(minimum=1)(text)
+
+
+def _gbps_arg(text):
+    """--host-gbps, --link-gbps: one finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: a bandwidth must be a finite number of GB/s > 0")
+    return value
+
+
+def admission_list_arg(text):
+    """--admission: comma-separated admission.ADMISSIONS names."""
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [v for v in values if v not in ADMISSIONS]
+    if bad or not values:
+        raise argparse.ArgumentTypeError(f"{text!r}: each must be one of {', '.join(ADMISSIONS)}")
+    return values
+
+
+_budgets_arg.__name__, _inserts_arg.__name__ = "budget list", "inserts"
+_gbps_arg.__name__, admission_list_arg.__name__ = "bandwidth", "admission list"
+
+
+def parser() -> OneLineParser:
+    ap = OneLineParser(prog="python -m moecache.replay",
+                       description="Replay a routing trace through cache policies.")
+    ap.add_argument("trace")
+    ap.add_argument("--slots", type=int_list_arg(minimum=1),
+                    help="per-layer cache sizes K, comma separated (default 8,16,32,64 unless "
+                         "--budget-mib is given)")
+    ap.add_argument("--policies", default="lru,belady,default",
+                    help=f"comma separated; per-layer (--slots, --budget-mib): default ({DEFAULT_POLICY}), "
+                         f"{', '.join(POLICIES)}; global (--budget-mib): {', '.join(BUDGET_POLICIES)}; both: "
+                         f"upstream (llama.cpp's own cache, at each K's device bytes and each budget)")
+    ap.add_argument("--inserts", type=_inserts_arg, default=2,
+                    help="uploads per layer per step, or 'unlimited'")
+    ap.add_argument("--admission", type=admission_list_arg, default=["boundary"],
+                    help=f"per-layer admission timings, comma separated: {', '.join(ADMISSIONS)} "
+                         f"(default boundary)")
+    ap.add_argument("--budget-mib", type=_budgets_arg, default=[],
+                    help="byte budgets, comma separated: the global model's (BigMoeOnEdge), and the "
+                         "per-layer model at the largest K that fits")
+    ap.add_argument("--prefill", choices=PREFILL_MODES, default="warm",
+                    help="per-layer model: each prompt ubatch as a prefill step that uploads its most "
+                         "used experts, as the live cache does (warm, the default); no prefill (off); "
+                         "each turn's prompt as one batched observation (plain)")
+    ap.add_argument("--preload-profile", metavar="JSON",
+                    help="per-layer model: warm start from a saved usage profile")
+    ap.add_argument("--host-gbps", type=_gbps_arg, default=DEFAULT_HOST_GBPS,
+                    help="host memory read bandwidth for experts, GB/s, for the MODELLED ms/token "
+                         f"(default {DEFAULT_HOST_GBPS:g}: a dual-channel DDR5 desktop)")
+    ap.add_argument("--link-gbps", type=_gbps_arg, default=DEFAULT_LINK_GBPS,
+                    help="host-to-device copy bandwidth, GB/s, for the MODELLED ms/token "
+                         f"(default {DEFAULT_LINK_GBPS:g}: PCIe 4.0 x16)")
+    ap.add_argument("--seed", type=int_arg(minimum=0), default=0, help="seed of the random policies")
+    ap.add_argument("--csv", help="also write the results here")
+    ap.add_argument("--plot", help="also plot hit%% vs cache size here (needs matplotlib)")
+    return ap
+
+
+def check_args(args) -> None:
+    """What the flags say together, and where the outputs go: a ValueError (one line, exit 2)
+    before any replay runs."""
+    args.policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if not args.policies:
+        raise ValueError("--policies is empty")
+    if args.slots is None:
+        args.slots = [] if args.budget_mib else [8, 16, 32, 64]
+    # A name runs in every requested model that has it; one that no requested model has is
+    # rejected, never tabulated under a policy that did not run.
+    models = ([("--slots", policy_names(PER_LAYER) + policy_names(UPSTREAM))] if args.slots else []) + \
+             ([("--budget-mib", list(dict.fromkeys(policy_names(PER_LAYER) + policy_names(GLOBAL)
+                                                    + policy_names(UPSTREAM))))] if args.budget_mib else [])
+    unknown = [p for p in args.policies if not any(p in names for _, names in models)]
+    if unknown:
+        valid = "; ".join(f"{flag}: {', '.join(names)}" for flag, names in models)
+        raise ValueError(f"unknown policy {', '.join(unknown)} for "
+                         f"{' and '.join(f for f, _ in models)}; valid {valid}")
+    args.bandwidth = Bandwidth(args.host_gbps, args.link_gbps)
+    for flag, path in (("--csv", args.csv), ("--plot", args.plot)):
+        if path:
+            _check_output(path, flag)
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ValueError("--plot needs matplotlib (pip install matplotlib)") from None
+
+
+def _check_output(path, flag):
+    """An output file must be writable where it is named."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) or path.endswith(os.sep):
+        raise ValueError(f"{flag} {path}: is a directory, expected a file name")
+    if not os.path.isdir(parent):
+        raise ValueError(f"{flag} {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ValueError(f"{flag} {path}: not writable")
+
+
+def load_inputs(args):
+    """The trace and the warm-start profile (or None), checked against the options."""
+    trace = read_trace(args.trace)
+    if args.slots and max(args.slots) > trace.n_expert:
+        raise ValueError(f"--slots {max(args.slots)} exceeds n_expert={trace.n_expert}")
+    per_layer = any(p in policy_names(PER_LAYER) for p in args.policies)
+    args.budget_slots = {b: per_layer_slots(trace, b) for b in args.budget_mib} if per_layer else {}
+    profile = None
+    if args.preload_profile:
+        profile = UsageProfile.load(args.preload_profile, layers=trace.layers.tolist(),
+                                    n_expert=trace.n_expert)
+    return trace, profile
+
+
+def run(args, trace, profile) -> list[ReplayResult]:
+    """Every requested run; the per-layer model runs at each K, then at the K of each
+    --budget-mib; the upstream model at each K's device bytes (equal_bytes), then at each
+    --budget-mib."""
+    def equal(k):
+        return equal_bytes(trace.expert_bytes, k) / MIB
+    # (model, policy, size, options, what the result stands against: the K of an upstream run,
+    # the budget of a per-layer run sized by one)
+    per_layer = [(p, {"inserts": args.inserts, "prefill": args.prefill, "profile": profile,
+                      "admission": a}) for p in args.policies if p in policy_names(PER_LAYER) for a in args.admission]
+    runs = [(PER_LAYER, p, k, options, {}) for p, options in per_layer for k in args.slots] + \
+           [(PER_LAYER, p, args.budget_slots[b], options, {"budget_mib": b}) for p, options in per_layer
+            for b in args.budget_mib] + \
+           [(UPSTREAM, p, equal(k), {}, {"slots": k}) for p in args.policies if p in policy_names(UPSTREAM)
+            for k in args.slots] + \
+           [(model, p, b, {}, {}) for model in (GLOBAL, UPSTREAM) for p in args.policies
+            if p in policy_names(model) for b in args.budget_mib]
+    results = []
+    with Progress(len(runs)) as progress:
+        for model, policy, size, options, against in runs:
+            result = simulate(trace, model, policy, size, seed=args.seed, **options)
+            for name, value in against.items():
+                setattr(result, name, value)
+            results.append(result)
+            progress.advance(f"{policy} {size:g}")
+    return results
+
+
+def _pct(rate):
+    return "-" if rate is None else f"{100 * rate:.1f}"
+
+
+def _ms(value):
+    return "-" if value is None else f"{value:.2f}"
+
+
+def print_tables(args, trace, results) -> None:
+    n_prefill = int((trace.phase == PREFILL).sum())
+    n_decode = int((trace.phase == DECODE).sum())
+    print(f"{args.trace}: {trace.arch}, {trace.layers.size} MoE layers x {trace.n_expert} experts, "
+          f"top-{trace.n_expert_used}; {n_prefill} prefill + {n_decode} decode tokens; one token's "
+          f"working set {trace.working_set_bytes() / MIB:.0f} MiB")
+    bandwidth = args.bandwidth
+    stock = next((r.stock_ms(bandwidth) for r in results if r.stock_ms(bandwidth) is not None), None)
+    if stock is not None:
+        print(f"ms/tok: MODELLED expert milliseconds per decode token (moecache.offline.cost), host "
+              f"{bandwidth.host_gbps:g} GB/s, link {bandwidth.link_gbps:g} GB/s; stock --cpu-moe "
+              f"{stock:.2f}")
+    for model in MODELS:
+        rows = [r for r in results if r.model == model]
+        if not rows:
+            continue
+        if model == PER_LAYER:
+            print(f"\nper-layer cache: K slots per layer, inserts={'unlimited' if args.inserts is None else args.inserts}, "
+                  f"prefill {args.prefill}"
+                  f"{', warm start from ' + args.preload_profile if args.preload_profile else ''}")
+            # MiB: the device bytes of the K slots (equal_bytes); budget: the --budget-mib they fit
+            head = f"{'policy':<16}{'admission':>10}{'K':>6}{'MiB':>8}" + (f"{'budget':>8}" if args.budget_mib else "")
+        elif model == GLOBAL:
+            print("\nglobal cache (BigMoeOnEdge model): one byte budget over all layers, immediate admission")
+            head = f"{'policy':<16}{'MiB':>6}"
+        else:
+            print("\nupstream llama.cpp cache (--moe-cache-mib): one LRU per group of layers, every miss "
+                  "copied synchronously; K: at the device bytes of K per-layer slots")
+            head = f"{'policy':<16}{'K':>6}{'MiB':>8}"
+        warm = model == PER_LAYER and args.prefill == "warm"  # prompt uploads, counted apart
+        print(f"{head}{'hit% dec':>10}{'hit% cum':>10}{'MiB up/tok':>12}" + (f"{'MiB pre/turn':>14}" if warm else "")
+              + f"{'ms/tok':>8}{'Mlookup/s':>11}")
+        for r in rows:
+            if model == PER_LAYER:
+                label = f"{r.policy:<16}{r.admission:>10}{r.slots:>6}{equal_bytes(trace.expert_bytes, r.slots) / MIB:>8.0f}"
+                if args.budget_mib:
+                    label += f"{'-' if r.budget_mib is None else format(r.budget_mib, 'g'):>8}"
+            elif model == GLOBAL:
+                label = f"{r.policy:<16}{r.budget_mib:>6g}"
+            else:
+                label = f"{r.policy:<16}{'-' if r.slots is None else r.slots:>6}{r.budget_mib:>8.0f}"
+            per_token = "-" if r.upload_bytes_per_token is None else f"{r.upload_bytes_per_token / MIB:.1f}"
+            per_turn = "-" if r.prefill_upload_bytes_per_turn is None else f"{r.prefill_upload_bytes_per_turn / MIB:.1f}"
+            print(f"{label}{_pct(r.hit_rate):>10}{_pct(r.hit_rate_all):>10}{per_token:>12}"
+                  + (f"{per_turn:>14}" if warm else "")
+                  + f"{_ms(r.modelled_ms(bandwidth)):>8}{r.lookups_per_s / 1e6:>11.2f}")
+
+
+CSV_COLUMNS = ("model", "policy", "slots", "budget_mib", "inserts", "admission", "decode_steps",
+               "hits", "misses", "uploads", "upload_bytes", "hit_rate", "hits_all", "misses_all",
+               "hit_rate_all", "upload_bytes_per_token", "modelled_ms_per_token", "seconds", "prefill",
+               "prefill_upload_bytes")
+
+
+def write_csv(path, results, bandwidth: Bandwidth) -> None:
+    """One row per run; rates are fractions, empty where a run had no lookups; the modelled
+    milliseconds per decode token use `bandwidth`."""
+    atomic_write(path, lambda tmp: _write_rows(tmp, results, bandwidth))
+
+
+def _write_rows(path, results, bandwidth):
+    with open(path, "w", encoding="utf-8", newline="") as f:
+        writer = csv.DictWriter(f, CSV_COLUMNS)
+        writer.writeheader()
+        for r in results:
+            writer.writerow({
+                "model": r.model, "policy": r.policy, "slots": r.slots, "budget_mib": r.budget_mib,
+                "inserts": ("unlimited" if r.inserts is None else r.inserts) if r.model == PER_LAYER else None,
+                "admission": r.admission, "decode_steps": r.decode_steps,
+                **{name: r.totals[name] for name in ("hits", "misses", "uploads", "upload_bytes")},
+                "hit_rate": None if r.hit_rate is None else f"{r.hit_rate:.6f}",
+                "hits_all": r.totals_all["hits"], "misses_all": r.totals_all["misses"],
+                "hit_rate_all": None if r.hit_rate_all is None else f"{r.hit_rate_all:.6f}",
+                "upload_bytes_per_token": None if r.upload_bytes_per_token is None
+                else f"{r.upload_bytes_per_token:.0f}",
+                "modelled_ms_per_token": _ms(r.modelled_ms(bandwidth)).replace("-", ""),
+                "seconds": f"{r.seconds:.4f}", "prefill": r.prefill,
+                "prefill_upload_bytes": r.totals_all.get("prefill_upload_bytes") if r.model == PER_LAYER else None})
+
+
+def plot(path, trace, results) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = [m for m in MODELS if any(r.model == m for r in results)]
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        for policy, admission in dict.fromkeys((r.policy, r.admission) for r in results if r.model == model):
+            rows = [r for r in results if r.model == model and r.policy == policy
+                    and r.admission == admission and r.hit_rate is not None]
+            xs = [r.slots if model == PER_LAYER else r.budget_mib for r in rows]
+            ax.plot(xs, [100 * r.hit_rate for r in rows], marker="o",
+                    label=policy if admission in (None, "boundary") else f"{policy} {admission}",
+                    linestyle="--" if policy == "belady" else "-")
+        ax.set_xlabel("slots per layer (K)" if model == PER_LAYER else "budget (MiB)")
+        ax.set_ylabel("decode hit %")
+        ax.set_title(f"{trace.arch}: {model} cache")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format=os.path.splitext(path)[1][1:] or "png"))
+
+
+def replay(args) -> None:
+    """The command: check, load, run, print, write."""
+    check_args(args)
+    trace, profile = load_inputs(args)
+    results = run(args, trace, profile)
+    print_tables(args, trace, results)
+    outputs = [(flag, path, write) for flag, path, write in (
+        ("--csv", args.csv, lambda p: write_csv(p, results, args.bandwidth)),
+        ("--plot", args.plot, lambda p: plot(p, trace, results))) if path]
+    if outputs:
+        print()
+    for flag, path, write in outputs:
+        try:
+            write(path)
+        except OSError as e:
+            raise ValueError(f"{flag} {path}: {e.strerror}") from None
+        print(f"wrote {path}")
+
+
+def main(argv=None) -> int:
+    return parser().run(replay, argv)
