@@ -157,7 +157,7 @@ SCENARIO = """
     from moecache.live import ggml
     from moecache.live.activate import attach
     from moecache.live.config import ConfigError
-    from moecache.live.cache import CacheUnavailable
+    from moecache.live.probe import CacheUnavailable
 
     rpc = [d for d in ggml.devices() if ggml.device_name(d).startswith("RPC")]
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
@@ -176,7 +176,7 @@ SCENARIO = """
             row["error"] = type(e).__name__ + ": " + str(e)
         else:
             row.update(slots=cache.slots, device_bytes=cache.device_bytes, plan=cache.stats()["plan"],
-                       layers=[l["il"] for l in cache.layers], free_after=free())
+                       layers=[l.il for l in cache.layers], free_after=free())
             if {exact}:
                 tokens, logits = greedy(llm, b"The three primary colors are", 24)
                 cache.detach()

@@ -7,6 +7,7 @@ but is no faster). Prints the text, the decode speed and the cache's hit rate.""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -103,9 +104,8 @@ def _run(args) -> int:
     if n_expert == 0:
         raise ValueError(f"{model} is not a MoE model (no expert_count)")
     if not sizing and not config.enabled:  # no size given: a quarter of the experts
-        sizing = {"slots": max(1, n_expert // 4)}
-    enabled = CacheConfig.from_env(**sizing).enabled
-    cache = _attach_or_stock(llm, inserts=config.inserts, policy=config.policy, **sizing) if enabled else None
+        config = dataclasses.replace(config, slots=max(1, n_expert // 4))
+    cache = _attach_or_stock(llm, config) if config.enabled else None
     for line in cache.plan.lines() if cache else []:
         print(line, file=sys.stderr)
 
@@ -136,12 +136,12 @@ def _run(args) -> int:
     print(f"run.py: {n_tokens} pieces, decode {decode}", file=sys.stderr)
     if cache:
         print(cache.summary(), file=sys.stderr)
-    elif not enabled:
+    elif not config.enabled:
         print("run.py: expert cache off (--slots 0 or --cache-mib 0)", file=sys.stderr)
     return 0
 
 
-def _attach_or_stock(llm, **settings):
+def _attach_or_stock(llm, config):
     """The cache, or None after one warning line when libllama cannot cache this model (e.g. an
     unsupported architecture): decoding then runs the stock graph. libllama says why in its
     log, which llama_cpp prints only when verbose: that line is the warning."""
@@ -150,14 +150,14 @@ def _attach_or_stock(llm, **settings):
     import logging
 
     from .activate import attach
-    from .cache import CacheUnavailable
+    from .probe import CacheUnavailable
 
     llama_log = logging.getLogger("llama-cpp-python")  # llama_cpp prints libllama's log to sys.stderr
     level, captured = llama_log.level, io.StringIO()
     llama_log.setLevel(logging.WARNING)
     try:
         with contextlib.redirect_stderr(captured):
-            return attach(llm, **settings)
+            return attach(llm, config)
     except CacheUnavailable as e:
         why = [line.strip() for line in captured.getvalue().splitlines() if "expert cache disabled" in line]
         print(f"run.py: warning: no expert cache: {why[-1] if why else e}; decoding runs the stock graph",
