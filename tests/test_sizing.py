@@ -365,6 +365,34 @@ def test_a_budget_without_the_model_file_is_one_line_and_releases_the_trial(rpc_
     assert native.lib().llama_moe_cache_n_layers(native.as_context(llm._ctx.ctx)) == 0
 
 
+@pytest.mark.parametrize("settings,trial", [({"slots": 3}, []), ({"mib": "auto", "reserve_mib": 0}, [1, 0])])
+def test_the_planned_k_is_allocated_once(rpc_device, tiny_path, monkeypatch, settings, trial):
+    """SLOTS=K allocates K; a budget's probe allocates one slot per layer to learn the layers and
+    releases it before planning, then the planned K is allocated."""
+    from conftest import load
+
+    from moecache.live import native
+    from moecache.live.activate import attach
+
+    llm = load(tiny_path)
+    init, calls = native.init, []
+    monkeypatch.setattr(native, "init", lambda ctx, slots, **kw: calls.append(slots) or init(ctx, slots, **kw))
+    cache = attach(llm, **settings)
+    try:
+        assert calls == trial + [cache.slots] and cache.slots == settings.get("slots", 8)
+        assert cache.stats()["plan"]["slots"] == cache.slots
+    finally:
+        cache.detach()
+        init(cache.ctx, 0)
+
+
+def test_attach_takes_a_config_or_keywords_not_both():
+    from moecache.live.activate import attach
+
+    with pytest.raises(TypeError, match="a config or settings as keywords, not both"):
+        attach(object(), CacheConfig(slots=2), slots=3)
+
+
 # --- run.py -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("args,env,message", [

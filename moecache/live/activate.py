@@ -19,6 +19,11 @@ _caches: list[LiveCache] = []   # the caches of live contexts: keeps them (and t
 _context_callback = None
 
 
+def live_caches() -> list[LiveCache]:
+    """The caches of the live contexts, oldest first."""
+    return list(_caches)
+
+
 def _setup_logging(debug: bool) -> None:
     if not log.handlers:
         handler = logging.StreamHandler(sys.stderr)
