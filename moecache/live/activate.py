@@ -66,7 +66,7 @@ def _open_cache(ctx, config: CacheConfig, *, model_name: str, model_path: str | 
     if not config.enabled:
         raise ConfigError("LLAMA_MOE_CACHE_SLOTS is 0: the cache is off")
     facts = probe(ctx, config, model_path)
-    plan = sizing.plan(config, facts, tensor_split)
+    plan = sizing.plan_cache(config, facts, tensor_split)
     try:
         plan, layers = allocate(ctx, config, plan, facts)
         if not layers:

@@ -68,6 +68,7 @@ class Devices:
 
 @dataclass(frozen=True)
 class ModelFacts:
+    """What probe found: the cache's plan is made from these alone."""
     arch: str
     n_expert: int                    # experts per layer, from the model's metadata
     path: str | None                 # its GGUF, when known

@@ -148,7 +148,7 @@ def slot_bytes(facts: ModelFacts, plans: list[DevicePlan]) -> SlotBytes:
         raise ValueError(cannot_size(facts.path, e)) from None
 
 
-def plan(config: CacheConfig, facts: ModelFacts, tensor_split=None) -> CachePlan:
+def plan_cache(config: CacheConfig, facts: ModelFacts, tensor_split=None) -> CachePlan:
     """The cache config asks for on facts' model: K, and for a budget each device's share and the
     K it fits. Raises ConfigError for a K or a budget the model cannot take."""
     if config.budget_mib is None:
