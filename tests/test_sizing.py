@@ -390,7 +390,7 @@ def test_attach_takes_a_config_or_keywords_not_both():
     from moecache.live.activate import attach
 
     with pytest.raises(TypeError, match="a config or settings as keywords, not both"):
-        attach(object(), CacheConfig(slots=2), slots=3)
+        attach(object(), config=CacheConfig(slots=2), slots=3)
 
 
 # --- run.py -------------------------------------------------------------------------------------

@@ -39,10 +39,10 @@ def context_of(target):
     return internal.ctx if internal is not None else target
 
 
-def attach(target, config: CacheConfig | None = None, **overrides) -> LiveCache:
+def attach(target, *, config: CacheConfig | None = None, **overrides) -> LiveCache:
     """Give a llama_cpp.Llama (or a llama_context pointer) an expert cache. Configuration comes
     from LLAMA_MOE_CACHE_* with keyword arguments (slots=, mib=, inserts=, policy=, ...) winning,
-    or is config as given. Raises ConfigError for bad values, CacheUnavailable when the model
+    or is config= as given. Raises ConfigError for bad values, CacheUnavailable when the model
     cannot be cached."""
     if config is None:
         config = CacheConfig.from_env(**overrides)

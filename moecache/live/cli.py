@@ -171,7 +171,7 @@ def _attach_or_stock(llm, config):
     llama_log.setLevel(logging.WARNING)
     try:
         with contextlib.redirect_stderr(captured):
-            return attach(llm, config)
+            return attach(llm, config=config)
     except CacheUnavailable as e:
         why = [line.strip() for line in captured.getvalue().splitlines() if "expert cache disabled" in line]
         print(f"run.py: warning: no expert cache: {why[-1] if why else e}; decoding runs the stock graph",
