@@ -205,7 +205,7 @@ def measure(args, name, slots, progress, mib=None):
     import llama_cpp
 
     from moecache.live.activate import attach
-    from moecache.live.cache import CacheUnavailable
+    from moecache.live.probe import CacheUnavailable
     from moecache.live.config import ConfigError
     from moecache.live.decode import greedy
     from moecache.live.placement import experts_on_host
@@ -247,7 +247,7 @@ def measure(args, name, slots, progress, mib=None):
                 progress.advance(f"{name} no cache", 1 + args.repetitions)
                 return row, info
             row["slots"], row["device_bytes"] = cache.slots, cache.device_bytes
-            row["cache_device"] = cache.layers[0]["device"]
+            row["cache_device"] = cache.layers[0].device
 
         greedy(llm, prompt, args.n_predict)  # warm-up: untimed
         progress.advance(f"{name} warm-up")
@@ -283,7 +283,7 @@ def _cache_counters(cache):
         return {}
     totals = cache.stats()["totals"]
     return {"hits": totals["hits"], "misses": totals["misses"], "uploads": totals["uploads"],
-            "step_ns": cache.step_ns, "steps": cache.steps}
+            "step_ns": cache.counts.step_ns, "steps": cache.counts.steps}
 
 
 def _host():

@@ -75,7 +75,7 @@ def _check(args) -> int:
     top2 = np.sort(stock.logits[:args.n_predict], axis=1)[:, -2:]
     result = {
         "model": os.path.abspath(args.model), "n_predict": args.n_predict, "slots": args.slots,
-        "cache_device": cache.layers[0]["device"], "tokens_identical": cached.tokens == stock.tokens,
+        "cache_device": cache.layers[0].device, "tokens_identical": cached.tokens == stock.tokens,
         "first_difference": first_difference,
         "max_abs_logit_diff": float(abs(cached.logits[compared] - stock.logits[compared]).max()),
         "min_top2_margin": float((top2[:, 1] - top2[:, 0]).min()),

@@ -158,7 +158,7 @@ SCENARIO = """
     from moecache.live import ggml
     from moecache.live.activate import attach
     from moecache.live.config import ConfigError
-    from moecache.live.cache import CacheUnavailable
+    from moecache.live.probe import CacheUnavailable
 
     rpc = [d for d in ggml.devices() if ggml.device_name(d).startswith("RPC")]
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
@@ -177,7 +177,7 @@ SCENARIO = """
             row["error"] = type(e).__name__ + ": " + str(e)
         else:
             row.update(slots=cache.slots, device_bytes=cache.device_bytes, plan=cache.stats()["plan"],
-                       layers=[l["il"] for l in cache.layers], free_after=free())
+                       layers=[l.il for l in cache.layers], free_after=free())
             if {exact}:
                 tokens, logits = greedy(llm, b"The three primary colors are", 24)
                 cache.detach()
@@ -364,6 +364,34 @@ def test_a_budget_without_the_model_file_is_one_line_and_releases_the_trial(rpc_
     assert str(err.value) == ("LLAMA_MOE_CACHE_MIB=4: sizing by memory needs the model's GGUF file: "
                               "attach a llama_cpp.Llama")
     assert native.lib().llama_moe_cache_n_layers(native.as_context(llm.ctx)) == 0
+
+
+@pytest.mark.parametrize("settings,trial", [({"slots": 3}, []), ({"mib": "auto", "reserve_mib": 0}, [1, 0])])
+def test_the_planned_k_is_allocated_once(rpc_device, tiny_path, monkeypatch, settings, trial):
+    """SLOTS=K allocates K; a budget's probe allocates one slot per layer to learn the layers and
+    releases it before planning, then the planned K is allocated."""
+    from conftest import load
+
+    from moecache.live import native
+    from moecache.live.activate import attach
+
+    llm = load(tiny_path)
+    init, calls = native.init, []
+    monkeypatch.setattr(native, "init", lambda ctx, slots, **kw: calls.append(slots) or init(ctx, slots, **kw))
+    cache = attach(llm, **settings)
+    try:
+        assert calls == trial + [cache.slots] and cache.slots == settings.get("slots", 8)
+        assert cache.stats()["plan"]["slots"] == cache.slots
+    finally:
+        cache.detach()
+        init(cache.ctx, 0)
+
+
+def test_attach_takes_a_config_or_keywords_not_both():
+    from moecache.live.activate import attach
+
+    with pytest.raises(TypeError, match="a config or settings as keywords, not both"):
+        attach(object(), config=CacheConfig(slots=2), slots=3)
 
 
 # --- run.py -------------------------------------------------------------------------------------

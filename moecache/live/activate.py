@@ -8,8 +8,10 @@ import logging
 import sys
 
 from . import native, placement, sizing
-from .cache import CacheUnavailable, LiveCache
+from .allocation import allocate
+from .cache import LiveCache
 from .config import CacheConfig, ConfigError
+from .probe import CacheUnavailable, model_file, probe, track_model_files
 
 log = logging.getLogger("moecache")
 
@@ -18,7 +20,7 @@ _context_callback = None
 
 
 def live_caches() -> list[LiveCache]:
-    """The caches of the contexts alive now (a copy: freeing a context drops its cache)."""
+    """The caches of the live contexts, oldest first."""
     return list(_caches)
 
 
@@ -37,21 +39,42 @@ def context_of(target):
     return internal.ctx if internal is not None else target
 
 
-def attach(target, **overrides) -> LiveCache:
+def attach(target, *, config: CacheConfig | None = None, **overrides) -> LiveCache:
     """Give a llama_cpp.Llama (or a llama_context pointer) an expert cache. Configuration comes
-    from LLAMA_MOE_CACHE_* with keyword arguments (slots=, mib=, inserts=, policy=, ...) winning.
-    Raises ConfigError for bad values, CacheUnavailable when the model cannot be cached."""
-    config = CacheConfig.from_env(**overrides)
+    from LLAMA_MOE_CACHE_* with keyword arguments (slots=, mib=, inserts=, policy=, ...) winning,
+    or is config= as given. Raises ConfigError for bad values, CacheUnavailable when the model
+    cannot be cached."""
+    if config is None:
+        config = CacheConfig.from_env(**overrides)
+    elif overrides:
+        raise TypeError("attach() takes a config or settings as keywords, not both")
     _setup_logging(config.debug > 0)
     ctx = native.as_context(context_of(target))
     existing = next((c for c in reversed(_caches) if c.ctx == ctx and not c.detached), None)
     # a context freed and another allocated at its address has no native cache yet
     if existing is not None and existing.config == config and native.lib().llama_moe_cache_n_layers(ctx) > 0:
         return existing  # e.g. attached already by LLAMA_MOE_CACHE_SLOTS
-    path = getattr(target, "model_path", None) or sizing.model_file(ctx)
+    path = getattr(target, "model_path", None) or model_file(ctx)
     name = path or native.model_metadata(ctx, "general.name") or "model"
-    return _register(LiveCache(ctx, config, model_name=name, model_path=path,
-                               tensor_split=getattr(target, "tensor_split", None)))
+    return _register(_open_cache(ctx, config, model_name=name, model_path=path,
+                                 tensor_split=getattr(target, "tensor_split", None)))
+
+
+def _open_cache(ctx, config: CacheConfig, *, model_name: str, model_path: str | None,
+                tensor_split=None) -> LiveCache:
+    """Probe the model, plan the cache (K), allocate it once, then the cache on it."""
+    if not config.enabled:
+        raise ConfigError("LLAMA_MOE_CACHE_SLOTS is 0: the cache is off")
+    facts = probe(ctx, config, model_path)
+    plan = sizing.plan_cache(config, facts, tensor_split)
+    try:
+        plan, layers = allocate(ctx, config, plan, facts)
+        if not layers:
+            raise CacheUnavailable(plan.reason)
+        return LiveCache(ctx, config, plan, layers, arch=facts.arch, model_name=model_name)
+    except BaseException:
+        native.init(ctx, 0)  # release the slots: stock, not an idle split
+        raise
 
 
 def _register(cache: LiveCache) -> LiveCache:
@@ -109,8 +132,8 @@ def install() -> bool:
 
     def on_context(ctx, user_data):
         try:
-            cache = LiveCache(ctx, config, model_name=native.model_metadata(ctx, "general.name") or "model",
-                              model_path=sizing.model_file(ctx))
+            cache = _open_cache(native.as_context(ctx), config, model_path=model_file(ctx),
+                                model_name=native.model_metadata(ctx, "general.name") or "model")
         except (ConfigError, CacheUnavailable) as e:
             log.warning("moecache: no expert cache for this context: %s", e)
         except Exception as e:  # never break context creation
@@ -118,7 +141,7 @@ def install() -> bool:
         else:
             _register(cache)
 
-    sizing.track_model_files()  # sizing by memory reads the model's expert shapes from its file
+    track_model_files()  # sizing by memory reads the model's expert shapes from its file
     _context_callback = native.ffi.callback("llama_moe_cache_context_callback", on_context)
     lib.llama_moe_cache_set_context_callback(_context_callback, native.ffi.NULL)
     placement.place_experts_on_host(repack=bool(config.repack))

@@ -7,6 +7,7 @@ but is no faster). Prints the text, the decode speed and the cache's hit rate.""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -65,50 +66,70 @@ def main(argv=None) -> int:
 
 
 def _run(args) -> int:
-    from ..models import smol_moe
     from .config import CacheConfig
 
     # validate the cache settings before anything slow happens; a flag's size replaces the variables'
     sizing = ({"mib": args.cache_mib, "slots": 0} if args.cache_mib is not None else
               {"slots": args.slots, "mib": 0} if args.slots is not None else {})
     config = CacheConfig.from_env(inserts=args.inserts, policy=args.policy, **sizing)
-    if args.model is None:
-        model = str(smol_moe())
-    elif not os.path.isfile(args.model):
-        raise ValueError(f"model file not found: {args.model}")
-    else:
-        model = args.model
-
-    import llama_cpp
-
-    from . import ggml
-    from .placement import experts_on_host
-
-    if ggml.has_gpu():
-        device = "GPU"
-    else:
-        from .rpc import RpcDevice
-
-        rpc = RpcDevice()  # noqa: F841  (serves until this process exits)
-        device = f"loopback RPC device {rpc.endpoint} (no GPU found: a CPU backend, exact but not faster)"
-    print(f"run.py: experts in host memory, the rest on the {device}", file=sys.stderr)
-
-    # llama.cpp pads the context to a multiple of 256 while llama_cpp sizes its token buffer by
-    # the request: ask for the padded size, or a prompt longer than -c breaks that buffer
-    n_ctx = -(-args.ctx_size // 256) * 256
-    with experts_on_host(repack=bool(config.repack)):
-        llm = llama_cpp.Llama(model, n_gpu_layers=args.n_gpu_layers, n_ctx=n_ctx, seed=args.seed,
-                              n_threads=args.threads, verbose=False)
+    model = _model_file(args.model)
+    print(f"run.py: experts in host memory, the rest on the {_device()}", file=sys.stderr)
+    llm = _load(model, args, repack=bool(config.repack))
     n_expert = int(next((v for k, v in llm.metadata.items() if k.endswith(".expert_count")), 0))
     if n_expert == 0:
         raise ValueError(f"{model} is not a MoE model (no expert_count)")
     if not sizing and not config.enabled:  # no size given: a quarter of the experts
-        sizing = {"slots": max(1, n_expert // 4)}
-    enabled = CacheConfig.from_env(**sizing).enabled
-    cache = _attach_or_stock(llm, inserts=config.inserts, policy=config.policy, **sizing) if enabled else None
+        config = dataclasses.replace(config, slots=max(1, n_expert // 4))
+    cache = _attach_or_stock(llm, config) if config.enabled else None
     for line in cache.plan.lines() if cache else []:
         print(line, file=sys.stderr)
 
+    n_tokens, decode = _generate(llm, args)
+    print(f"run.py: {n_tokens} pieces, decode {decode}", file=sys.stderr)
+    if cache:
+        print(cache.summary(), file=sys.stderr)
+    elif not config.enabled:
+        print("run.py: expert cache off (--slots 0 or --cache-mib 0)", file=sys.stderr)
+    return 0
+
+
+def _model_file(path: str | None) -> str:
+    from ..models import smol_moe
+
+    if path is None:
+        return str(smol_moe())
+    if not os.path.isfile(path):
+        raise ValueError(f"model file not found: {path}")
+    return path
+
+
+def _device() -> str:
+    """The device the model goes to: the GPU, else a loopback RPC device started here."""
+    from . import ggml
+
+    if ggml.has_gpu():
+        return "GPU"
+    from .rpc import RpcDevice
+
+    rpc = RpcDevice()  # serves until this process exits
+    return f"loopback RPC device {rpc.endpoint} (no GPU found: a CPU backend, exact but not faster)"
+
+
+def _load(model: str, args, *, repack: bool):
+    import llama_cpp
+
+    from .placement import experts_on_host
+
+    # llama.cpp pads the context to a multiple of 256 while llama_cpp sizes its token buffer by
+    # the request: ask for the padded size, or a prompt longer than -c breaks that buffer
+    n_ctx = -(-args.ctx_size // 256) * 256
+    with experts_on_host(repack=repack):
+        return llama_cpp.Llama(model, n_gpu_layers=args.n_gpu_layers, n_ctx=n_ctx, seed=args.seed,
+                               n_threads=args.threads, verbose=False)
+
+
+def _generate(llm, args) -> tuple[int, str]:
+    """Print the answer as it comes; the pieces printed and the decode speed."""
     if args.no_chat:
         stream = llm.create_completion(args.prompt, max_tokens=args.n_predict, temperature=0.0, stream=True)
         pieces = (chunk["choices"][0]["text"] for chunk in stream)
@@ -116,7 +137,6 @@ def _run(args) -> int:
         stream = llm.create_chat_completion([{"role": "user", "content": args.prompt}],
                                             max_tokens=args.n_predict, temperature=0.0, stream=True)
         pieces = (chunk["choices"][0]["delta"].get("content", "") for chunk in stream)
-
     n_tokens, t_first = 0, None
     try:
         for piece in pieces:
@@ -132,16 +152,10 @@ def _run(args) -> int:
         raise ValueError(f"argument -c/--ctx-size: {args.ctx_size} is too small for the prompt ({e})") from None
     t_end = time.perf_counter()
     print()
-    decode = f"{(n_tokens - 1) / (t_end - t_first):.1f} tok/s" if n_tokens > 1 else "n/a"
-    print(f"run.py: {n_tokens} pieces, decode {decode}", file=sys.stderr)
-    if cache:
-        print(cache.summary(), file=sys.stderr)
-    elif not enabled:
-        print("run.py: expert cache off (--slots 0 or --cache-mib 0)", file=sys.stderr)
-    return 0
+    return n_tokens, f"{(n_tokens - 1) / (t_end - t_first):.1f} tok/s" if n_tokens > 1 else "n/a"
 
 
-def _attach_or_stock(llm, **settings):
+def _attach_or_stock(llm, config):
     """The cache, or None after one warning line when libllama cannot cache this model (e.g. an
     unsupported architecture): decoding then runs the stock graph. libllama says why in its
     log, which llama_cpp prints only when verbose: that line is the warning."""
@@ -150,14 +164,14 @@ def _attach_or_stock(llm, **settings):
     import logging
 
     from .activate import attach
-    from .cache import CacheUnavailable
+    from .probe import CacheUnavailable
 
     llama_log = logging.getLogger("llama-cpp-python")  # llama_cpp prints libllama's log to sys.stderr
     level, captured = llama_log.level, io.StringIO()
     llama_log.setLevel(logging.WARNING)
     try:
         with contextlib.redirect_stderr(captured):
-            return attach(llm, **settings)
+            return attach(llm, config=config)
     except CacheUnavailable as e:
         why = [line.strip() for line in captured.getvalue().splitlines() if "expert cache disabled" in line]
         print(f"run.py: warning: no expert cache: {why[-1] if why else e}; decoding runs the stock graph",

@@ -1,0 +1,171 @@
+"""What a cache is sized from, read before it is planned: the model's architecture and expert
+count, its expert tensors' types and shapes (from its GGUF), the devices' free memory and, for a
+memory budget, which layers libllama caches and on which device.
+
+libllama says which layers it caches only of a cache it has allocated: a budget is probed with a
+trial allocation of one slot per layer, released before the probe returns."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from . import ggml, native
+from .config import CacheConfig
+
+EXPERT_TENSORS = ("ffn_up_exps", "ffn_gate_exps", "ffn_down_exps")  # the order libllama allocates
+NO_LAYERS = "libllama cached no layer (its log says why); decoding stays stock"
+
+
+class CacheUnavailable(RuntimeError):
+    """This context gets no cache (the reason is the message); decoding stays stock."""
+
+
+@dataclass(frozen=True)
+class CachedLayer:
+    """A layer libllama caches, as llama_moe_cache_layer_info reports it."""
+    il: int             # the model layer
+    n_expert: int
+    n_expert_used: int
+    expert_bytes: int   # one expert's up, gate and down
+    from_file: bool     # its slots are read from the model file (repacked host experts)
+    device: str         # the buffer type holding its slots
+
+
+def cached_layers(ctx) -> list[CachedLayer]:
+    """The layers of ctx's allocated cache, in libllama's order (none when it has no cache)."""
+    lib, ffi = native.lib(), native.ffi
+    info = ffi.new("struct llama_moe_cache_layer_info *")
+    layers = []
+    for i in range(lib.llama_moe_cache_n_layers(ctx)):
+        if not lib.llama_moe_cache_layer_info(ctx, i, info):
+            raise CacheUnavailable(f"no info for cached layer {i}")
+        layers.append(CachedLayer(info.il, info.n_expert, info.n_expert_used, int(info.expert_bytes),
+                                  bool(info.from_file), ffi.string(info.device).decode(errors="replace")))
+    return layers
+
+
+class Devices:
+    """The non-CPU ggml devices by the name of their buffer type (what libllama's layer info
+    names), with the free memory each reported when this was made."""
+
+    def __init__(self):
+        self.by_buffer = {}
+        for dev in ggml.devices():
+            if ggml.device_type(dev) != ggml.GGML_BACKEND_DEVICE_TYPE_CPU:
+                buft = ggml.device_buffer_type(dev)
+                self.by_buffer[ggml.buffer_type_name(buft)] = (dev, buft)
+        self.free = {name: self._free(dev) for name, (dev, _) in self.by_buffer.items()}
+
+    @staticmethod
+    def _free(dev) -> int | None:
+        free, total = ggml.device_memory(dev)
+        return None if free == 0 and total == 0 else free
+
+    def free_now(self, name: str) -> int | None:
+        return self._free(self.by_buffer[name][0]) if name in self.by_buffer else None
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What probe found: the cache's plan is made from these alone."""
+    arch: str
+    n_expert: int                    # experts per layer, from the model's metadata
+    path: str | None                 # its GGUF, when known
+    shapes: dict[int, list[tuple[int, int, int]]]  # {model layer: expert tensors}, see expert_shapes
+    shapes_problem: str | None       # why shapes is empty
+    devices: Devices                 # their free memory before the cache
+    trial: list[CachedLayer] | None  # the layers a budget's trial allocation cached; None: SLOTS=K
+
+
+def probe(ctx, config: CacheConfig, model_path: str | None) -> ModelFacts:
+    """The facts config's cache of ctx is planned from; ctx is left without a cache. Raises
+    CacheUnavailable for a model without experts, or one libllama caches no layer of."""
+    arch = native.model_metadata(ctx, "general.architecture") or "unknown"
+    n_expert = native.model_metadata(ctx, f"{arch}.expert_count")
+    if not n_expert or int(n_expert) == 0:
+        raise CacheUnavailable(f"model architecture '{arch}' has no experts")
+    devices = Devices()  # before the trial, which takes some of their memory
+    trial = _trial(ctx, config) if config.budget_mib is not None else None
+    shapes, problem = _model_shapes(model_path)
+    return ModelFacts(arch, int(n_expert), model_path, shapes, problem, devices, trial)
+
+
+def _trial(ctx, config: CacheConfig) -> list[CachedLayer]:
+    if native.init(ctx, 1, max_batch=config.max_batch) <= 0:
+        raise CacheUnavailable(NO_LAYERS)
+    try:
+        return cached_layers(ctx)
+    finally:
+        native.init(ctx, 0)
+
+
+def _model_shapes(path: str | None):
+    """expert_shapes(path), and why it is empty."""
+    if not path:
+        return {}, "sizing by memory needs the model's GGUF file: attach a llama_cpp.Llama"
+    try:
+        shapes = expert_shapes(path)
+    except Exception as e:  # noqa: BLE001 - gguf-py may not read what llama.cpp did (a newer type)
+        return {}, cannot_size(path, e)
+    return shapes, None if shapes else f"no separate up, gate and down expert tensors in {path}"
+
+
+def cannot_size(path: str, error: Exception) -> str:
+    return f"cannot size the cache from {path}: {type(error).__name__}: {error}"
+
+
+# --- the model's file ----------------------------------------------------------------------------
+
+_model_files: dict[int, str] = {}  # llama_model address -> the GGUF it was loaded from
+
+
+def track_model_files() -> None:
+    """Remember the file of every model llama_cpp loads from now on (libllama does not say which
+    file a model came from; zero-code activation only sees the context)."""
+    import llama_cpp
+    import llama_cpp.llama_cpp as bindings
+
+    if hasattr(bindings.llama_model_load_from_file, "stock"):
+        return
+    stock = bindings.llama_model_load_from_file
+
+    def llama_model_load_from_file(path_model, params, /):
+        model = stock(path_model, params)
+        if model:
+            _model_files[model] = path_model.decode(errors="surrogateescape")
+        return model
+
+    llama_model_load_from_file.stock = stock
+    bindings.llama_model_load_from_file = llama_cpp.llama_model_load_from_file = llama_model_load_from_file
+
+
+def model_file(ctx) -> str | None:
+    """The GGUF of a context's model, when track_model_files saw it loaded."""
+    model = native.lib().llama_get_model(native.as_context(ctx))
+    return _model_files.get(int(native.ffi.cast("uintptr_t", model)))
+
+
+def expert_shapes(path: str) -> dict[int, list[tuple[int, int, int]]]:
+    """{model layer: [(ggml type, ne0, ne1) of up, gate, down]} for the layers with separate
+    expert tensors, read from the GGUF at path (and its other split files)."""
+    import gguf
+
+    pattern = re.compile(r"blk\.(\d+)\.(%s)\.weight" % "|".join(EXPERT_TENSORS))
+    found: dict[int, dict[str, tuple[int, int, int]]] = {}
+    for part in _split_files(path):
+        for tensor in gguf.GGUFReader(part).tensors:
+            match = pattern.fullmatch(tensor.name)
+            if match:
+                ne = [int(n) for n in tensor.shape]
+                found.setdefault(int(match[1]), {})[match[2]] = (int(tensor.tensor_type), ne[0], ne[1])
+    return {il: [parts[name] for name in EXPERT_TENSORS]
+            for il, parts in sorted(found.items()) if len(parts) == len(EXPERT_TENSORS)}
+
+
+def _split_files(path: str) -> list[str]:
+    """path, or every file of a split GGUF (llama.cpp's NAME-00001-of-00003.gguf naming)."""
+    match = re.fullmatch(r"(.*)-(\d{5})-of-(\d{5})\.gguf", path)
+    if not match:
+        return [path]
+    return [f"{match[1]}-{i:05d}-of-{match[3]}.gguf" for i in range(1, int(match[3]) + 1)]
