@@ -26,7 +26,7 @@ def run_py(*args, env=None):
     (["-t", "１"], {}, "argument -t/--threads: '１' is not an integer"),
     ([], {"LLAMA_MOE_CACHE_SLOTS": "2 "}, "LLAMA_MOE_CACHE_SLOTS='2 ' is not an integer"),
     (["-m", "/nonexistent/model.gguf"], {}, "model file not found: /nonexistent/model.gguf"),
-    ([], {"LLAMA_MOE_CACHE_INSERTS": "0"}, "LLAMA_MOE_CACHE_INSERTS=0 must be >= 1"),
+    ([], {"LLAMA_MOE_CACHE_INSERTS": "0"}, "LLAMA_MOE_CACHE_INSERTS=0 must be in [1, 2147483647]"),
     (["--policy", "lur"], {}, "LLAMA_MOE_CACHE_POLICY='lur' is not a policy"),
     (["-p", "", "--no-chat"], {}, "argument -p/--prompt: empty"),
     (["-t", "100000"], {}, "argument -t/--threads: 100000 must be in [1, 512]"),

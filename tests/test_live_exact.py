@@ -201,22 +201,31 @@ def test_cache_off_builds_the_stock_graph(rpc_device, tiny_path):
 
 
 def test_two_devices_each_hold_their_layers_cache(smol_path):
+    # eager admission on both: misses uploaded during the graph that missed them, on the device
+    # of their layer, and the output stays exact
     run = run_python("""
         import json, numpy as np, sys
         sys.path.insert(0, "tests")
         from moecache.live.rpc import RpcDevice
         devices = [RpcDevice(threads=1), RpcDevice(threads=1)]
-        from conftest import default_params, greedy, load
+        from conftest import greedy, load, record_plans
         from moecache.live.activate import attach
         stock = greedy(load(%r), b"The three primary colors are", 48)
         llm = load(%r)
-        cache = attach(llm, slots=2, inserts=1, policy="lru")
+        cache = attach(llm, slots=2, inserts=1, policy="lru", admission="eager")
+        plans = record_plans(cache)
         tokens, logits = greedy(llm, b"The three primary colors are", 48)
-        print("RESULT=" + json.dumps({"devices": sorted({l["device"] for l in cache.layers}),
+        admitted = {}
+        for plan in plans:
+            for layer in plan.admitted[:, 0]:
+                device = cache.layers[int(layer)].device
+                admitted[device] = admitted.get(device, 0) + 1
+        print("RESULT=" + json.dumps({"devices": sorted({l.device for l in cache.layers}),
               "exact": tokens == stock[0] and bool(np.array_equal(logits, stock[1])),
-              "evictions": cache.stats()["totals"]["evictions"]}))
+              "admitted": admitted, "evictions": cache.stats()["totals"]["evictions"]}))
     """ % (smol_path, smol_path), {})
     assert run.returncode == 0, run.stderr
     result = json.loads(output_line(run.stdout, "RESULT="))
     assert len(result["devices"]) == 2, result
+    assert sorted(result["admitted"]) == result["devices"] and min(result["admitted"].values()) > 0, result
     assert result["exact"] and result["evictions"] > 0

@@ -20,8 +20,13 @@ from moecache.live.config import ConfigError  # noqa: E402
 
 @pytest.mark.parametrize("env,overrides,message", [
     ({"LLAMA_MOE_CACHE_SLOTS": "abc"}, {}, "LLAMA_MOE_CACHE_SLOTS='abc' is not an integer"),
-    ({}, {"slots": -1}, "LLAMA_MOE_CACHE_SLOTS=-1 must be >= 0"),
-    ({}, {"slots": 2, "inserts": 0}, "LLAMA_MOE_CACHE_INSERTS=0 must be >= 1"),
+    ({}, {"slots": -1}, "LLAMA_MOE_CACHE_SLOTS=-1 must be in [0, 2147483647]"),
+    ({}, {"slots": 2, "inserts": 0}, "LLAMA_MOE_CACHE_INSERTS=0 must be in [1, 2147483647]"),
+    ({"LLAMA_MOE_CACHE_INSERTS": str(2**31)}, {"slots": 2},
+     "LLAMA_MOE_CACHE_INSERTS=2147483648 must be in [1, 2147483647]"),
+    ({"LLAMA_MOE_CACHE_STATS": "/tmp/moecache-same.out", "LLAMA_MOE_CACHE_TRACE": "/tmp/../tmp/moecache-same.out"},
+     {"slots": 2}, "LLAMA_MOE_CACHE_STATS and LLAMA_MOE_CACHE_TRACE name one file ('/tmp/moecache-same.out'): "
+                   "give each its own"),
     ({}, {"slots": 9}, "LLAMA_MOE_CACHE_SLOTS=9 exceeds the 8 experts per layer of this model"),
     ({}, {"slots": 2, "policy": "belady"}, "only runs in offline replay"),
     ({"LLAMA_MOE_CACHE_MAX_BATCH": "8x"}, {"slots": 2}, "LLAMA_MOE_CACHE_MAX_BATCH='8x' is not an integer"),

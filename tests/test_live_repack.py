@@ -40,7 +40,7 @@ def test_repacked_host_experts_stay_repacked(capfd, rpc_device, q4_synth):
     llm = load(q4_synth, repack=True, verbose=True)
     assert "CPU_REPACK model buffer size" in capfd.readouterr().err  # llama.cpp's load log
     cache = attach(llm, slots=4, inserts=2, policy="lru", wait=1)
-    assert all(layer["from_file"] for layer in cache.layers)
+    assert all(layer.from_file for layer in cache.layers)
     tokens, logits = greedy(llm, PROMPT, 256)
 
     diff = float(np.abs(logits - stock[1]).max())
@@ -100,7 +100,7 @@ def test_repacked_experts_of_a_split_model_are_read_from_their_split(tmp_path, r
     stock = greedy(load(q4_synth, repack=True), PROMPT, 64)
     llm = load(str(splits[0]), repack=True)
     cache = attach(llm, slots=4, inserts=2, policy="lru", wait=1)
-    assert all(layer["from_file"] for layer in cache.layers)
+    assert all(layer.from_file for layer in cache.layers)
     tokens, logits = greedy(llm, PROMPT, 64)
     assert tokens == stock[0] and float(np.abs(logits - stock[1]).max()) <= REPACK_LOGIT_TOLERANCE
     assert cache.failed is None and cache.stats()["totals"]["hits"] > 0

@@ -17,6 +17,7 @@ class ConfigError(ValueError):
 
 ENV_PREFIX = "LLAMA_MOE_CACHE_"
 MAX_BATCH = 512  # libllama's limit on max_batch
+C_INT_MAX = 2**31 - 1  # counts libllama takes as a C int
 
 
 @dataclass(frozen=True)
@@ -48,11 +49,12 @@ class CacheConfig:
     def __post_init__(self):
         for name in ("slots", "mib"):  # an integer, or auto
             if getattr(self, name) != "auto":
-                object.__setattr__(self, name, _parse_int(ENV_PREFIX + name.upper(), getattr(self, name), 0))
+                object.__setattr__(self, name, _parse_int(ENV_PREFIX + name.upper(), getattr(self, name), 0,
+                                                          C_INT_MAX if name == "slots" else None))
         if self.slots and self.mib and (self.slots, self.mib) != ("auto", "auto"):
             raise ConfigError(f"{ENV_PREFIX}SLOTS={self.slots} and {ENV_PREFIX}MIB={self.mib} both size "
                               f"the cache: set one")
-        for name, minimum, maximum in (("reserve_mib", 0, None), ("inserts", 1, None), ("debug", 0, None),
+        for name, minimum, maximum in (("reserve_mib", 0, None), ("inserts", 1, C_INT_MAX), ("debug", 0, None),
                                        ("wait", 0, 1), ("flush_steps", 0, None),
                                        ("max_batch", 1, MAX_BATCH), ("repack", 0, 1)):
             # keyword values too (attach(slots=...)): ints, or text parse_int reads, kept as int
@@ -80,6 +82,13 @@ class CacheConfig:
             problem = _unwritable(path) if path else None
             if problem:
                 raise ConfigError(f"{ENV_PREFIX}{name.upper()}={path!r}: {problem}")
+        files = [(name, os.path.realpath(getattr(self, name))) for name in ("stats", "trace", "profile")
+                 if getattr(self, name)]
+        for i, (name, real) in enumerate(files):  # one would overwrite the other
+            for other, other_real in files[i + 1:]:
+                if real == other_real:
+                    raise ConfigError(f"{ENV_PREFIX}{name.upper()} and {ENV_PREFIX}{other.upper()} name one "
+                                      f"file ({getattr(self, name)!r}): give each its own")
 
     @property
     def enabled(self) -> bool:
