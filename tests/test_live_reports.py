@@ -121,6 +121,25 @@ def test_a_failing_trace_write_stops_the_trace_not_the_cache(tmp_path, caplog, m
     assert cache.trace is None and cache.failed is None and cache.stats()["decode_steps"] > 16
 
 
+def test_a_full_disk_at_start_leaves_the_cache_without_its_trace(tmp_path, caplog, monkeypatch, rpc_device,
+                                                                tiny_path):
+    llm = load(tiny_path)
+    trace_path, write = tmp_path / "t.csv", os.write
+
+    def full_disk_for_the_trace(fd, data):
+        if os.readlink(f"/proc/self/fd/{fd}") == str(trace_path):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return write(fd, data)
+
+    monkeypatch.setattr("moecache.core.traces.os.write", full_disk_for_the_trace)
+    with moecache_log_lines(caplog) as lines:
+        cache = attach(llm, slots=2, trace=str(trace_path))
+        greedy(llm, PROMPT, 4)
+    errors = [line for line in lines if "LLAMA_MOE_CACHE_TRACE" in line]
+    assert len(errors) == 1 and "No space left on device - no trace, the cache runs" in errors[0], errors
+    assert cache.trace is None and cache.failed is None and cache.stats()["totals"]["hits"] > 0
+
+
 DECODING_FOREVER = """
     import llama_cpp, numpy as np
     from moecache.live.rpc import RpcDevice

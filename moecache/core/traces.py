@@ -532,7 +532,11 @@ class TraceWriter:
             if e.errno == errno.ELOOP:
                 raise OSError(e.errno, "is a symbolic link; give the trace's own path", path) from None
             raise
-        self._write("\n".join(preamble) + "\n")
+        try:
+            self._write("\n".join(preamble) + "\n")
+        except OSError:
+            self.close()
+            raise
 
     def _write(self, text: str) -> None:
         """All of text, or nothing: a write that fails part way (a full disk) is cut back off,

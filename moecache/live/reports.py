@@ -5,6 +5,7 @@ decode steps."""
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -48,6 +49,9 @@ class StepCounts:
         self.step_ns_max = max(self.step_ns_max, ns)
 
 
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)  # the disk's, not the path's
+
+
 class TraceRecorder:
     """The cache's routing as a route_trace v1 file: its step numbers count the tokens of both
     phases, and a prompt after decoding starts a new turn. A write that fails (e.g. a full disk)
@@ -59,8 +63,14 @@ class TraceRecorder:
                 path, model=os.path.basename(model_name) or "model", arch=arch,
                 n_layer=max(layer.il for layer in layers) + 1, n_expert=layers[0].n_expert, n_expert_used=n_used,
                 layers=[(layer.il, layer.expert_bytes, 0) for layer in layers])
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"LLAMA_MOE_CACHE_TRACE={path!r}: {getattr(e, 'strerror', None) or e}") from None
+        except OSError as e:
+            if e.errno not in _DISK_FULL:  # a bad path is the setting's fault
+                raise ConfigError(f"LLAMA_MOE_CACHE_TRACE={path!r}: {e.strerror or e}") from None
+            log.error("moecache: error: LLAMA_MOE_CACHE_TRACE=%r: %s - no trace, the cache runs",
+                      path, e.strerror or e)
+            self.writer = None
+        except ValueError as e:
+            raise ConfigError(f"LLAMA_MOE_CACHE_TRACE={path!r}: {e}") from None
         self.path = path
         self._turn = 0
         self._tokens = 0
