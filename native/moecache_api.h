@@ -1,6 +1,7 @@
 /* The moecache C API of the patched libllama (see patches/), as cffi declares it.
    Keep in sync with the "MoE expert cache" section the patches add to include/llama.h (and, for
-   the testing-only call at the end, with src/llama-moe-cache.h). */
+   the testing-only call at the end, with src/llama-moe-cache.h). LLAMA_MOE_CACHE_VERSION is not
+   repeated here: native/build_ffi.py declares it, read from the patches. */
 
 struct llama_context;
 struct llama_model;

@@ -6,8 +6,8 @@ import functools
 
 from .._native import ffi
 
-# the patch series (patches/) this package is written against: llama_moe_cache_version()
-PATCH_VERSION = "8"
+# the patch series (patches/) this package was built with, as llama_moe_cache_version() reports it
+PATCH_VERSION = str(ffi.integer_const("LLAMA_MOE_CACHE_VERSION"))
 
 
 class NotPatchedError(RuntimeError):
