@@ -413,25 +413,8 @@ def _to_trace(path, preamble, rows, weight, dropped, batch) -> RouteTrace:
     except ValueError as e:
         raise TraceError(f"{path}: {e}") from None
     cell = (step_of_row * n_layers + layer_index[layer]) * k + slot
-    order = np.argsort(cell, kind="stable")
-    repeated = order[1:][cell[order[1:]] == cell[order[:-1]]]
-    if repeated.size:
-        r = int(repeated[0])
-        raise TraceError(f"{path}:{first_data_line + r}: duplicate row for turn {turn[r]} step "
-                         f"{step[r]} layer {layer[r]} slot {slot[r]}")
-    seen = np.zeros(cells, dtype=bool)
-    seen[cell] = True
-    # A layer may be absent from a prefill token as a whole (llama.cpp runs the last layer only
-    # for the tokens whose logits are wanted); those cells read -1. Anything else is a hole.
-    groups = seen.reshape(n_steps, n_layers, k)
-    partial = groups.any(axis=2) & ~groups.all(axis=2)
-    partial |= ~groups.any(axis=2) & ((step_phase == DECODE) & ~_shares_batch(turn[first_row], step_batch))[:, None]
-    if partial.any():
-        s, li = (int(v[0]) for v in np.nonzero(partial))
-        r = int(first_row[s])
-        raise TraceError(f"{path}:{first_data_line + r}: turn {turn[r]} step {step[r]} lacks rows for "
-                         f"layer {layers[li]} (a decode step needs all {k} ranks of every layer, "
-                         f"a prefill step all or none)")
+    _check_cells(path, first_data_line, rows, cell, (n_steps, n_layers, k), first_row,
+                 (step_phase == DECODE) & ~_shares_batch(turn[first_row], step_batch), layers)
 
     def grid(values, dtype, absent):
         out = np.full(cells, absent, dtype=dtype)
@@ -447,6 +430,32 @@ def _to_trace(path, preamble, rows, weight, dropped, batch) -> RouteTrace:
         turn=turn[first_row], step=step[first_row], phase=step_phase.astype(np.int8),
         ids=grid(expert, np.int32, -1), weights=grid(weight, np.float32, 0.0),
         residency=grid(residency, np.int8, 0), dropped=grid(dropped, bool, False), batch=step_batch)
+
+
+def _check_cells(path, first_data_line, rows, cell, shape, first_row, needs_all_layers, layers):
+    """Each (step, layer, rank) cell given once, and no holes: a step whose layers must all be
+    there (needs_all_layers) has every rank of every layer; any step, all ranks or none of one."""
+    turn, _, step, layer, slot = rows.T[:5]
+    n_steps, n_layers, k = shape
+    order = np.argsort(cell, kind="stable")
+    repeated = order[1:][cell[order[1:]] == cell[order[:-1]]]
+    if repeated.size:
+        r = int(repeated[0])
+        raise TraceError(f"{path}:{first_data_line + r}: duplicate row for turn {turn[r]} step "
+                         f"{step[r]} layer {layer[r]} slot {slot[r]}")
+    seen = np.zeros(n_steps * n_layers * k, dtype=bool)
+    seen[cell] = True
+    # A layer may be absent from a prefill token as a whole (llama.cpp runs the last layer only
+    # for the tokens whose logits are wanted); those cells read -1. Anything else is a hole.
+    groups = seen.reshape(shape)
+    partial = groups.any(axis=2) & ~groups.all(axis=2)
+    partial |= ~groups.any(axis=2) & needs_all_layers[:, None]
+    if partial.any():
+        s, li = (int(v[0]) for v in np.nonzero(partial))
+        r = int(first_row[s])
+        raise TraceError(f"{path}:{first_data_line + r}: turn {turn[r]} step {step[r]} lacks rows for "
+                         f"layer {layers[li]} (a decode step needs all {k} ranks of every layer, "
+                         f"a prefill step all or none)")
 
 
 def _shares_batch(turn, batch):
