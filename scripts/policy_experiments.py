@@ -46,6 +46,7 @@ def log_bucket(x, n):
 
 class ScoreTable(Policy):
     """Base: a full (L, E) score matrix recomputed at each observation."""
+    admits = True
 
     def bind(self, n_layers, n_expert, n_slots):
         super().bind(n_layers, n_expert, n_slots)
@@ -143,6 +144,7 @@ class HeatMix(ScoreTable):
 
 class HeatPrefetch(DecayedLfu):
     name = "heat-prefetch"
+    admits = predicts = True
 
     def __init__(self, width=2):
         super().__init__(16.0)

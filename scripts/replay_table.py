@@ -29,6 +29,7 @@ class PopularityOracle(Policy):
     nothing about when an expert is used."""
     name = "popularity-oracle"
     offline_only = True
+    admits = True
 
     def __init__(self, ids):
         self.ids = ids

@@ -201,6 +201,7 @@ def test_pinned_experts_are_uploaded_first_and_never_evicted():
 class PredictNext(Policy):
     """Test policy: LRU that predicts expert (e + 1) for every expert e just used."""
     name = "predict-next"
+    predicts = True
 
     def bind(self, n_layers, n_expert, n_slots):
         super().bind(n_layers, n_expert, n_slots)
@@ -238,6 +239,7 @@ def test_prefetch_uses_leftover_budget_and_counts_hits_and_waste():
 class PredictFive(Lru):
     """Test policy: LRU that predicts expert 5 in layer 0 only, from the second boundary on."""
     name = "predict-five"
+    predicts = True
 
     def predict(self, step):
         return np.array([[5 if step else -1], [-1]])
