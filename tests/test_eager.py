@@ -239,7 +239,7 @@ def test_no_upload_targets_a_slot_the_running_graph_reads_even_when_uploads_are_
     engine.step(None)
     for ids in routing:
         held_before = engine.slot_expert.copy()
-        in_flight_before = engine._in_flight.copy()
+        in_flight_before = engine.in_flight.copy()
         due = engine.uploads_due
         plan = engine.step(ids, ready=int(rng.integers(0, 4)))  # a slow upload worker
         for layer, expert, slot in plan.admitted.tolist():
@@ -250,7 +250,7 @@ def test_no_upload_targets_a_slot_the_running_graph_reads_even_when_uploads_are_
         for layer in range(L):  # a published expert's slot holds it and is not being written
             for e in np.flatnonzero(published[layer] >= 0):
                 assert engine.slot_expert[layer, published[layer, e]] == e
-                assert not engine._in_flight[layer, published[layer, e]]
+                assert not engine.in_flight[layer, published[layer, e]]
         assert plan.publish.shape[0] <= due + plan.admitted.shape[0]
 
 
@@ -268,10 +268,10 @@ def test_the_engines_handover_is_build_handovers(policy):
         held = engine.slot_expert
         keys = np.maximum(held, 0) + np.arange(L)[:, None] * E
         free = held < 0
-        evictable = ~free & ~engine._in_flight & ~engine._pinned.take(keys)
+        evictable = ~free & ~engine.in_flight & ~engine.pinned.take(keys)
         worth = np.array(engine.policy.worth_if_used(t_handover, np.arange(L * E).reshape(L, E))
                          if policy == "heat" else np.full((L, E), np.inf))
-        worth[engine._assigned >= 0] = -np.inf
+        worth[engine.assigned >= 0] = -np.inf
         expected = build_handover(free, evictable, engine.policy.priority(t_handover, keys), worth, 2)
         got = engine.handover
         for field in ("victims", "victim_worth", "worth", "budget"):
