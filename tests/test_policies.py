@@ -91,3 +91,36 @@ def test_decayed_counts_survive_rebasing_far_into_a_run():
     heat = lfu.priority(3000, np.arange(4))
     assert np.isfinite(heat).all()
     assert heat[2] > heat[1] > heat[0] == 0.0  # recent uses outweigh decayed old ones
+
+
+CAPABILITIES = {  # capability: the method it promises (choose_victims: when it is False)
+    "ranks_residents": "choose_victims", "admits": "admit", "predicts": "predict", "takes_prior": "prior"}
+
+
+def shipped_policy_classes():
+    """The registry's policies and the ones scripts/ define for their experiments."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    from moecache.core.policies import Policy
+
+    classes = set(POLICIES.values())
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))  # as when they run
+    try:
+        for name in ("compare_upstream", "policy_experiments", "replay_table"):
+            classes |= {value for value in vars(importlib.import_module(name)).values()
+                        if isinstance(value, type) and issubclass(value, Policy) and value is not Policy}
+    finally:
+        sys.path.pop(0)
+    return sorted(classes, key=lambda cls: cls.__qualname__)
+
+
+@pytest.mark.parametrize("cls", shipped_policy_classes(), ids=lambda cls: cls.__qualname__)
+def test_a_policy_declares_exactly_the_capabilities_it_implements(cls):
+    """The engine reads the capability attributes, never the methods: a method without its
+    attribute would silently go unused."""
+    for capability, method in CAPABILITIES.items():
+        implemented = hasattr(cls, method)
+        assert getattr(cls, capability) == (not implemented if capability == "ranks_residents" else implemented), \
+            (capability, method)
