@@ -59,8 +59,8 @@ int mc_observe(mc_engine *g, mc_observation *obs) {
                 g->prefetched[key] = 0;
             }
         }
-        obs->hits[l] = n_hit;
-        obs->misses[l] = looked_up - n_hit;
+        obs->counts[l] = n_hit;
+        obs->counts[L + l] = looked_up - n_hit;
         any_miss |= looked_up != n_hit;
         count(g, MC_HITS, l, n_hit);
         count(g, MC_MISSES, l, looked_up - n_hit);

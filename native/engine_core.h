@@ -42,7 +42,7 @@ typedef struct {
     int32_t lookups;            /* in: 0 for a prompt the stock graph ran: it read no slot */
     uint8_t *used;              /* in: (L, E) all zero; becomes mc_engine.used */
     uint8_t *hit;               /* out: (L, n) hit mask */
-    int64_t *hits, *misses;     /* out: (L) per layer */
+    int64_t *counts;            /* out: (2, L) hits, then misses, per layer */
     int32_t any_miss;           /* out */
     int64_t bad_id;             /* out: the id outside [-1, E) when mc_observe refuses */
 } mc_observation;

@@ -110,8 +110,7 @@ class Bookkeeping:
         obs = self._observation
         obs.ids, obs.wide, obs.n, obs.lookups = ffi.from_buffer(native), native.itemsize == 8, ids.shape[1], lookups
         obs.used, obs.hit = _u8(used), _u8(hit_mask)
-        obs.hits = _i64(counts)
-        obs.misses = obs.hits + L
+        obs.counts = _i64(counts)
         if lib.mc_observe(self._core, obs):
             raise ValueError(f"expert ids must be in [-1, {self.n_expert}), got {obs.bad_id}")
         self._state.used = used  # what mc_engine.used points at until the next observation

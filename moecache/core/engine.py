@@ -103,7 +103,9 @@ class _UploadQueue:
         self._core = core
         self._due = deque([NO_JOBS] * publish_delay)
 
-    def __len__(self) -> int:
+    @property
+    def n_due(self) -> int:
+        """How many uploads are due now."""
         return len(self._due[0])
 
     def add_due(self, jobs):
@@ -155,8 +157,9 @@ class CacheEngine(CacheModel):
         self._eager = EagerAdmission(state, self._core, policy, inserts) if admission == "eager" else None
         self._queue = _UploadQueue(self._core, publish_delay)
         self.slot_expert, self.expert_slot, self.usage = state.slot_expert, state.expert_slot, state.usage
-        self.assigned, self.in_flight, self.pinned = (read_only(a) for a in (state.assigned, state.in_flight,
-                                                                               state.pinned))
+        self.assigned = read_only(state.assigned)    # (L, E) slot of each published or in-flight expert
+        self.in_flight = read_only(state.in_flight)  # (L, K)
+        self.pinned = read_only(state.pinned)        # (L, E)
         self.counters = state.counters
         self.step_index = 0
 
@@ -264,7 +267,7 @@ class CacheEngine(CacheModel):
     @property
     def uploads_due(self) -> int:
         """How many uploads the next step() publishes (when they are complete)."""
-        return len(self._queue)
+        return self._queue.n_due
 
     # --- reporting ----------------------------------------------------------------------
 
