@@ -108,7 +108,8 @@ class Bookkeeping:
         counts = np.empty((2, L), dtype=np.int64)  # hits, misses
         used = np.zeros((L, self.n_expert), dtype=bool)  # new each step: a policy may keep it
         obs = self._observation
-        obs.ids, obs.wide, obs.n, obs.lookups = ffi.from_buffer(native), native.itemsize == 8, ids.shape[1], lookups
+        obs.ids, obs.wide, obs.n = ffi.from_buffer(native), native.itemsize == 8, ids.shape[1]
+        obs.lookups = lookups
         obs.used, obs.hit = _u8(used), _u8(hit_mask)
         obs.counts = _i64(counts)
         if lib.mc_observe(self._core, obs):

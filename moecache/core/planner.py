@@ -115,8 +115,9 @@ class UploadPlanner:
         n_rows, short = core.prepare(worth, cap, keep_used)
         if n_rows == 0:  # prefetch: only layers without budget left wanted something
             return NO_LAYERS
-        # prefetch without an admission test only takes free slots
-        how, rank = self._victim_ranking(t, n_rows) if short and (admits or not prefetch) else (FREE_ONLY, None)
+        how, rank = FREE_ONLY, None
+        if short and (admits or not prefetch):  # prefetch without an admission test: free slots only
+            how, rank = self._victim_ranking(t, n_rows)
         upload = core.choose(how, rank)
         if not len(upload):
             return NO_LAYERS
