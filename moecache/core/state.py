@@ -1,6 +1,7 @@
 """The cache engine's state: what each slot holds, which experts are published, in flight,
 pinned or prefetched, and the counters. native/engine_core.c reads and writes these arrays in
-place (moecache.core.bookkeeping hands it their addresses); Python only reads them.
+place (moecache.core.bookkeeping hands it their addresses); Python sets the pins and moves a
+prompt's uploads to their own counter, and otherwise only reads them.
 
 Job tables, the unit of every upload decision, are (n, 3) int32 arrays of (layer, expert,
 slot) rows."""
