@@ -1,7 +1,6 @@
 /* The cache engine's per-step bookkeeping in one compact piece of code: a decode step runs it
- * with cold CPU caches, where every distinct numpy kernel costs several microseconds. Each
- * function does what the numpy expression in its comment did; moecache/engine.py documents the
- * rules. */
+ * with cold CPU caches, where every distinct numpy kernel costs several microseconds.
+ * moecache/core/engine.py documents the rules. */
 
 #include <float.h>
 #include <math.h>
@@ -10,22 +9,23 @@
 
 #include "engine_core.h"
 
-enum { C_HITS, C_MISSES, C_UPLOADS, C_EVICTIONS, C_PREFETCH_UPLOADS, C_PREFETCH_HITS,
-       C_PREFETCH_WASTE, C_LATE };
+static inline void count(mc_engine *g, mc_counter counter, int64_t layer, int64_t n) {
+    g->counts[counter * g->n_layers + layer] += n;
+}
 
 static inline int64_t id_at(const void *ids, int wide, int64_t i) {
     return wide ? ((const int64_t *)ids)[i] : ((const int32_t *)ids)[i];
 }
 
-/* An observation (L, n): hit mask, hits and misses per layer (counts: (2, L)), the used table (a new all-zero
- * table, kept as g->used for the boundary's choice; each expert once),
- * usage, counters, prefetch hits. flags[0]: something missed; flags[1]: a row repeats an id.
- * lookups 0: a prompt the stock graph ran, which read no slot: no hit, miss or prefetch hit, and no
- * usage (the profile stays uses per decode step).
- * Returns 1 (nothing changed, *bad = the offending id) if an id is outside [-1, E). */
-int mc_observe(mc_engine *g, const void *ids, int wide, int64_t n, int lookups, uint8_t *used, uint8_t *hit,
-               int64_t *counts, int64_t *bad, int32_t *flags) {
-    const int64_t L = g->n_layers, E = g->n_expert, total = L * n;
+/* An observation (L, n): hit mask, hits and misses per layer, the used table (a new all-zero
+ * table, kept as g->used for the boundary's choice; each expert once), usage, counters,
+ * prefetch hits, any_miss. Without lookups (a prompt the stock graph ran, which read no slot):
+ * no hit, miss or prefetch hit, and no usage (the profile stays uses per decode step).
+ * Returns 1 (nothing changed, obs->bad_id = the offending id) if an id is outside [-1, E). */
+int mc_observe(mc_engine *g, mc_observation *obs) {
+    const int64_t L = g->n_layers, E = g->n_expert, n = obs->n, total = L * n;
+    const void *ids = obs->ids;
+    const int wide = obs->wide, lookups = obs->lookups;
     int64_t lowest = 0, highest = 0;
     for (int64_t i = 0; i < total; i++) {
         int64_t id = id_at(ids, wide, i);
@@ -33,50 +33,46 @@ int mc_observe(mc_engine *g, const void *ids, int wide, int64_t n, int lookups, 
         if (i == 0 || id > highest) highest = id;
     }
     if (lowest < -1 || highest >= E) {
-        *bad = lowest < -1 ? lowest : highest;
+        obs->bad_id = lowest < -1 ? lowest : highest;
         return 1;
     }
-    g->used = used;  /* all zero: a new table each step */
-    int any_miss = 0, repeats = 0;
+    g->used = obs->used;
+    int any_miss = 0;
     for (int64_t l = 0; l < L; l++) {
         int64_t n_hit = 0, looked_up = 0;
         for (int64_t j = 0; j < n; j++) {
             int64_t id = id_at(ids, wide, l * n + j);
             if (id < 0) {
-                hit[l * n + j] = 0;
+                obs->hit[l * n + j] = 0;
                 continue;
             }
             int64_t key = l * E + id;
             looked_up += lookups;
             int is_hit = lookups && g->expert_slot[key] >= 0;
-            hit[l * n + j] = (uint8_t)is_hit;
+            obs->hit[l * n + j] = (uint8_t)is_hit;
             n_hit += is_hit;
-            if (g->used[key]) {
-                repeats = 1;
-                continue;
-            }
+            if (g->used[key]) continue;  /* a multi-token step repeats it */
             g->used[key] = 1;
             g->usage[key] += lookups;
             if (g->track_prefetch && g->prefetched[key] && is_hit) {
-                g->counts[C_PREFETCH_HITS * L + l]++;
+                count(g, MC_PREFETCH_HITS, l, 1);
                 g->prefetched[key] = 0;
             }
         }
-        counts[l] = n_hit;
-        counts[L + l] = looked_up - n_hit;
+        obs->counts[l] = n_hit;
+        obs->counts[L + l] = looked_up - n_hit;
         any_miss |= looked_up != n_hit;
-        g->counts[C_HITS * L + l] += n_hit;
-        g->counts[C_MISSES * L + l] += looked_up - n_hit;
+        count(g, MC_HITS, l, n_hit);
+        count(g, MC_MISSES, l, looked_up - n_hit);
     }
-    flags[0] = any_miss;
-    flags[1] = repeats;
+    obs->any_miss = any_miss;
     return 0;
 }
 
 /* Publish the first `ready` due uploads (n job rows of layer, expert, slot); the others are
  * late. Returns how many were published. */
 int64_t mc_publish(mc_engine *g, const int32_t *jobs, int64_t n, int64_t ready) {
-    const int64_t L = g->n_layers, E = g->n_expert, K = g->n_slots;
+    const int64_t E = g->n_expert, K = g->n_slots;
     if (ready < 0) ready = 0;
     if (ready > n) ready = n;
     for (int64_t i = 0; i < ready; i++) {
@@ -84,24 +80,26 @@ int64_t mc_publish(mc_engine *g, const int32_t *jobs, int64_t n, int64_t ready) 
         g->expert_slot[job[0] * E + job[1]] = job[2];
         g->in_flight[job[0] * K + job[2]] = 0;
     }
-    for (int64_t i = ready; i < n; i++) g->counts[C_LATE * L + jobs[3 * i]]++;
+    for (int64_t i = ready; i < n; i++) count(g, MC_LATE, jobs[3 * i], 1);
     return ready;
 }
 
 /* The wanted ids of an observation or a prediction (L, n), row-major: id >= 0, not resident nor
- * on its way, first occurrence in its row; with cap, at most cap[l] per layer. Returns how many,
- * or -1 if an id is >= E. */
+ * on its way, first occurrence in its row; with cap, at most cap[l] per layer. Lists them as
+ * c's candidates and returns how many, or -1 if an id is >= E. */
 int64_t mc_candidates(mc_engine *g, const void *ids, int wide, int64_t n, const int64_t *cap,
-                      int64_t *cand_layer, int64_t *cand_expert) {
+                      mc_choice *c) {
     const int64_t L = g->n_layers, E = g->n_expert;
+    int64_t *cand_layer = c->cand_layer, *cand_expert = c->cand_expert;
     int64_t m = 0;
+    c->n_cand = 0;
     for (int64_t l = 0; l < L; l++) {
         int64_t first = m, taken = 0;
         for (int64_t j = 0; j < n; j++) {
             int64_t id = id_at(ids, wide, l * n + j);
             if (id < 0) continue;
             if (id >= E) {
-                for (int64_t i = 0; i < m; i++) g->mark[cand_layer[i] * E + cand_expert[i]] = 0;
+                for (int64_t i = first; i < m; i++) g->mark[l * E + cand_expert[i]] = 0;
                 return -1;
             }
             int64_t key = l * E + id;
@@ -115,23 +113,25 @@ int64_t mc_candidates(mc_engine *g, const void *ids, int wide, int64_t n, const 
         for (int64_t i = first; i < m; i++) g->mark[l * E + cand_expert[i]] = 0;
         if (cap && taken > cap[l]) m = first + (cap[l] > 0 ? cap[l] : 0);
     }
+    c->n_cand = m;
     return m;
 }
 
-/* With worth: drop the refused (worth -inf), order each layer's candidates by worth, highest
- * first (stable: rank breaks ties), keep cap[l] of each. Then the rows (layers) that want slots:
- * rows, n_want, and for each of their slots the held key (slot_expert + l * E: junk where empty),
- * whether it is free, and whether it is evictable (not free, not blocked by the observation's
- * use (use_used) or a pin, not in flight). short_any: some row wants more than its free slots. */
-int64_t mc_prepare(mc_engine *g, int64_t *m, int64_t *cand_layer, int64_t *cand_expert, double *worth,
-                   const int64_t *cap, int use_used, int64_t *rows, int64_t *n_want, int64_t *keys,
-                   uint8_t *evictable, uint8_t *free_slot, int32_t *short_any) {
-    const int64_t E = g->n_expert, K = g->n_slots;
+/* Keeps c's candidates in admission order, cap[l] per layer: with worth, drops the refused
+ * (worth -inf) and orders each layer's by worth, highest first (stable: rank breaks ties).
+ * Then lists the rows (layers) that want slots: rows, n_want, and for each of their slots the
+ * held key, whether it is free, and whether it is evictable (resident, not in flight, not
+ * pinned, and with keep_used not used by the observation). Returns the number of rows. */
+int64_t mc_prepare(mc_engine *g, mc_choice *c, int keep_used) {
+    const int64_t E = g->n_expert, K = g->n_slots, m = c->n_cand;
+    int64_t *cand_layer = c->cand_layer, *cand_expert = c->cand_expert;
+    double *worth = c->worth;
+    const int64_t *cap = c->cap;
     int64_t kept = 0, n_rows = 0;
-    *short_any = 0;
-    for (int64_t i = 0; i < *m;) {
+    c->short_of_free = 0;
+    for (int64_t i = 0; i < m;) {
         const int64_t l = cand_layer[i], first = kept;
-        for (; i < *m && cand_layer[i] == l; i++) {
+        for (; i < m && cand_layer[i] == l; i++) {
             if (worth && !(worth[i] > -INFINITY)) continue;
             /* insertion: after every kept candidate worth at least as much (stable) */
             int64_t at = kept;
@@ -155,76 +155,73 @@ int64_t mc_prepare(mc_engine *g, int64_t *m, int64_t *cand_layer, int64_t *cand_
         int64_t n_free = 0;
         for (int64_t s = 0; s < K; s++) {
             int64_t r = n_rows * K + s, held = g->slot_expert[l * K + s], key = held + l * E;
-            keys[r] = key;
-            free_slot[r] = held < 0;
+            c->keys[r] = key;
+            c->free_slot[r] = held < 0;
             n_free += held < 0;
-            evictable[r] = held >= 0 && !g->in_flight[l * K + s]
-                           && !(use_used && g->used[key]) && !(g->any_pinned && g->pinned[key]);
+            c->evictable[r] = held >= 0 && !g->in_flight[l * K + s]
+                              && !(keep_used && g->used[key]) && !(g->any_pinned && g->pinned[key]);
         }
-        if (want > n_free) *short_any = 1;
-        rows[n_rows] = l;
-        n_want[n_rows] = want;
+        if (want > n_free) c->short_of_free = 1;
+        c->rows[n_rows] = l;
+        c->n_want[n_rows] = want;
         n_rows++;
     }
-    *m = kept;
+    c->n_cand = kept;
+    c->n_rows = n_rows;
     return n_rows;
 }
 
 /* Row r's j-th candidate takes the row's j-th slot in (rank, slot) order, where a free slot
- * ranks -inf and, by mode, 0: anything else +inf; 1: an evictable slot its priority rank_in,
- * anything else +inf; 2: rank_in (the victim order a policy chose, +inf elsewhere). Accepted:
- * rank < +inf, or with worth, worth > rank (strictly). Returns the accepted (layer, expert,
- * slot), in candidate order. */
-int64_t mc_choose(mc_engine *g, int mode, const double *rank_in, int64_t n_rows, const int64_t *rows,
-                  const int64_t *n_want, const uint8_t *evictable, const uint8_t *free_slot,
-                  const int64_t *cand_layer, const int64_t *cand_expert, const double *worth,
-                  int64_t *out_layer, int64_t *out_expert, int64_t *out_slot) {
+ * ranks -inf and, by `how`: MC_FREE_ONLY: anything else +inf; MC_BY_PRIORITY: an evictable slot
+ * its priority rank[r, s], anything else +inf; MC_BY_VICTIM_ORDER: rank[r, s] (the place of
+ * the slot's expert in the policy's victim order, +inf elsewhere). Accepted: rank < +inf, or
+ * with worth, worth > rank (strictly). Writes the accepted uploads, in candidate order, as
+ * (layer, expert, slot) int32 rows and returns how many. */
+int64_t mc_choose(mc_engine *g, const mc_choice *c, mc_victims how, const double *rank,
+                  int32_t *upload) {
     const int64_t K = g->n_slots;
-    double rank[K > 0 ? K : 1];
-    int64_t c = 0, out = 0;
-    for (int64_t r = 0; r < n_rows; r++) {
+    double slot_rank[K > 0 ? K : 1];
+    int64_t i = 0, out = 0;
+    for (int64_t r = 0; r < c->n_rows; r++) {
         for (int64_t s = 0; s < K; s++) {
-            int64_t i = r * K + s;
-            rank[s] = free_slot[i] ? -INFINITY
-                      : mode == 0 ? INFINITY
-                      : mode == 1 ? (evictable[i] ? rank_in[i] : INFINITY)
-                      : rank_in[i];
+            int64_t at = r * K + s;
+            slot_rank[s] = c->free_slot[at] ? -INFINITY
+                           : how == MC_FREE_ONLY ? INFINITY
+                           : how == MC_BY_PRIORITY ? (c->evictable[at] ? rank[at] : INFINITY)
+                           : rank[at];
         }
-        for (int64_t j = 0; j < n_want[r]; j++, c++) {
+        for (int64_t j = 0; j < c->n_want[r]; j++, i++) {
             int64_t best = 0;  /* argmin: the first lowest */
             for (int64_t s = 1; s < K; s++)
-                if (rank[s] < rank[best]) best = s;
-            double slot_rank = rank[best];
-            rank[best] = INFINITY;
-            int ok = worth ? worth[c] > slot_rank : slot_rank < INFINITY;
-            if (!ok) continue;
-            out_layer[out] = rows[r];
-            out_expert[out] = cand_expert[c];
-            out_slot[out] = best;
+                if (slot_rank[s] < slot_rank[best]) best = s;
+            double taken = slot_rank[best];
+            slot_rank[best] = INFINITY;
+            if (!(c->worth ? c->worth[i] > taken : taken < INFINITY)) continue;
+            upload[3 * out] = (int32_t)c->rows[r];
+            upload[3 * out + 1] = (int32_t)c->cand_expert[i];
+            upload[3 * out + 2] = (int32_t)best;
             out++;
         }
-        (void)cand_layer;
     }
     return out;
 }
 
-/* Upload expert e of layer l into slot s for each (l, e, s), unpublishing the victim a slot
- * held: the tables, the counters, prefetch bookkeeping. Writes the upload rows (m of them) and
- * the eviction rows (*n_evict) as (layer, expert, slot) int32. Returns m. */
-int64_t mc_commit(mc_engine *g, int64_t m, const int64_t *layers, const int64_t *experts,
-                  const int64_t *slots, int prefetch, int32_t *upload, int32_t *evict, int64_t *n_evict) {
-    const int64_t L = g->n_layers, E = g->n_expert, K = g->n_slots;
+/* Upload expert e of layer l into slot s for each (l, e, s) of the m upload rows, unpublishing
+ * the victim a slot held: the tables, the counters, prefetch bookkeeping. Writes the victims as
+ * (layer, expert, slot) int32 evict rows and returns how many. */
+int64_t mc_commit(mc_engine *g, const int32_t *upload, int64_t m, int prefetch, int32_t *evict) {
+    const int64_t E = g->n_expert, K = g->n_slots;
     int64_t gone = 0;
     for (int64_t i = 0; i < m; i++) {
-        int64_t l = layers[i], e = experts[i], s = slots[i], at = l * K + s;
+        int64_t l = upload[3 * i], e = upload[3 * i + 1], s = upload[3 * i + 2], at = l * K + s;
         int32_t victim = g->slot_expert[at];
         if (victim >= 0) {
             int64_t key = l * E + victim;
             g->expert_slot[key] = -1;
             g->assigned[key] = -1;
-            g->counts[C_EVICTIONS * L + l]++;
+            count(g, MC_EVICTIONS, l, 1);
             if (g->track_prefetch && g->prefetched[key]) {
-                g->counts[C_PREFETCH_WASTE * L + l]++;
+                count(g, MC_PREFETCH_WASTE, l, 1);
                 g->prefetched[key] = 0;
             }
             evict[3 * gone] = (int32_t)l;
@@ -235,20 +232,16 @@ int64_t mc_commit(mc_engine *g, int64_t m, const int64_t *layers, const int64_t 
         g->slot_expert[at] = (int32_t)e;
         g->assigned[l * E + e] = (int32_t)s;
         g->in_flight[at] = 1;
-        g->counts[C_UPLOADS * L + l]++;
+        count(g, MC_UPLOADS, l, 1);
         if (prefetch) {
             g->prefetched[l * E + e] = 1;
-            g->counts[C_PREFETCH_UPLOADS * L + l]++;
+            count(g, MC_PREFETCH_UPLOADS, l, 1);
         }
-        upload[3 * i] = (int32_t)l;
-        upload[3 * i + 1] = (int32_t)e;
-        upload[3 * i + 2] = (int32_t)s;
     }
-    *n_evict = gone;
-    return m;
+    return gone;
 }
 
-/* Eager admission's handover (moecache/eager.py, build_handover is the reference): per layer the
+/* Eager admission's handover (moecache/core/admission.py, build_handover is the reference): per layer the
  * slots in eviction order (free ones first, lowest first; then the evictable residents by
  * ascending priority clipped to finite values, ties to the lowest slot; -1 for the rest) with
  * the worth each keeps (-inf free, its priority, +inf unlisted), and worth set to -inf for

@@ -1,6 +1,22 @@
-/* The cache engine's per-step bookkeeping (moecache/engine.py's CacheEngine calls it for every
- * observation and every upload decision). The tables are the engine's numpy arrays; policies
- * stay in Python and are called between these functions. */
+/* The cache engine's per-step bookkeeping (moecache/core/bookkeeping.py calls it for every
+ * observation and every upload decision of moecache/core/engine.py's CacheEngine). The tables
+ * are the engine's numpy arrays; policies stay in Python and are called between these
+ * functions. */
+
+/* The engine's counters, one row of mc_engine.counts each, in this order. This enum is their
+ * one list: Python reads the names from it (moecache.core.bookkeeping.COUNTERS). */
+typedef enum {
+    MC_HITS,
+    MC_MISSES,
+    MC_UPLOADS,
+    MC_EVICTIONS,
+    MC_PREFETCH_UPLOADS,
+    MC_PREFETCH_HITS,
+    MC_PREFETCH_WASTE,
+    MC_LATE,              /* due uploads not complete at their boundary */
+    MC_PREFILL_UPLOADS,   /* uploads of a prompt's experts (counted by the engine in Python) */
+    MC_N_COUNTERS
+} mc_counter;
 
 typedef struct {
     int32_t n_layers, n_expert, n_slots;
@@ -15,23 +31,54 @@ typedef struct {
     uint8_t *used;              /* (L, E) the last observation's experts (a new table each step) */
     uint8_t *mark;              /* (L, E) scratch, all zero between calls */
     int64_t *usage;             /* (L, E) observations with lookups each expert was used in */
-    int64_t *counts;            /* (n_counters, L) the engine's COUNTERS, in that order (C updates the first 8) */
+    int64_t *counts;            /* (MC_N_COUNTERS, L) */
 } mc_engine;
 
-int mc_observe(mc_engine *g, const void *ids, int wide, int64_t n, int lookups, uint8_t *used, uint8_t *hit,
-               int64_t *counts, int64_t *bad, int32_t *flags);
+/* One observation: what mc_observe reads (in) and counts (out). */
+typedef struct {
+    const void *ids;            /* in: (L, n) expert ids, router-rank order, -1 = none */
+    int32_t wide;               /* in: ids are int64 (else int32) */
+    int64_t n;                  /* in: ids per layer */
+    int32_t lookups;            /* in: 0 for a prompt the stock graph ran: it read no slot */
+    uint8_t *used;              /* in: (L, E) all zero; becomes mc_engine.used */
+    uint8_t *hit;               /* out: (L, n) hit mask */
+    int64_t *counts;            /* out: (2, L) hits, then misses, per layer */
+    int32_t any_miss;           /* out */
+    int64_t bad_id;             /* out: the id outside [-1, E) when mc_observe refuses */
+} mc_observation;
+
+/* One upload decision: mc_candidates lists the wanted experts, mc_prepare keeps the ones to
+ * place and lists the layers (rows) that want slots, mc_choose places them. */
+typedef struct {
+    int64_t n_cand;             /* candidates listed; mc_prepare keeps those it places */
+    int64_t *cand_layer;        /* (n_cand) ascending */
+    int64_t *cand_expert;       /* (n_cand) */
+    double *worth;              /* (n_cand) admission worth, NULL: the policy admits everything */
+    const int64_t *cap;         /* (L) most uploads per layer */
+    int64_t n_rows;             /* layers that want slots */
+    int64_t *rows;              /* (n_rows) their layer */
+    int64_t *n_want;            /* (n_rows) candidates each places */
+    int64_t *keys;              /* (n_rows, K) layer * E + held expert (junk where empty) */
+    uint8_t *free_slot;         /* (n_rows, K) empty, not being loaded */
+    uint8_t *evictable;         /* (n_rows, K) resident, not in flight, pinned or kept by the observation */
+    int32_t short_of_free;      /* some row wants more slots than it has free */
+} mc_choice;
+
+/* Which slots a candidate may take besides free ones (always first, lowest first). */
+typedef enum {
+    MC_FREE_ONLY,               /* none */
+    MC_BY_PRIORITY,             /* evictable ones, by ascending policy priority */
+    MC_BY_VICTIM_ORDER,         /* the ones a queue policy chose, in its order */
+} mc_victims;
+
+int mc_observe(mc_engine *g, mc_observation *obs);
 int64_t mc_publish(mc_engine *g, const int32_t *jobs, int64_t n, int64_t ready);
 int64_t mc_candidates(mc_engine *g, const void *ids, int wide, int64_t n, const int64_t *cap,
-                      int64_t *cand_layer, int64_t *cand_expert);
-int64_t mc_prepare(mc_engine *g, int64_t *m, int64_t *cand_layer, int64_t *cand_expert, double *worth,
-                   const int64_t *cap, int use_used, int64_t *rows, int64_t *n_want, int64_t *keys,
-                   uint8_t *evictable, uint8_t *free_slot, int32_t *short_any);
-int64_t mc_choose(mc_engine *g, int mode, const double *rank_in, int64_t n_rows, const int64_t *rows,
-                  const int64_t *n_want, const uint8_t *evictable, const uint8_t *free_slot,
-                  const int64_t *cand_layer, const int64_t *cand_expert, const double *worth,
-                  int64_t *out_layer, int64_t *out_expert, int64_t *out_slot);
-int64_t mc_commit(mc_engine *g, int64_t m, const int64_t *layers, const int64_t *experts,
-                  const int64_t *slots, int prefetch, int32_t *upload, int32_t *evict, int64_t *n_evict);
+                      mc_choice *c);
+int64_t mc_prepare(mc_engine *g, mc_choice *c, int keep_used);
+int64_t mc_choose(mc_engine *g, const mc_choice *c, mc_victims how, const double *rank,
+                  int32_t *upload);
+int64_t mc_commit(mc_engine *g, const int32_t *upload, int64_t m, int prefetch, int32_t *evict);
 typedef struct { int32_t category; double key; int32_t slot; } mc_ranked;
 int mc_handover(mc_engine *g, const double *priority, double *worth, int32_t *victims,
                 double *victim_worth, mc_ranked *scratch);

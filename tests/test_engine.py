@@ -201,6 +201,7 @@ def test_pinned_experts_are_uploaded_first_and_never_evicted():
 class PredictNext(Policy):
     """Test policy: LRU that predicts expert (e + 1) for every expert e just used."""
     name = "predict-next"
+    predicts = True
 
     def bind(self, n_layers, n_expert, n_slots):
         super().bind(n_layers, n_expert, n_slots)
@@ -238,6 +239,7 @@ def test_prefetch_uses_leftover_budget_and_counts_hits_and_waste():
 class PredictFive(Lru):
     """Test policy: LRU that predicts expert 5 in layer 0 only, from the second boundary on."""
     name = "predict-five"
+    predicts = True
 
     def predict(self, step):
         return np.array([[5 if step else -1], [-1]])
@@ -430,3 +432,41 @@ def test_prefill_step_models_no_eager_admission_and_hands_over_for_the_next_grap
         engine.step(np.array([[6, 7]]), prefill=True, admitted=np.array([[0, 6, 0]], dtype=np.int32))
     with pytest.raises(ValueError, match="prompt's ids"):
         engine.step(None, prefill=True)
+
+
+def test_counter_names_are_the_c_enums_in_the_reported_order():
+    """COUNTERS is read from engine_core.h's mc_counter: the names, their order (the stats'
+    and the live report's) and the C's row of each must agree."""
+    from moecache._core import lib
+    from moecache.core.engine import COUNTERS
+
+    assert COUNTERS == ("hits", "misses", "uploads", "evictions", "prefetch_uploads", "prefetch_hits",
+                        "prefetch_waste", "late", "prefill_uploads")
+    assert [getattr(lib, f"MC_{name.upper()}") for name in COUNTERS] == list(range(len(COUNTERS)))
+    assert lib.MC_N_COUNTERS == len(COUNTERS)
+
+
+def test_each_counter_lands_under_its_name():
+    engine = CacheEngine(1, 8, 3, PredictNext(), inserts=2)
+    engine.step(None)
+    engine.step(np.array([[0]]))                    # miss 0: upload 0, prefetch the guess 1
+    engine.step(np.array([[0]]), ready=1)           # 0 published, 1 late; 0 missed again
+    engine.step(np.array([[1]]))                    # 1 published now: a miss; prefetch 2
+    engine.step(np.array([[1]]))                    # the prefetched 1 hits
+    engine.step(np.array([[5]]))                    # miss 5 evicts the unused prefetched 2
+    engine.step(np.array([[7, 7]]), prefill=True)   # the prompt's 7 evicts 0
+    totals = {name: int(row.sum()) for name, row in engine.counters.items()}
+    assert totals == {"hits": 1, "misses": 4, "uploads": 4, "evictions": 2, "prefetch_uploads": 2,
+                      "prefetch_hits": 1, "prefetch_waste": 1, "late": 1, "prefill_uploads": 1}
+
+
+def test_residency_views_are_read_only_and_follow_the_engine():
+    engine = CacheEngine(1, 8, 2, Lru(), inserts=2, pinned=[{3}])
+    engine.step(None)                            # 3 uploaded
+    assert engine.in_flight.tolist() == [[True, False]] and engine.assigned[0, 3] == 0
+    assert engine.pinned[0].tolist() == [i == 3 for i in range(8)]
+    engine.step(np.array([[1]]))                 # 3 published, 1 uploaded into slot 1
+    assert engine.in_flight.tolist() == [[False, True]] and engine.assigned[0, 1] == 1
+    for view in (engine.in_flight, engine.pinned, engine.assigned):
+        with pytest.raises(ValueError, match="read-only"):
+            view[0, 0] = 0

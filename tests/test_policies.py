@@ -117,3 +117,28 @@ def test_a_name_in_both_registries_is_the_same_rule():
     # the per-layer lfu decays its counts: the global model's plain one has its own name
     assert set(POLICIES) & set(BUDGET_POLICIES) == {"lru", "random", "belady"}
     assert "plain-lfu" in BUDGET_POLICIES
+
+
+CAPABILITIES = {  # capability: the method it promises (choose_victims: when it is False)
+    "ranks_residents": "choose_victims", "admits": "admit", "predicts": "predict", "takes_prior": "prior"}
+
+
+def shipped_policy_classes():
+    """The registry's policies and the ones the experiments try (moecache.offline.experiments)."""
+    from moecache.core.policies import Policy
+    from moecache.offline import experiments
+
+    classes = set(POLICIES.values())
+    classes |= {value for value in vars(experiments).values()
+                if isinstance(value, type) and issubclass(value, Policy) and value is not Policy}
+    return sorted(classes, key=lambda cls: cls.__qualname__)
+
+
+@pytest.mark.parametrize("cls", shipped_policy_classes(), ids=lambda cls: cls.__qualname__)
+def test_a_policy_declares_exactly_the_capabilities_it_implements(cls):
+    """The engine reads the capability attributes, never the methods: a method without its
+    attribute would silently go unused."""
+    for capability, method in CAPABILITIES.items():
+        implemented = hasattr(cls, method)
+        assert getattr(cls, capability) == (not implemented if capability == "ranks_residents" else implemented), \
+            (capability, method)

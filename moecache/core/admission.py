@@ -109,3 +109,37 @@ def admissions(handover: Handover, ids: np.ndarray, slot_expert: np.ndarray) -> 
     jobs = np.empty((layer.size, 3), dtype=np.int32)
     jobs[:, 0], jobs[:, 1], jobs[:, 2] = layer, ids[layer, rank], victims[layer, victim_at[layer, rank]]
     return jobs
+
+
+class EagerAdmission:
+    """The engine's side of eager admission: the handover of each boundary (native/engine_core.c
+    orders the slots as build_handover does) and the admissions a graph made under it."""
+
+    def __init__(self, state, core, policy, inserts: int | None):
+        L, E = state.expert_slot.shape
+        K = state.slot_expert.shape[1]
+        self._state, self._core, self._policy = state, core, policy
+        self._all_keys = np.arange(L * E).reshape(L, E)
+        self._budget = np.full(L, K if inserts is None else inserts, dtype=np.int64)
+        self.handover: Handover | None = None  # what the graph about to run follows
+
+    def admitted(self, ids: np.ndarray, reported) -> np.ndarray:
+        """The uploads the graph that selected `ids` started under the current handover:
+        `reported` by libllama (rows of admissions(), in the order it started them), or when
+        None the modelled ones."""
+        if reported is None:
+            return admissions(self.handover, ids, self._state.slot_expert)
+        return np.ascontiguousarray(reported, dtype=np.int32)
+
+    def hand_over(self, t: int) -> Handover:
+        """The handover for the graph about to run, from the policy's view at boundary t."""
+        state, policy = self._state, self._policy
+        keys = state.keys(np.maximum(state.slot_expert, 0))  # junk where a slot is empty: ignored
+        priority = np.ascontiguousarray(policy.priority(t, keys), dtype=np.float64)
+        if policy.admits:
+            worth = np.array(policy.worth_if_used(t, self._all_keys), dtype=np.float64)
+        else:  # no admission test: every miss is worth a victim
+            worth = np.full(self._all_keys.shape, np.inf)
+        victims, victim_worth = self._core.handover(priority, worth)
+        self.handover = Handover(victims, victim_worth, worth, self._budget)
+        return self.handover

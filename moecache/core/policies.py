@@ -12,22 +12,25 @@ policy only ranks experts. Interface, all arrays indexed by the engine's layer i
     inserted(step, layers, experts, prefetch)  uploads just issued (1-d arrays)
     evicted(step, layers, experts)             victims just unpublished (1-d arrays)
 
-Optional, looked up once by the engine:
+Optional, each behind a capability the policy's class declares (a class attribute of Policy,
+read by the engine and anything else that must know what a policy can do):
 
-    admit(step, keys) -> float                 worth of a missed (or predicted) expert in
+    admits: admit(step, keys) -> float         worth of a missed (or predicted) expert in
                                                priority units: it is uploaded only into a free
                                                slot or over a victim of strictly lower
                                                priority; -inf refuses. Also orders the misses
                                                when more than INSERTS compete (else rank order)
-    worth_if_used(step, keys) -> float         eager admission (moecache.core.admission): the admit()
+      worth_if_used(step, keys) -> float       eager admission (moecache.core.admission): the admit()
                                                worth a miss in the graph about to run will have
-                                               once that use is observed (at step + 1); without
-                                               it admit(), and without that +inf
-    choose_victims(step, layer, candidates, n) queue-based policies: up to n experts to evict
-                                               from `candidates` (evictable residents)
-    predict(step) -> (L, p) int, -1 padded     experts to prefetch, best first, uploaded with
-                                               the INSERTS budget the misses left over
-    prior(rates)                               before the first step: (L, E) uses per step
+                                               once that use is observed (at step + 1); by
+                                               default admit(). A policy that does not admit
+                                               hands over +inf
+    not ranks_residents:                       queue-based policies, which have no priority:
+      choose_victims(step, layer, candidates, n) up to n experts to evict from `candidates`
+                                               (evictable residents)
+    predicts: predict(step) -> (L, p) int      experts to prefetch, best first, -1 padded,
+                                               uploaded with the INSERTS budget the misses left
+    takes_prior: prior(rates)                  before the first step: (L, E) uses per step
                                                from earlier runs (a usage profile) to start
                                                the policy's statistics from
 """
@@ -45,6 +48,11 @@ class Policy:
     name = "policy"
     offline_only = False  # needs the future observations (make_policy's future=)
     seeded = False        # takes make_policy's seed=
+    # capabilities (see the module docstring); each class sets what it can do
+    ranks_residents = True  # priority() orders the residents; False: choose_victims() picks them
+    admits = False          # admit() values a miss against its victim (an admission test)
+    predicts = False        # predict() names experts to prefetch
+    takes_prior = False     # prior() starts the statistics from a usage profile
 
     def bind(self, n_layers: int, n_expert: int, n_slots: int) -> None:
         self.n_layers, self.n_expert, self.n_slots = n_layers, n_expert, n_slots
@@ -60,6 +68,11 @@ class Policy:
 
     def evicted(self, step, layers, experts) -> None:
         pass
+
+    def worth_if_used(self, step, keys) -> np.ndarray:
+        """Eager admission's worth of a miss (a policy that admits): admit() unless the
+        policy counts the use about to be observed."""
+        return self.admit(step, keys)
 
 
 class Lru(Policy):
@@ -82,6 +95,7 @@ class DecayedLfu(Policy):
     survives eviction. Counts are kept scaled by growth**step so that decaying is free: all
     scores share the factor, so their order is the order of the decayed counts."""
     name = "lfu"
+    takes_prior = True
 
     def __init__(self, half_life: float = 32.0):
         if half_life <= 0:
@@ -123,6 +137,7 @@ class Heat(DecayedLfu):
     recency), so a one-off expert must not push out a popular one; the short half-life lets
     the estimate follow topic drift. One parameter, not tuned per model."""
     name = "heat"
+    admits = True
 
     def __init__(self, half_life: float = 16.0):
         super().__init__(half_life)
@@ -192,6 +207,7 @@ class Belady(Policy):
     the NextUse of the observations the engine will see, in order."""
     name = "belady"
     offline_only = True
+    admits = True
 
     def __init__(self, future: NextUse):
         self.future = future
@@ -235,6 +251,7 @@ class Arc(Policy):
     once recently, T2 those seen at least twice; ghost lists B1/B2 remember recent victims
     and steer the target size p of T1. Queue-based, so victims are chosen per layer."""
     name = "arc"
+    ranks_residents = False
 
     def bind(self, n_layers, n_expert, n_slots):
         super().bind(n_layers, n_expert, n_slots)
@@ -302,6 +319,7 @@ class Sieve(Policy):
     the oldest entry, clearing bits, and evicts the first unvisited expert. Hits only set a
     bit (no queue move), which is what makes it cheap and scan-resistant."""
     name = "sieve"
+    ranks_residents = False
 
     def bind(self, n_layers, n_expert, n_slots):
         super().bind(n_layers, n_expert, n_slots)

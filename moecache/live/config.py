@@ -68,7 +68,7 @@ class CacheConfig:
         if POLICIES[self.policy].offline_only:
             raise ConfigError(f"{ENV_PREFIX}POLICY={self.policy!r} needs future routing and only "
                               f"runs in offline replay (python -m moecache.replay)")
-        ranks = not hasattr(POLICIES[self.policy], "choose_victims")
+        ranks = POLICIES[self.policy].ranks_residents
         if self.admission is None:
             object.__setattr__(self, "admission", "eager" if ranks else "boundary")
         if self.admission not in ADMISSIONS:

@@ -63,6 +63,7 @@ class PopularityOracle(Policy):
     nothing about when an expert is used."""
     name = "popularity-oracle"
     offline_only = True
+    admits = True
 
     def __init__(self, ids):
         self.ids = ids
@@ -85,6 +86,7 @@ def log_bucket(x, n):
 
 class ScoreTable(Policy):
     """Base: a full (L, E) score matrix recomputed at each observation."""
+    admits = True
 
     def bind(self, n_layers, n_expert, n_slots):
         super().bind(n_layers, n_expert, n_slots)
@@ -182,6 +184,7 @@ class HeatMix(ScoreTable):
 
 class HeatPrefetch(DecayedLfu):
     name = "heat-prefetch"
+    admits = predicts = True
 
     def __init__(self, width=2):
         super().__init__(16.0)

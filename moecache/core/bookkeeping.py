@@ -1,0 +1,170 @@
+"""The engine's calls into native/engine_core.c (moecache._core): the C structs, the scratch
+buffers the calls share, and their results as numpy arrays. Nothing here decides: the rules
+are the C's (engine_core.c, moecache.core.engine), the choices the policy's
+(moecache.core.planner)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from .._core import ffi, lib
+
+
+def _counter_names() -> tuple[str, ...]:
+    """engine_core.h's mc_counter in value order, "MC_PREFETCH_HITS" -> "prefetch_hits"."""
+    values = ffi.typeof("mc_counter").relements
+    return tuple(name[len("MC_"):].lower()
+                 for name, _ in sorted(values.items(), key=lambda item: item[1]) if name != "MC_N_COUNTERS")
+
+
+COUNTERS = _counter_names()  # the names of mc_engine.counts' rows: the C enum is their one list
+# the slots a candidate may take besides free ones (mc_victims)
+FREE_ONLY, BY_PRIORITY, BY_VICTIM_ORDER = lib.MC_FREE_ONLY, lib.MC_BY_PRIORITY, lib.MC_BY_VICTIM_ORDER
+
+
+def _i64(array):
+    return ffi.from_buffer("int64_t[]", array)
+
+
+def _i32(array):
+    return ffi.from_buffer("int32_t[]", array)
+
+
+def _u8(array):  # numpy bool
+    return ffi.from_buffer("uint8_t[]", array)
+
+
+def _f64(array):
+    return ffi.NULL if array is None else ffi.from_buffer("double[]", array)
+
+
+def native_ids(ids: np.ndarray, n_expert: int) -> np.ndarray:
+    """ids as the C reads them: C-contiguous int32 or int64, range-checked where converting
+    could wrap them."""
+    if ids.dtype.kind == "i" and ids.itemsize >= 4 and ids.flags.c_contiguous:
+        return ids
+    if ids.dtype.kind != "i" or ids.itemsize < 4:  # not int32 or int64
+        if ids.size and (ids.min() < -1 or ids.max() >= n_expert):
+            bad = ids.min() if ids.min() < -1 else ids.max()
+            raise ValueError(f"expert ids must be in [-1, {n_expert}), got {bad}")
+        ids = ids.astype(np.int64)
+    return ids if ids.flags.c_contiguous else np.ascontiguousarray(ids)
+
+
+class Observation(NamedTuple):
+    hit_mask: np.ndarray   # like the ids
+    hits: np.ndarray       # (L,) int64
+    misses: np.ndarray     # (L,) int64
+    ids: np.ndarray        # the ids as the C reads them (native_ids)
+    any_miss: bool
+
+
+class Bookkeeping:
+    """One engine's C side: mc_engine pointing at the EngineState's arrays, and the scratch of
+    an upload decision (mc_choice), whose rows and slots Python reads between the calls."""
+
+    def __init__(self, state, track_prefetch: bool):
+        L, K = state.slot_expert.shape
+        E = state.expert_slot.shape[1]
+        self.n_layers, self.n_expert, self.n_slots = L, E, K
+        self._state = state
+        self._mark = np.zeros((L, E), dtype=bool)  # mc_engine.mark
+        core = self._core = ffi.new("mc_engine *")
+        core.n_layers, core.n_expert, core.n_slots = L, E, K
+        core.track_prefetch = track_prefetch
+        core.any_pinned = bool(state.pinned.any())
+        for name, table in (("slot_expert", state.slot_expert), ("expert_slot", state.expert_slot),
+                            ("assigned", state.assigned), ("in_flight", state.in_flight),
+                            ("prefetched", state.prefetched), ("pinned", state.pinned), ("used", state.used),
+                            ("mark", self._mark), ("usage", state.usage), ("counts", state.counts)):
+            setattr(core, name, ffi.cast(ffi.typeof(getattr(core, name)), table.ctypes.data))
+        self._observation = ffi.new("mc_observation *")
+        # an upload decision's rows (layers wanting slots) and their slots, for the victim ranking
+        self.rows, self.n_want = np.empty(L, dtype=np.int64), np.empty(L, dtype=np.int64)
+        self.keys = np.empty((L, K), dtype=np.int64)
+        self.free_slot = np.empty((L, K), dtype=bool)
+        self.evictable = np.empty((L, K), dtype=bool)
+        choice = self._choice = ffi.new("mc_choice *")
+        choice.rows, choice.n_want, choice.keys = _i64(self.rows), _i64(self.n_want), _i64(self.keys)
+        choice.free_slot, choice.evictable = _u8(self.free_slot), _u8(self.evictable)
+        self._grow_candidates(L * K)
+        self._cap = None  # the cap array choice.cap points at
+        self._ranked = ffi.new("mc_ranked[]", K)  # mc_handover's scratch
+
+    def _grow_candidates(self, n):
+        self.cand_layer, self.cand_expert = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
+        self._choice.cand_layer, self._choice.cand_expert = _i64(self.cand_layer), _i64(self.cand_expert)
+
+    def observe(self, ids: np.ndarray, lookups: bool) -> Observation:
+        """Count an (L, n) observation (mc_observe): hits, misses, uses, usage, prefetch hits.
+        Without lookups (a prompt the stock graph ran) nothing is a hit or a miss."""
+        L = self.n_layers
+        if ids.ndim != 2 or ids.shape[0] != L or ids.dtype.kind not in "iu":
+            raise ValueError(f"ids must be an integer array ({L}, n_used), got {ids.dtype} {ids.shape}")
+        native = native_ids(ids, self.n_expert)
+        hit_mask = np.empty(ids.shape, dtype=bool)
+        counts = np.empty((2, L), dtype=np.int64)  # hits, misses
+        used = np.zeros((L, self.n_expert), dtype=bool)  # new each step: a policy may keep it
+        obs = self._observation
+        obs.ids, obs.wide, obs.n = ffi.from_buffer(native), native.itemsize == 8, ids.shape[1]
+        obs.lookups = lookups
+        obs.used, obs.hit = _u8(used), _u8(hit_mask)
+        obs.counts = _i64(counts)
+        if lib.mc_observe(self._core, obs):
+            raise ValueError(f"expert ids must be in [-1, {self.n_expert}), got {obs.bad_id}")
+        self._state.used = used  # what mc_engine.used points at until the next observation
+        return Observation(hit_mask, counts[0], counts[1], native, bool(obs.any_miss))
+
+    def publish(self, jobs: np.ndarray, ready: int) -> int:
+        """Publish the first `ready` of these due uploads (the others count as late); returns
+        how many were published."""
+        return lib.mc_publish(self._core, _i32(jobs), len(jobs), ready)
+
+    def candidates(self, ids: np.ndarray, cap: np.ndarray | None) -> int:
+        """List the wanted experts of native (L, n) ids: not resident nor on their way, first
+        occurrence, at most cap[l] per layer (cap None: all). Returns how many (cand_layer,
+        cand_expert), -1 if an id is >= n_expert."""
+        if self.cand_layer.size < ids.size:
+            self._grow_candidates(ids.size)
+        return lib.mc_candidates(self._core, ffi.from_buffer(ids), ids.itemsize == 8, ids.shape[1],
+                                 ffi.NULL if cap is None else self._cap_arg(cap), self._choice)
+
+    def _cap_arg(self, cap):
+        if cap is not self._cap:
+            self._cap, self._choice.cap = cap, _i64(cap)
+        return self._choice.cap
+
+    def prepare(self, worth: np.ndarray | None, cap: np.ndarray, keep_used: bool) -> tuple[int, bool]:
+        """Keep the candidates to place, in admission order (by worth when given: (n_cand,)
+        float64, -inf refused), cap[l] per layer, and list the rows wanting slots (rows,
+        n_want, keys, free_slot, evictable). Returns the number of rows and whether any row
+        wants more slots than it has free."""
+        choice = self._choice
+        choice.worth = _f64(worth)
+        self._cap_arg(cap)
+        n_rows = lib.mc_prepare(self._core, choice, keep_used)
+        return n_rows, bool(choice.short_of_free)
+
+    def choose(self, how: int, rank: np.ndarray | None) -> np.ndarray:
+        """Place the kept candidates (mc_choose): the accepted uploads' job table."""
+        upload = np.empty((self._choice.n_cand, 3), dtype=np.int32)
+        n = lib.mc_choose(self._core, self._choice, how, _f64(rank), _i32(upload))
+        return upload[:n]
+
+    def commit(self, upload: np.ndarray, prefetch: bool) -> np.ndarray:
+        """Start these uploads over whatever their slots held (mc_commit): the victims' job table."""
+        evict = np.empty((len(upload), 3), dtype=np.int32)
+        n = lib.mc_commit(self._core, _i32(upload), len(upload), prefetch, _i32(evict))
+        return evict[:n]
+
+    def handover(self, priority: np.ndarray, worth: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Eager admission's victim order and the worth each victim keeps (mc_handover), from the
+        residents' (L, K) priority; sets worth (L, E) to -inf for experts resident or on their
+        way."""
+        victims = np.empty((self.n_layers, self.n_slots), dtype=np.int32)
+        victim_worth = np.empty((self.n_layers, self.n_slots))
+        lib.mc_handover(self._core, _f64(priority), _f64(worth), _i32(victims), _f64(victim_worth),
+                        self._ranked)
+        return victims, victim_worth
