@@ -281,3 +281,11 @@ def test_documented_prefill_warm_figures(path, figures):
             for k in (16, 32) for prefill in ("off", "warm")]
     assert [(round(100 * r.hit_rate, 1), round(r.upload_bytes_per_token / MIB, 1),
              round(r.prefill_upload_bytes_per_turn / MIB, 1)) for r in runs] == figures
+
+
+def test_the_default_admission_is_the_live_caches(tmp_path):
+    # eager, as LLAMA_MOE_CACHE_ADMISSION defaults to; boundary for a policy that picks its victims
+    out = tmp_path / "r.csv"
+    assert cli(GPTOSS, "--slots", "8", "--policies", "lru,arc,default", "--csv", out) == 0
+    rows = {row["policy"]: row["admission"] for row in csv.DictReader(out.open())}
+    assert rows == {"lru": "eager", "arc": "boundary", "default(heat)": "eager"}

@@ -38,6 +38,12 @@ import numpy as np
 ADMISSIONS = ("boundary", "eager")  # a miss is uploaded at the next boundary, or during its graph
 
 
+def live_admission(policy) -> str:
+    """The live cache's default timing for a policy (class or object): eager, or boundary for
+    one that picks its victims itself (eager admission needs residents ranked by priority)."""
+    return "eager" if policy.ranks_residents else "boundary"
+
+
 @dataclass
 class Handover:
     """A boundary's instructions for the next graph (see the module docstring)."""

@@ -6,7 +6,7 @@ import os
 import tempfile
 from dataclasses import dataclass, fields
 
-from ..core.admission import ADMISSIONS
+from ..core.admission import ADMISSIONS, live_admission
 from ..core.policies import DEFAULT_POLICY, POLICIES
 from ..util import parse_int
 
@@ -70,7 +70,7 @@ class CacheConfig:
                               f"runs in offline replay (python -m moecache.replay)")
         ranks = POLICIES[self.policy].ranks_residents
         if self.admission is None:
-            object.__setattr__(self, "admission", "eager" if ranks else "boundary")
+            object.__setattr__(self, "admission", live_admission(POLICIES[self.policy]))
         if self.admission not in ADMISSIONS:
             raise ConfigError(f"{ENV_PREFIX}ADMISSION={self.admission!r} is not a timing; "
                               f"choose from {', '.join(ADMISSIONS)}")

@@ -24,9 +24,9 @@ import csv
 import math
 import os
 
-from ..core.admission import ADMISSIONS
+from ..core.admission import ADMISSIONS, live_admission
 from ..core.banks import equal_bytes
-from ..core.policies import DEFAULT_POLICY, POLICIES
+from ..core.policies import DEFAULT_POLICY, POLICIES, resolve_policy
 from ..core.profile import UsageProfile
 from ..core.traces import DECODE, PREFILL, read_trace
 from ..util import OneLineParser, Progress, atomic_write, int_arg, int_list_arg
@@ -89,9 +89,10 @@ def parser() -> OneLineParser:
                          f"upstream (llama.cpp's own cache, at each K's device bytes and each budget)")
     ap.add_argument("--inserts", type=_inserts_arg, default=2,
                     help="uploads per layer per step, or 'unlimited'")
-    ap.add_argument("--admission", type=admission_list_arg, default=["boundary"],
+    ap.add_argument("--admission", type=admission_list_arg,
                     help=f"per-layer admission timings, comma separated: {', '.join(ADMISSIONS)} "
-                         f"(default boundary)")
+                         f"(default: the live cache's, eager, or boundary for a policy that picks its "
+                         f"victims itself: arc, sieve)")
     ap.add_argument("--budget-mib", type=_budgets_arg, default=[],
                     help="byte budgets, comma separated: the global model's (BigMoeOnEdge), and the "
                          "per-layer model at the largest K that fits")
@@ -176,7 +177,8 @@ def run(args, trace, profile) -> list[ReplayResult]:
     # (model, policy, size, options, what the result stands against: the K of an upstream run,
     # the budget of a per-layer run sized by one)
     per_layer = [(p, {"inserts": args.inserts, "prefill": args.prefill, "profile": profile,
-                      "admission": a}) for p in args.policies if p in policy_names(PER_LAYER) for a in args.admission]
+                      "admission": a}) for p in args.policies if p in policy_names(PER_LAYER)
+                 for a in args.admission or [live_admission(POLICIES[resolve_policy(p)])]]
     runs = [(PER_LAYER, p, k, options, {}) for p, options in per_layer for k in args.slots] + \
            [(PER_LAYER, p, args.budget_slots[b], options, {"budget_mib": b}) for p, options in per_layer
             for b in args.budget_mib] + \
