@@ -57,8 +57,25 @@ def test_repacked_host_experts_stay_repacked(capfd, rpc_device, q4_synth):
         stats["totals"]["uploads"] + stats["totals"]["prefill_uploads"] + unreported(cache)
 
 
+def _append_zeros(path):
+    with open(path, "ab") as f:
+        f.write(b"\0" * 64)
+
+
+def _rewrite_in_place_as_it_was_stamped(path):
+    """New bytes in the same file, its size and modification time set back (as a copy tool
+    preserving times would): only the status change time, which no one can set, tells."""
+    before = os.stat(path)
+    with open(path, "r+b") as f:
+        f.seek(before.st_size // 2)
+        f.write(bytes(64))
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert os.stat(path).st_size == before.st_size and os.stat(path).st_mtime_ns == before.st_mtime_ns
+
+
+@pytest.mark.parametrize("change", [_append_zeros, _rewrite_in_place_as_it_was_stamped])
 def test_a_model_file_changed_after_load_stops_uploads_and_decoding_stays_stock(
-        tmp_path, caplog, rpc_device, q4_synth):
+        tmp_path, caplog, rpc_device, q4_synth, change):
     import shutil
 
     path = tmp_path / "model.gguf"
@@ -66,8 +83,7 @@ def test_a_model_file_changed_after_load_stops_uploads_and_decoding_stays_stock(
     stock = greedy(load(str(path), repack=True), PROMPT, 24)
     llm = load(str(path), repack=True)
     cache = attach(llm, slots=4, inserts=2, policy="lru")
-    with open(path, "ab") as f:  # the file is not what was loaded any more
-        f.write(b"\0" * 64)
+    change(path)  # the file is not what was loaded any more
     with moecache_log_lines(caplog) as lines:
         tokens, logits = greedy(llm, PROMPT, 24)
     assert tokens == stock[0] and np.array_equal(logits, stock[1])  # no slot was ever used
