@@ -19,12 +19,12 @@ from conftest import PROMPT, REPO, greedy, load, moecache_log_lines, record_plan
 llama_cpp = pytest.importorskip("llama_cpp")
 
 from moecache.core.profile import UsageProfile  # noqa: E402
+from moecache.core.traces import read_trace  # noqa: E402
 from moecache.live.activate import attach  # noqa: E402
 
 
 @pytest.mark.parametrize("policy", ["lru", "default"])
 def test_live_trace_replays_to_the_live_hit_count(tmp_path, rpc_device, smol_path, policy):
-    from moecache.core.traces import read_trace
     from moecache.offline.replay import PER_LAYER, simulate
 
     trace_path = tmp_path / "live.route.csv"
@@ -165,7 +165,6 @@ def test_stats_profile_and_trace_survive_a_crash(tmp_path, tiny_path, killed):
     import select
     import signal
 
-    from moecache.core.traces import read_trace
 
     files = {name: tmp_path / name for name in ("stats.json", "profile.json", "trace.csv")}
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_MOE_CACHE_")}
@@ -204,3 +203,24 @@ def test_stats_profile_and_trace_survive_a_crash(tmp_path, tiny_path, killed):
     assert (profile_steps == profile_steps[0]).all() and profile_steps[0] % 4 == 0 and profile_steps[0] >= 4
     trace = read_trace(str(files["trace.csv"]))
     assert (trace.phase == 1).sum() >= steps
+
+
+def test_two_contexts_sharing_report_paths_each_get_their_own(tmp_path, caplog, rpc_device, tiny_path):
+    # one process, two contexts, one TRACE and STATS setting: the second writes NAME.1.EXT
+    stats, trace = tmp_path / "stats.json", tmp_path / "trace.csv"
+    first, second = load(tiny_path), load(tiny_path)
+    with moecache_log_lines(caplog) as lines:
+        caches = [attach(llm, slots=2, stats=str(stats), trace=str(trace)) for llm in (first, second)]
+        for llm in (first, second):
+            greedy(llm, PROMPT, 6)
+    assert [line for line in lines if "another context" in line] == [
+        f"moecache: LLAMA_MOE_CACHE_STATS={str(stats)!r} is another context's in this process: this context "
+        f"writes {str(tmp_path / 'stats.1.json')!r}",
+        f"moecache: LLAMA_MOE_CACHE_TRACE={str(trace)!r} is another context's in this process: this context "
+        f"writes {str(tmp_path / 'trace.1.csv')!r}"]
+    for cache in caches:
+        cache.close()
+    for path in (stats, tmp_path / "stats.1.json"):
+        assert json.loads(path.read_text())["decode_steps"] > 0
+    for path in (trace, tmp_path / "trace.1.csv"):
+        assert read_trace(str(path)).ids.shape[0] > 0  # readable: one writer each

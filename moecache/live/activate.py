@@ -4,7 +4,10 @@ host memory (install, called by the patched llama_cpp)."""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import logging
+import os
 import sys
 
 from . import native, placement, sizing
@@ -65,6 +68,7 @@ def _open_cache(ctx, config: CacheConfig, *, model_name: str, model_path: str | 
     """Probe the model, plan the cache (K), allocate it once, then the cache on it."""
     if not config.enabled:
         raise ConfigError("LLAMA_MOE_CACHE_SLOTS is 0: the cache is off")
+    config = _own_report_files(ctx, config)
     facts = probe(ctx, config, model_path)
     plan = sizing.plan_cache(config, facts, tensor_split)
     try:
@@ -75,6 +79,26 @@ def _open_cache(ctx, config: CacheConfig, *, model_name: str, model_path: str | 
     except BaseException:
         native.init(ctx, 0)  # release the slots: stock, not an idle split
         raise
+
+
+def _own_report_files(ctx, config: CacheConfig) -> CacheConfig:
+    """config with a STATS and a TRACE file of this context's own: where another live context of
+    this process writes the same file, this one writes NAME.1.EXT (.2, ...) instead, said in one
+    line; two writers would leave the last one's stats and an unreadable trace. (PROFILE is
+    shared on purpose: the counts are merged under a lock.)"""
+    changes = {}
+    for name in ("stats", "trace"):
+        path = getattr(config, name)
+        taken = {os.path.realpath(getattr(c.config, name)) for c in _caches
+                 if c.ctx != ctx and not c.detached and getattr(c.config, name)}
+        if not path or os.path.realpath(path) not in taken:
+            continue
+        stem, ext = os.path.splitext(path)
+        own = next(f"{stem}.{n}{ext}" for n in itertools.count(1) if os.path.realpath(f"{stem}.{n}{ext}") not in taken)
+        log.warning("moecache: LLAMA_MOE_CACHE_%s=%r is another context's in this process: this context "
+                    "writes %r", name.upper(), path, own)
+        changes[name] = own
+    return dataclasses.replace(config, **changes) if changes else config
 
 
 def _register(cache: LiveCache) -> LiveCache:
