@@ -128,10 +128,12 @@ def moecache_log_lines(caplog):
     lines: list[str] = []
     moecache_log = logging.getLogger("moecache")
     moecache_log.addHandler(caplog.handler)
+    propagate, moecache_log.propagate = moecache_log.propagate, False  # else caplog gets each twice
     try:
         yield lines
     finally:
         moecache_log.removeHandler(caplog.handler)
+        moecache_log.propagate = propagate
         lines += [r.getMessage() for r in caplog.records if r.name == "moecache"]
 
 

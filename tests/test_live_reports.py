@@ -137,7 +137,7 @@ def test_a_full_disk_at_start_leaves_the_cache_without_its_trace(tmp_path, caplo
         greedy(llm, PROMPT, 4)
     errors = [line for line in lines if "LLAMA_MOE_CACHE_TRACE" in line]
     assert len(errors) == 1 and "No space left on device - no trace, the cache runs" in errors[0], errors
-    assert cache.trace is None and cache.failed is None and cache.stats()["totals"]["hits"] > 0
+    assert cache.trace is None and cache.failed is None and cache.stats()["decode_steps"] == 3  # it runs
 
 
 DECODING_FOREVER = """
