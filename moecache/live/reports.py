@@ -164,9 +164,6 @@ class Reports:
         new = usage - self._profile_saved  # what the file does not have yet
         if not new.any():
             return
-        profile = UsageProfile(self._profile_name, self._layers, new)
-        if os.path.exists(self.config.profile):
-            profile = profile.merged(UsageProfile.load(self.config.profile, layers=self._layers,
-                                                       n_expert=profile.n_expert))
-        profile.save(self.config.profile)
+        # another run or context may have added to the file: merged under its lock
+        UsageProfile(self._profile_name, self._layers, new).add_to(self.config.profile)
         self._profile_saved = usage
