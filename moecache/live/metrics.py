@@ -18,7 +18,7 @@ PER_LAYER = {  # stats counter -> help
     "late": "Uploads not complete at the boundary they were due",
     "prefill_uploads": "Uploads of the prompt's experts",
 }
-PER_CACHE_COUNTERS = {
+PER_CACHE_COUNTERS = {  # stats counter -> help; upload_bytes is one of the stats' totals
     "decode_steps": "Decode steps the cache observed",
     "decode_tokens": "Tokens in those steps",
     "prefill_tokens": "Prompt tokens the cache observed",
@@ -48,7 +48,7 @@ class CacheCollector:
                 for name, family in layer_families.items():
                     family.add_metric([context, str(layer["layer"])], layer[name])
             for name, family in cache_families.items():
-                family.add_metric([context], stats["totals"][name] if name == "upload_bytes" else stats[name])
+                family.add_metric([context], stats[name] if name in stats else stats["totals"][name])
             if stats["hit_rate"] is not None:
                 ratio.add_metric([context], stats["hit_rate"])
             step.add_metric([context], (stats["step_us_mean"] or 0) / 1e6)
