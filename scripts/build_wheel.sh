@@ -174,12 +174,22 @@ else
     echo "build_wheel: ccache not found: a full build (510 s on a fresh 2-core machine, docs/build.md)"
 fi
 
+# No AMX on x86: ggml's AMX kernels only serve dense matmuls on the CPU (never the experts'
+# MUL_MAT_ID, which the cache splits), and on KVM guests that advertise AMX without enabling it
+# their first tile instruction dies with SIGILL (seen on a project machine: stock CPU decode of a
+# Q4_1 model). A -march=native build turns them on wherever the CPU says it has AMX.
+no_amx=()
+if [ "$(uname -m)" = x86_64 ] && echo 'int x;' | ${CC:-cc} -mno-amx-tile -mno-amx-int8 -mno-amx-bf16 -x c -c - -o /dev/null 2>/dev/null; then
+    amx_off="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    no_amx=(--config-settings="cmake.define.CMAKE_C_FLAGS=$amx_off" --config-settings="cmake.define.CMAKE_CXX_FLAGS=$amx_off")
+fi
+
 echo "build_wheel: building $(sed -n 's/^__version__ = "\(.*\)"$/\1/p' "$src/llama_cpp/__init__.py") ($flags)"
 start=$(date +%s)
 rm -rf "$wheel_dir.tmp" && mkdir -p "$wheel_dir.tmp"
 CMAKE_ARGS="$flags" CMAKE_BUILD_PARALLEL_LEVEL=$jobs \
     "${PYTHON:-python3}" -m pip wheel --no-deps "${pip_offline[@]}" --wheel-dir "$wheel_dir.tmp" \
-        --config-settings=build-dir="$cache/build/cmake" --config-settings=cmake.verbose=false "$src" \
+        --config-settings=build-dir="$cache/build/cmake" --config-settings=cmake.verbose=false "${no_amx[@]}" "$src" \
     || die "the wheel build failed (see the compiler output above)"
 rm -rf "$wheel_dir" && mv "$wheel_dir.tmp" "$wheel_dir"
 publish

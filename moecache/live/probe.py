@@ -13,7 +13,12 @@ from dataclasses import dataclass
 from . import ggml, native
 from .config import CacheConfig
 
-EXPERT_TENSORS = ("ffn_up_exps", "ffn_gate_exps", "ffn_down_exps")  # the order libllama allocates
+# the per-expert tensors libllama banks, in its order (moe_cache_banked in llama-moe-cache.cpp): every
+# tensor of the expert FFN but the down bias, which the graph adds after the merge
+BANKED_TENSORS = ("ffn_up_exps.weight", "ffn_gate_exps.weight", "ffn_gate_up_exps.weight",
+                  "ffn_down_exps.weight", "ffn_up_exps.bias", "ffn_gate_exps.bias",
+                  "ffn_gate_up_exps.bias", "ffn_up_exps.scale", "ffn_gate_exps.scale",
+                  "ffn_down_exps.scale")
 NO_LAYERS = "libllama cached no layer (its log says why); decoding stays stock"
 
 
@@ -27,7 +32,7 @@ class CachedLayer:
     il: int             # the model layer
     n_expert: int
     n_expert_used: int
-    expert_bytes: int   # one expert's up, gate and down
+    expert_bytes: int   # one expert's banked tensors (weights, biases, scales)
     from_file: bool     # its slots are read from the model file (repacked host experts)
     device: str         # the buffer type holding its slots
 
@@ -72,7 +77,7 @@ class ModelFacts:
     arch: str
     n_expert: int                    # experts per layer, from the model's metadata
     path: str | None                 # its GGUF, when known
-    shapes: dict[int, list[tuple[int, int, int]]]  # {model layer: expert tensors}, see expert_shapes
+    shapes: dict[int, tuple[tuple[int, ...], ...]]  # {model layer: its banked tensors}, see expert_shapes
     shapes_problem: str | None       # why shapes is empty
     devices: Devices                 # their free memory before the cache
     trial: list[CachedLayer] | None  # the layers a budget's trial allocation cached; None: SLOTS=K
@@ -108,7 +113,7 @@ def _model_shapes(path: str | None):
         shapes = expert_shapes(path)
     except Exception as e:  # noqa: BLE001 - gguf-py may not read what llama.cpp did (a newer type)
         return {}, cannot_size(path, e)
-    return shapes, None if shapes else f"no separate up, gate and down expert tensors in {path}"
+    return shapes, None if shapes else f"no routed expert tensors in {path}"
 
 
 def cannot_size(path: str, error: Exception) -> str:
@@ -146,21 +151,24 @@ def model_file(ctx) -> str | None:
     return _model_files.get(int(native.ffi.cast("uintptr_t", model)))
 
 
-def expert_shapes(path: str) -> dict[int, list[tuple[int, int, int]]]:
-    """{model layer: [(ggml type, ne0, ne1) of up, gate, down]} for the layers with separate
-    expert tensors, read from the GGUF at path (and its other split files)."""
+def expert_shapes(path: str) -> dict[int, tuple[tuple[int, ...], ...]]:
+    """{model layer: ((ggml type, ne...) of each banked tensor, in libllama's order)} for the
+    layers with routed experts, read from the GGUF at path (and its other split files); the
+    dimensions stop before the last one, which indexes the experts."""
     import gguf
 
-    pattern = re.compile(r"blk\.(\d+)\.(%s)\.weight" % "|".join(EXPERT_TENSORS))
-    found: dict[int, dict[str, tuple[int, int, int]]] = {}
+    pattern = re.compile(r"blk\.(\d+)\.(%s)" % "|".join(re.escape(n) for n in BANKED_TENSORS))
+    found: dict[int, dict[str, tuple[int, ...]]] = {}
     for part in _split_files(path):
         for tensor in gguf.GGUFReader(part).tensors:
             match = pattern.fullmatch(tensor.name)
             if match:
                 ne = [int(n) for n in tensor.shape]
-                found.setdefault(int(match[1]), {})[match[2]] = (int(tensor.tensor_type), ne[0], ne[1])
-    return {il: [parts[name] for name in EXPERT_TENSORS]
-            for il, parts in sorted(found.items()) if len(parts) == len(EXPERT_TENSORS)}
+                found.setdefault(int(match[1]), {})[match[2]] = (int(tensor.tensor_type), *ne[:-1])
+    return {il: tuple(parts[name] for name in BANKED_TENSORS if name in parts)
+            for il, parts in sorted(found.items())
+            if "ffn_down_exps.weight" in parts
+            and ("ffn_up_exps.weight" in parts or "ffn_gate_up_exps.weight" in parts)}
 
 
 def _split_files(path: str) -> list[str]:

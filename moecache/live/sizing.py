@@ -4,9 +4,10 @@ report), and the plan that says where the memory goes. Planning allocates nothin
 what moecache.live.probe found, and moecache.live.allocation allocates the plan.
 
 A cached layer's slots live in the device buffer of its router, in banks: the layers of one
-expert layout (the up, gate and down experts' types and shapes) on one device share up, gate and
-down bank tensors [ne0, ne1, n_layers*K + 1], K slots each plus ONE all-zero slot per bank that
-uncached experts are remapped to; and the device holds an I32 id -> slot table of all its cached
+expert layout (the types and shapes of their banked tensors: the expert weights, and the biases
+and per-expert scales that go with them, moecache.live.probe.BANKED_TENSORS) on one device share
+a bank of each, [..., n_layers*K + 1] along its expert dimension, K slots each plus ONE all-zero
+slot per bank that uncached experts are remapped to; and the device holds an I32 id -> slot table of all its cached
 layers' experts. Each tensor is padded as that buffer type pads it. The bytes of
 K are computed by ggml itself (ggml_backend_alloc_ctx_tensors_from_buft_size) from the expert
 tensors' types and shapes in the model's GGUF; which layers are cached, and on which device,
@@ -132,9 +133,15 @@ class SlotBytes:
             buft, signatures = self.groups[device]
             tensors = [(GGML_TYPE_I32, 1, self.n_expert * sum(signatures.values()), 1)]
             for signature, count in sorted(signatures.items()):  # libllama's order of the banks
-                tensors += [(t, ne0, ne1, count * k + 1) for t, ne0, ne1 in signature]
+                tensors += [bank_tensor(part, count * k + 1) for part in signature]
             self._memo[device, k] = ggml.buffer_bytes(buft, tensors)
         return self._memo[device, k]
+
+
+def bank_tensor(part: tuple[int, ...], n_slots: int) -> tuple[int, int, int, int]:
+    """(ggml type, ne0, ne1, ne2) of the bank of n_slots slots of a banked tensor (type, ne...)."""
+    ggml_type, *ne = part
+    return (ggml_type, *(ne + [n_slots] + [1, 1])[:3])
 
 
 def slot_bytes(facts: ModelFacts, plans: list[DevicePlan]) -> SlotBytes:
