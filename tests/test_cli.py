@@ -67,15 +67,13 @@ def test_run_py_context_smaller_than_the_prompt(tiny_path):
     assert not any("Traceback" in line or "broadcast" in line for line in lines), lines
 
 
-def test_run_py_unsupported_architecture_warns_once_and_runs_stock():
+def test_run_py_without_a_device_warns_once_and_runs_stock(tiny_path):
     pytest.importorskip("llama_cpp")
-    from moecache.models import tiny_moe
-
-    path = str(tiny_moe(n_layer=2, n_expert=8, arch="granitemoe"))
-    cached = run_py("-m", path, "-n", "8", "--no-chat", "-p", "The three primary colors are")
+    cached = run_py("-m", tiny_path, "-n", "8", "-ngl", "0", "--no-chat", "-p", "The three primary colors are")
     assert cached.returncode == 0, cached.stderr
     warnings = [line for line in cached.stderr.splitlines() if "warning" in line]
-    assert len(warnings) == 1 and "'granitemoe' is not supported" in warnings[0], cached.stderr
+    assert len(warnings) == 1 and "router on a device" in warnings[0], cached.stderr
     assert "decoding runs the stock graph" in warnings[0]
-    stock = run_py("-m", path, "-n", "8", "--no-chat", "-p", "The three primary colors are", "--slots", "0")
+    stock = run_py("-m", tiny_path, "-n", "8", "-ngl", "0", "--no-chat", "-p", "The three primary colors are",
+                   "--slots", "0")
     assert stock.returncode == 0 and _text(cached) == _text(stock) and _text(stock)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -125,19 +126,22 @@ def test_replay_budget_below_one_slot_per_layer_is_one_line(capsys):
 # --- on sized RPC devices --------------------------------------------------------------------------
 
 def expected_bytes(path: str, layers, k: int, alignment: int) -> int:
-    """What K slots per layer take on a device: per expert layout (the up, gate and down
-    experts' types and shapes), up, gate and down banks [ne0, ne1, n_layers*K + 1] (one zero
-    slot per bank), and the I32 id -> slot table of all the layers, each padded to the
-    alignment."""
+    """What K slots per layer take on a device: per expert layout (the types and shapes of a
+    layer's per-expert tensors: weights, biases, scales, all but the down bias, which the graph
+    adds after the merge), a bank of each with n_layers*K + 1 slots (one zero slot per bank), and
+    the I32 id -> slot table of all the layers, each padded to the alignment."""
     import gguf
 
     pad = lambda n: -(-n // alignment) * alignment  # noqa: E731
     tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    banked = re.compile(r"blk\.(\d+)\.ffn_(up|gate|gate_up|down)_exps\.(weight|bias|scale)")
     layouts = {}
     for il in layers:
-        parts = [tensors[f"blk.{il}.ffn_{name}_exps.weight"] for name in ("up", "gate", "down")]
-        key = tuple((int(t.tensor_type), *map(int, t.shape[:2])) for t in parts)
-        layouts.setdefault(key, [0, [int(t.n_bytes) // int(t.shape[2]) for t in parts]])[0] += 1
+        parts = [t for name, t in sorted(tensors.items())
+                 if (m := banked.fullmatch(name)) and int(m[1]) == il and not name.endswith("down_exps.bias")]
+        key = tuple((m[2], m[3], int(t.tensor_type), *map(int, t.shape[:-1]))
+                    for t in parts for m in [banked.fullmatch(t.name)])
+        layouts.setdefault(key, [0, [int(t.n_bytes) // int(t.shape[-1]) for t in parts]])[0] += 1
     total = pad(4 * sum(int(tensors[f"blk.{il}.ffn_gate_inp.weight"].shape[1]) for il in layers))
     for count, per_expert in layouts.values():
         total += sum(pad((count * k + 1) * size) for size in per_expert)
@@ -232,6 +236,21 @@ def test_mib_gives_the_k_the_arithmetic_predicts(sized_model):
     fixed = results[-1]
     assert fixed["slots"] == 5 and fixed["plan"]["devices"][0]["budget"] is None
     assert fixed["device_bytes"] == expected_bytes(sized_model, [0, 1], 5, fixed["alignment"])
+
+
+@pytest.mark.parametrize("arch", ["gpt-oss", "gemma4", "qwen3next"])  # biases; fused gate_up and scales
+def test_mib_counts_every_banked_tensor(arch):
+    """Biases and per-expert scales are banked with the weights: the plan's bytes, what libllama
+    allocates and the arithmetic of the GGUF's per-expert tensors agree, and the cache is exact."""
+    from moecache.models import tiny_moe
+
+    path = str(tiny_moe(arch=arch, n_layer=2, n_expert=16, n_embd=64, n_ff_exp=256, expert_type="q8_0"))
+    results, _ = run_scenario(path, [64], [{"mib": 1}, {"slots": 3}], exact=True)
+    for row in results:
+        assert "error" not in row, row
+        assert row["device_bytes"] == expected_bytes(path, row["layers"], row["slots"], row["alignment"])
+        assert row["plan"]["bytes"] == row["device_bytes"] and row["exact"]
+    assert results[0]["slots"] == expected_k(path, results[0]["layers"], MIB, results[0]["alignment"], 16)
 
 
 def test_below_one_slot_names_the_minimum():

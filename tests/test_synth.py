@@ -27,21 +27,23 @@ def test_preset_shapes_and_metadata(tmp_path, preset):
     path = synth.synth_moe(preset, tmp_path / "m.gguf", threads=2, **SMALL)
     reader = gguf.GGUFReader(path)
     kv = _fields(reader)
-    assert kv["general.architecture"] == "qwen3moe"
-    assert kv["qwen3moe.block_count"] == 2
-    assert kv["qwen3moe.expert_count"] == full.n_expert
-    assert kv["qwen3moe.expert_used_count"] == full.n_expert_used
-    assert kv["qwen3moe.expert_feed_forward_length"] == 32
+    a = full.arch
+    assert kv["general.architecture"] == a
+    assert kv[f"{a}.block_count"] == 2
+    assert kv[f"{a}.expert_count"] == full.n_expert
+    assert kv[f"{a}.expert_used_count"] == full.n_expert_used
+    assert kv[f"{a}.expert_feed_forward_length"] == 32
     assert kv["moecache.synth.preset"] == preset
     assert kv["moecache.synth.locality"] == pytest.approx(synth.DEFAULT_LOCALITY)
 
     tensors = {t.name: t for t in reader.tensors}
     q4_0 = gguf.GGMLQuantizationType.Q4_0
-    for kind, ne in (("gate", (64, 32, full.n_expert)), ("up", (64, 32, full.n_expert)),
-                     ("down", (32, 64, full.n_expert))):
+    experts = ((("gate_up", (64, 64, full.n_expert)),) if a == "qwen3next" else
+               (("gate", (64, 32, full.n_expert)), ("up", (64, 32, full.n_expert))))
+    for kind, ne in (*experts, ("down", (32, 64, full.n_expert))):
         t = tensors[f"blk.1.ffn_{kind}_exps.weight"]
         assert t.tensor_type == q4_0 and tuple(int(x) for x in t.shape) == ne
-    assert tuple(int(x) for x in tensors["blk.0.attn_q.weight"].shape) == (64, 4 * 16)
+    assert tuple(int(x) for x in tensors["blk.0.ffn_gate_inp.weight"].shape) == (64, full.n_expert)
     assert tensors["blk.0.ffn_gate_inp.weight"].tensor_type == gguf.GGMLQuantizationType.F32
     assert sum(int(t.n_bytes) for t in reader.tensors) == synth.file_bytes(
         synth.Shape(**{**vars(full), **SMALL}))
@@ -50,6 +52,8 @@ def test_preset_shapes_and_metadata(tmp_path, preset):
 def test_full_presets_have_the_documented_sizes():
     assert synth.file_bytes(synth.PRESETS["qwen3-30b-a3b"]) == pytest.approx(17.0e9, rel=0.03)
     assert synth.file_bytes(synth.PRESETS["moe-512x10"]) == pytest.approx(44.0e9, rel=0.03)
+    assert synth.file_bytes(synth.PRESETS["gpt-oss-20b"]) == pytest.approx(11.0e9, rel=0.03)
+    assert synth.file_bytes(synth.PRESETS["qwen3-next-80b-a3b"]) == pytest.approx(45.0e9, rel=0.03)
 
 
 def test_random_q4_0_blocks_have_unit_gain_and_no_bias():
@@ -112,13 +116,14 @@ def test_cli_prints_the_path(tmp_path):
     assert run.stdout.strip() == str(out) and out.is_file()
 
 
-def test_shrunk_model_decodes_along_its_token_cycle(rpc_device, tmp_path):
+@pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "gpt-oss-20b", "qwen3-next-80b-a3b"])  # one per arch
+def test_shrunk_model_decodes_along_its_token_cycle(rpc_device, tmp_path, preset):
     """The residual stream stays dominated by the embedding: greedy decoding walks the
     vocabulary cycle (no token repeats within a cycle), which is what routing locality rests on."""
     pytest.importorskip("llama_cpp")
     from conftest import greedy, load
 
-    path = synth.synth_moe("qwen3-30b-a3b", tmp_path / "m.gguf", n_layer=4, n_expert=16,
+    path = synth.synth_moe(preset, tmp_path / "m.gguf", n_layer=4, n_expert=16,
                            n_expert_used=2, n_embd=64, n_ff_exp=32, n_head=4, n_head_kv=2, head_dim=16)
     tokens, logits = greedy(load(str(path)), b"The three primary colors are", 48)
     assert len(set(tokens)) == len(tokens)

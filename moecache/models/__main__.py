@@ -31,11 +31,11 @@ def parser() -> OneLineParser:
         sub.add_argument("--out", dest="path", metavar="PATH", help=f"output file (default: a file in {cache_dir()})")
         return sub
 
-    tiny = model("tiny", tiny_moe, "a random tiny qwen3moe model (milliseconds; for tests)")
+    tiny = model("tiny", tiny_moe, "a random tiny MoE model of a llama.cpp architecture (milliseconds; for tests)")
     tiny.add_argument("--layers", dest="n_layer", type=int_arg(), metavar="N", help="layers (default 2)")
     tiny.add_argument("--embd", dest="n_embd", type=int_arg(), metavar="D", help="n_embd (default 64)")
     tiny.add_argument("--expert-type", metavar="T", help=f"{' | '.join(EXPERT_TYPES)} (default f32)")
-    tiny.add_argument("--arch", metavar="A", help=f"{' | '.join(ARCHS)} (default qwen3moe)")
+    tiny.add_argument("--arch", metavar="A", help=f"the GGUF architecture: {' | '.join(sorted(ARCHS))} (default qwen3moe)")
     model("smol-moe", smol_moe, "SmolLM2-135M upcycled into an MoE (the default model)")
     synth = model("synth", synth_moe, "a shape-realistic random MoE model (for benchmarks)")
     synth.add_argument("--layers", dest="n_layer", type=int_arg(), metavar="N", help="layers (shrinks the model)")

@@ -2,7 +2,8 @@
 
 A synthetic model has the tensor shapes, types and therefore the bytes per token of a real MoE
 model, so decode speed, expert sizes and cache traffic are those of the real thing; its
-weights are random, so its text is not. Presets (architecture ``qwen3moe``, experts Q4_0):
+weights are random, so its text is not. Presets (experts Q4_0; architecture ``qwen3moe`` unless
+said):
 
 * ``qwen3-30b-a3b``: Qwen3-30B-A3B: 48 layers, 128 experts, top-8, n_embd 2048, expert ff 768,
   32 query / 4 KV heads of dim 128. About 17 GB.
@@ -11,6 +12,14 @@ weights are random, so its text is not. Presets (architecture ``qwen3moe``, expe
   2 KV heads of dim 256. Qwen3-Next's hybrid linear attention and shared expert are left out
   (full attention, routed experts only), so this is its expert traffic, not its attention.
   About 44 GB.
+* ``gpt-oss-20b``: gpt-oss-20b as architecture ``gpt-oss`` (SwiGLU-OAI experts with biases, a
+  router bias, attention sinks and biases, every other layer windowed): 24 layers, 32 experts,
+  top-4, n_embd 2880, expert ff 2880, 64 query / 8 KV heads of dim 64. Its real experts are
+  MXFP4 (4.25 bits a weight), these Q4_0 (4.5). About 11 GB.
+* ``qwen3-next-80b-a3b``: Qwen3-Next-80B-A3B as architecture ``qwen3next``: the moe-512x10 shape
+  with its real layer structure (3 gated delta net layers to 1 gated full attention layer, a
+  sigmoid-gated shared expert of one expert's width) and the experts' gate and up fused in one
+  tensor (``ffn_gate_up_exps``). About 45 GB.
 
 Every shape field can be overridden (``--layers N`` etc.) to shrink a preset for CPU tests.
 The vocabulary is the tiny model's byte-level one (269 tokens): tokenizing works, the
@@ -59,7 +68,8 @@ __all__ = ["DEFAULT_LOCALITY", "MAX_LOCALITY", "PRESETS", "Shape", "file_bytes",
 #: bump when the bytes written for the same arguments change; cached files are then rebuilt
 VERSION = 1
 
-ARCH = "qwen3moe"
+#: the architectures a synthetic model can have (Shape.arch): the per-layer tensors of each
+ARCHS = ("qwen3moe", "gpt-oss", "qwen3next")
 MAX_LOCALITY = 0.95   # above this the per-token part is too small for greedy to follow the cycle
 DEFAULT_LOCALITY = 0.6
 CURVE_MODES = 3       # Fourier modes of the drifting curve: how fast the popular subset moves
@@ -81,6 +91,7 @@ class Shape:
     head_dim: int
     n_ff: int            # the dense FFN width the real model declares (metadata only)
     context_length: int = 4096
+    arch: str = "qwen3moe"  # one of ARCHS
 
     def __post_init__(self):
         parse_int(self.n_layer, "n_layer", minimum=1, maximum=512)
@@ -102,6 +113,8 @@ class Shape:
         if (self.n_head * self.head_dim) % Q4_0_BLOCK:
             raise ValueError(f"n_head * head_dim must be a multiple of {Q4_0_BLOCK} (Q4_0 rows), "
                              f"got {self.n_head * self.head_dim}")
+        if self.arch not in ARCHS:
+            raise ValueError(f"arch must be one of {', '.join(ARCHS)}, got {self.arch!r}")
         if self.n_embd < 2 * CURVE_MODES + 2:
             raise ValueError(f"n_embd must be >= {2 * CURVE_MODES + 2} for the routing geometry")
 
@@ -111,6 +124,10 @@ PRESETS = {
                            n_head=32, n_head_kv=4, head_dim=128, n_ff=6144),
     "moe-512x10": Shape(n_layer=48, n_expert=512, n_expert_used=10, n_embd=2048, n_ff_exp=512,
                         n_head=16, n_head_kv=2, head_dim=256, n_ff=5120),
+    "gpt-oss-20b": Shape(n_layer=24, n_expert=32, n_expert_used=4, n_embd=2880, n_ff_exp=2880,
+                         n_head=64, n_head_kv=8, head_dim=64, n_ff=2880, arch="gpt-oss"),
+    "qwen3-next-80b-a3b": Shape(n_layer=48, n_expert=512, n_expert_used=10, n_embd=2048, n_ff_exp=512,
+                                n_head=16, n_head_kv=2, head_dim=256, n_ff=5120, arch="qwen3next"),
 }
 
 # CLI flag -> Shape field
@@ -122,29 +139,110 @@ def _q4_0_bytes(n_rows: int, n_in: int) -> int:
     return n_rows * n_in // Q4_0_BLOCK * Q4_0_BLOCK_BYTES
 
 
-def _tensor_plan(shape: Shape, n_vocab: int) -> list[tuple[str, str, tuple[int, ...], int]]:
+Plan = list[tuple[str, str, tuple[int, ...], int]]
+
+# gpt-oss's sliding window; Qwen3-Next: one full attention layer after 3 linear ones, and its
+# gated delta net's conv kernel
+GPT_OSS_SLIDING_WINDOW = 128
+QWEN3NEXT_FULL_ATTENTION_INTERVAL = 4
+QWEN3NEXT_CONV_KERNEL = 4
+
+
+def _tensor_plan(shape: Shape, n_vocab: int) -> Plan:
     """(name, kind, logical shape ne0-last, input width) of every tensor, in file order.
-    kind: "f32" or "q4_0"; the shapes are numpy order (rows..., ne0)."""
+    kind: "f32" or "q4_0"; the shapes are numpy order (rows..., ne0). F32 tensors are filled by
+    their name (_f32_job): norms ones, biases and sinks zeros, routers random."""
     s = shape
-    q_dim, kv_dim = s.n_head * s.head_dim, s.n_head_kv * s.head_dim
     plan = [("token_embd.weight", "f32", (n_vocab, s.n_embd), s.n_embd),
             ("output_norm.weight", "f32", (s.n_embd,), 0),
             ("output.weight", "f32", (n_vocab, s.n_embd), s.n_embd)]
     for i in range(s.n_layer):
-        p = f"blk.{i}."
-        plan += [(p + "attn_norm.weight", "f32", (s.n_embd,), 0),
-                 (p + "attn_q.weight", "q4_0", (q_dim, s.n_embd), s.n_embd),
-                 (p + "attn_k.weight", "q4_0", (kv_dim, s.n_embd), s.n_embd),
-                 (p + "attn_v.weight", "q4_0", (kv_dim, s.n_embd), s.n_embd),
-                 (p + "attn_output.weight", "q4_0", (s.n_embd, q_dim), q_dim),
-                 (p + "attn_q_norm.weight", "f32", (s.head_dim,), 0),
-                 (p + "attn_k_norm.weight", "f32", (s.head_dim,), 0),
-                 (p + "ffn_norm.weight", "f32", (s.n_embd,), 0),
-                 (p + "ffn_gate_inp.weight", "f32", (s.n_expert, s.n_embd), s.n_embd),
-                 (p + "ffn_gate_exps.weight", "q4_0", (s.n_expert, s.n_ff_exp, s.n_embd), s.n_embd),
-                 (p + "ffn_up_exps.weight", "q4_0", (s.n_expert, s.n_ff_exp, s.n_embd), s.n_embd),
-                 (p + "ffn_down_exps.weight", "q4_0", (s.n_expert, s.n_embd, s.n_ff_exp), s.n_ff_exp)]
+        plan += _LAYER_PLANS[s.arch](s, f"blk.{i}.", i)
     return plan
+
+
+def _matrix(name: str, n_out: int, n_in: int) -> tuple[str, str, tuple[int, ...], int]:
+    return (name, "q4_0", (n_out, n_in), n_in)
+
+
+def _f32(name: str, *dims: int) -> tuple[str, str, tuple[int, ...], int]:
+    return (name, "f32", dims, dims[-1])
+
+
+def _attention(s: Shape, p: str, *, q_rows: int | None = None) -> Plan:
+    q_dim, kv_dim = s.n_head * s.head_dim, s.n_head_kv * s.head_dim
+    return [_matrix(p + "attn_q.weight", q_rows or q_dim, s.n_embd),
+            _matrix(p + "attn_k.weight", kv_dim, s.n_embd),
+            _matrix(p + "attn_v.weight", kv_dim, s.n_embd),
+            _matrix(p + "attn_output.weight", s.n_embd, q_dim)]
+
+
+def _experts(s: Shape, p: str, *, gate_up: bool = False) -> Plan:
+    e, f, d = s.n_expert, s.n_ff_exp, s.n_embd
+    up = ([(p + "ffn_gate_up_exps.weight", "q4_0", (e, 2 * f, d), d)] if gate_up else
+          [(p + "ffn_gate_exps.weight", "q4_0", (e, f, d), d), (p + "ffn_up_exps.weight", "q4_0", (e, f, d), d)])
+    return [_f32(p + "ffn_gate_inp.weight", e, d), *up, (p + "ffn_down_exps.weight", "q4_0", (e, d, f), f)]
+
+
+def _qwen3moe_layer(s: Shape, p: str, i: int) -> Plan:
+    return [_f32(p + "attn_norm.weight", s.n_embd), *_attention(s, p),
+            _f32(p + "attn_q_norm.weight", s.head_dim), _f32(p + "attn_k_norm.weight", s.head_dim),
+            _f32(p + "ffn_norm.weight", s.n_embd), *_experts(s, p)]
+
+
+def _gpt_oss_layer(s: Shape, p: str, i: int) -> Plan:
+    """gpt-oss: attention with biases and sinks; experts (and router) with biases."""
+    q_dim, kv_dim = s.n_head * s.head_dim, s.n_head_kv * s.head_dim
+    return [_f32(p + "attn_norm.weight", s.n_embd), *_attention(s, p),
+            _f32(p + "attn_q.bias", q_dim), _f32(p + "attn_k.bias", kv_dim), _f32(p + "attn_v.bias", kv_dim),
+            _f32(p + "attn_output.bias", s.n_embd), _f32(p + "attn_sinks.weight", s.n_head),
+            _f32(p + "post_attention_norm.weight", s.n_embd), *_experts(s, p),
+            _f32(p + "ffn_gate_inp.bias", s.n_expert), _f32(p + "ffn_gate_exps.bias", s.n_expert, s.n_ff_exp),
+            _f32(p + "ffn_up_exps.bias", s.n_expert, s.n_ff_exp), _f32(p + "ffn_down_exps.bias", s.n_expert, s.n_embd)]
+
+
+def _qwen3next_dims(s: Shape) -> tuple[int, int, int]:
+    """Qwen3-Next's gated delta net: (key heads, value heads, head state) from the attention
+    shape, as in the real model (16 key and 32 value heads of 128 beside 16 query heads of 256)."""
+    return s.n_head, 2 * s.n_head, s.head_dim // 2
+
+
+def _qwen3next_layer(s: Shape, p: str, i: int) -> Plan:
+    """Qwen3-Next: gated delta net (linear attention) or gated full attention, fused gate_up
+    experts and a sigmoid-gated shared expert."""
+    d = s.n_embd
+    if (i + 1) % QWEN3NEXT_FULL_ATTENTION_INTERVAL:
+        k_heads, v_heads, state = _qwen3next_dims(s)
+        conv = 2 * k_heads * state + v_heads * state
+        mixer = [_matrix(p + "attn_qkv.weight", conv, d), _matrix(p + "attn_gate.weight", v_heads * state, d),
+                 _f32(p + "ssm_conv1d.weight", conv, QWEN3NEXT_CONV_KERNEL), _f32(p + "ssm_dt.bias", v_heads),
+                 _f32(p + "ssm_a", v_heads), _matrix(p + "ssm_ba.weight", 2 * v_heads, d),
+                 _f32(p + "ssm_norm.weight", state), _matrix(p + "ssm_out.weight", d, v_heads * state)]
+    else:  # the query projection also yields a per-head output gate
+        mixer = [*_attention(s, p, q_rows=2 * s.n_head * s.head_dim),
+                 _f32(p + "attn_q_norm.weight", s.head_dim), _f32(p + "attn_k_norm.weight", s.head_dim)]
+    return [_f32(p + "attn_norm.weight", d), _f32(p + "post_attention_norm.weight", d), *mixer,
+            *_experts(s, p, gate_up=True), _f32(p + "ffn_gate_inp_shexp.weight", d),
+            _matrix(p + "ffn_gate_shexp.weight", s.n_ff_exp, d), _matrix(p + "ffn_up_shexp.weight", s.n_ff_exp, d),
+            _matrix(p + "ffn_down_shexp.weight", d, s.n_ff_exp)]
+
+
+_LAYER_PLANS = {"qwen3moe": _qwen3moe_layer, "gpt-oss": _gpt_oss_layer, "qwen3next": _qwen3next_layer}
+
+
+def _arch_hparams(w, s: Shape) -> None:
+    """The architecture's own keys, after the shared ones."""
+    if s.arch == "gpt-oss":
+        w.add_sliding_window(GPT_OSS_SLIDING_WINDOW)
+    elif s.arch == "qwen3next":
+        k_heads, v_heads, state = _qwen3next_dims(s)
+        w.add_expert_shared_feed_forward_length(s.n_ff_exp)
+        w.add_ssm_conv_kernel(QWEN3NEXT_CONV_KERNEL)
+        w.add_ssm_state_size(state)
+        w.add_ssm_group_count(k_heads)
+        w.add_ssm_time_step_rank(v_heads)
+        w.add_ssm_inner_size(v_heads * state)
+        w.add_uint32(f"{s.arch}.full_attention_interval", QWEN3NEXT_FULL_ATTENTION_INTERVAL)
 
 
 def _nbytes(kind: str, dims: tuple[int, ...]) -> int:
@@ -184,7 +282,8 @@ def synth_moe(preset: str, path: str | os.PathLike[str] | None = None, *,
     threads = parse_int(threads if threads is not None else (os.cpu_count() or 1), "threads",
                         minimum=1, maximum=1024)
 
-    params = "-".join(f"{f.name}{getattr(shape, f.name)}" for f in dataclasses.fields(Shape))
+    params = "-".join(f"{f.name}{getattr(shape, f.name)}" for f in dataclasses.fields(Shape)
+                      if f.name != "arch" or shape.arch != "qwen3moe")  # qwen3moe keys are unchanged
     stem = (f"synth-{preset}-L{shape.n_layer}-E{shape.n_expert}-k{shape.n_expert_used}"
             f"-loc{locality:g}-s{seed}")
 
@@ -192,7 +291,7 @@ def synth_moe(preset: str, path: str | os.PathLike[str] | None = None, *,
         return _fill(w, preset, shape, locality=locality, seed=seed, threads=threads)
 
     return build_gguf(path, stem, f"synth:v{VERSION}:{preset}:{params}:loc{locality:g}:s{seed}",
-                      "synth", ARCH, fill, size=file_bytes(shape))
+                      "synth", shape.arch, fill, size=file_bytes(shape))
 
 
 # --------------------------------------------------------------------------------------------
@@ -252,6 +351,7 @@ def _fill(w, preset: str, shape: Shape, *, locality: float, seed: int, threads: 
                     n_ff=s.n_ff, n_ff_exp=s.n_ff_exp, n_expert=s.n_expert,
                     n_expert_used=s.n_expert_used, n_head=s.n_head, n_head_kv=s.n_head_kv,
                     head_dim=s.head_dim)
+    _arch_hparams(w, s)
     add_tiny_tokenizer(w)
     return _generate(_tensor_jobs(w, s, _embeddings(s, locality, seed), seed), threads)
 
@@ -288,15 +388,27 @@ def _tensor_jobs(w, shape: Shape, dense: dict[str, np.ndarray],
             jobs.append(lambda i=index, d=dims, n=n_in: random_q4_0((seed, 0x5E7, 1, i), d, n))
         else:
             w.add_tensor_info(name, dims, np.dtype(np.float32), _nbytes(kind, dims))
-            if name in dense:
-                jobs.append(lambda a=dense[name]: a)
-            elif name.endswith("ffn_gate_inp.weight"):
-                # random router: top-k depends only on the direction of the hidden state
-                jobs.append(lambda i=index, d=dims: np.random.default_rng([seed, 0x5E7, 2, i])
-                            .standard_normal(d, dtype=np.float32) / np.float32(math.sqrt(d[-1])))
-            else:  # norms
-                jobs.append(lambda d=dims: np.ones(d, dtype=np.float32))
+            jobs.append(_f32_job(name, dims, dense, (seed, 0x5E7, 2, index)))
     return jobs
+
+
+# F32 tensors drawn at random (the rest are norms of ones, or zero biases and sinks)
+_RANDOM_F32 = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "ssm_conv1d.weight")
+
+
+def _f32_job(name: str, dims: tuple[int, ...], dense: dict[str, np.ndarray],
+             seed_seq: tuple[int, ...]) -> Callable[[], np.ndarray]:
+    if name in dense:
+        return lambda: dense[name]
+    if name.endswith(_RANDOM_F32):
+        # e.g. a random router: top-k depends only on the direction of the hidden state
+        return lambda: (np.random.default_rng(list(seed_seq)).standard_normal(dims, dtype=np.float32)
+                        / np.float32(math.sqrt(dims[-1])))
+    if name.endswith((".bias", "attn_sinks.weight")):
+        return lambda: np.zeros(dims, dtype=np.float32)
+    if name.endswith("ssm_a"):  # the gated delta net's decay rate, -A: a moderate forgetting
+        return lambda: np.full(dims, -1.0, dtype=np.float32)
+    return lambda: np.ones(dims, dtype=np.float32)  # norms
 
 
 def _generate(jobs: list[Callable[[], np.ndarray]], threads: int):
