@@ -101,7 +101,9 @@ class Boundary:
         n = self._shape[0]
         if n == 0:
             return np.empty((0, 3), dtype=np.int32)
-        return np.frombuffer(self.ffi.buffer(ptr, 12 * n), dtype=np.int32).reshape(n, 3).copy()
+        rows = np.empty((n, 3), dtype=np.int32)
+        self.ffi.memmove(rows, ptr, 12 * n)
+        return rows
 
     def _check_admitted(self, ids, admitted) -> None:
         """With every upload waited for, what libllama admitted must be the engine's model of it
