@@ -253,6 +253,8 @@ static int mc_ranked_cmp(const void *a, const void *b) {
     return (x->slot > y->slot) - (x->slot < y->slot);
 }
 
+#define MC_INSERTION_SORT_MAX 16
+
 int mc_handover(mc_engine *g, const double *priority, double *worth, int32_t *victims,
                 double *victim_worth, mc_ranked *scratch) {
     const int64_t K = g->n_slots, E = g->n_expert;
@@ -272,7 +274,16 @@ int mc_handover(mc_engine *g, const double *priority, double *worth, int32_t *vi
                 r->category = 2;
             }
         }
-        qsort(scratch, (size_t) K, sizeof *scratch, mc_ranked_cmp);
+        if (K <= MC_INSERTION_SORT_MAX) {  /* a few slots: no qsort call (the order is total) */
+            for (int64_t j = 1; j < K; j++) {
+                const mc_ranked r = scratch[j];
+                int64_t at = j;
+                for (; at > 0 && mc_ranked_cmp(&scratch[at - 1], &r) > 0; at--) scratch[at] = scratch[at - 1];
+                scratch[at] = r;
+            }
+        } else {
+            qsort(scratch, (size_t) K, sizeof *scratch, mc_ranked_cmp);
+        }
         for (int64_t j = 0; j < K; j++) {
             const mc_ranked *r = &scratch[j];
             victims[l * K + j] = r->category == 2 ? -1 : r->slot;
@@ -283,4 +294,15 @@ int mc_handover(mc_engine *g, const double *priority, double *worth, int32_t *vi
             if (g->assigned[l * E + e] >= 0) worth[l * E + e] = -INFINITY;
     }
     return 0;
+}
+
+/* The key of each slot's expert, layer * E + expert, (L, K); an empty slot gets its layer's
+ * expert 0 (a junk key the policy's priority is asked for and the handover ignores). */
+void mc_slot_keys(const mc_engine *g, int64_t *keys) {
+    const int64_t K = g->n_slots, E = g->n_expert;
+    for (int64_t l = 0; l < g->n_layers; l++)
+        for (int64_t s = 0; s < K; s++) {
+            const int32_t held = g->slot_expert[l * K + s];
+            keys[l * K + s] = l * E + (held > 0 ? held : 0);
+        }
 }

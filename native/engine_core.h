@@ -82,3 +82,4 @@ int64_t mc_commit(mc_engine *g, const int32_t *upload, int64_t m, int prefetch, 
 typedef struct { int32_t category; double key; int32_t slot; } mc_ranked;
 int mc_handover(mc_engine *g, const double *priority, double *worth, int32_t *victims,
                 double *victim_worth, mc_ranked *scratch);
+void mc_slot_keys(const mc_engine *g, int64_t *keys);

@@ -139,8 +139,8 @@ class EagerAdmission:
 
     def hand_over(self, t: int) -> Handover:
         """The handover for the graph about to run, from the policy's view at boundary t."""
-        state, policy = self._state, self._policy
-        keys = state.keys(np.maximum(state.slot_expert, 0))  # junk where a slot is empty: ignored
+        policy = self._policy
+        keys = self._core.slot_keys()  # junk where a slot is empty: ignored
         priority = np.ascontiguousarray(policy.priority(t, keys), dtype=np.float64)
         if policy.admits:
             worth = np.array(policy.worth_if_used(t, self._all_keys), dtype=np.float64)

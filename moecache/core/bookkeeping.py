@@ -159,6 +159,12 @@ class Bookkeeping:
         n = lib.mc_commit(self._core, _i32(upload), len(upload), prefetch, _i32(evict))
         return evict[:n]
 
+    def slot_keys(self) -> np.ndarray:
+        """The (L, K) key of each slot's expert (mc_slot_keys; junk where a slot is empty)."""
+        keys = np.empty((self.n_layers, self.n_slots), dtype=np.int64)
+        lib.mc_slot_keys(self._core, _i64(keys))
+        return keys
+
     def handover(self, priority: np.ndarray, worth: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Eager admission's victim order and the worth each victim keeps (mc_handover), from the
         residents' (L, K) priority; sets worth (L, E) to -inf for experts resident or on their

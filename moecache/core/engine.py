@@ -234,7 +234,7 @@ class CacheEngine(CacheModel):
         if prefill:
             evict, upload = self._planner.plan_prompt(t, seen.ids)
         else:
-            evict, upload = self._planner.plan(t, seen, upload_misses=self._eager is None, spent=taken[:, 0])
+            evict, upload = self._planner.plan(t, seen, upload_misses=self._eager is None, spent=taken)
         if taken_evict.size:
             evict = join_jobs([taken_evict, evict])
         self._queue.push(upload, late)

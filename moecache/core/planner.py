@@ -9,7 +9,7 @@ import numpy as np
 
 from .bookkeeping import BY_PRIORITY, BY_VICTIM_ORDER, FREE_ONLY, Bookkeeping, Observation, native_ids
 from .policies import Policy
-from .state import NO_LAYERS, EngineState, join_jobs
+from .state import NO_JOBS, NO_LAYERS, EngineState, join_jobs
 
 
 class _Jobs:
@@ -40,16 +40,22 @@ class UploadPlanner:
         K = self.n_slots
         self._cap = np.full(self.n_layers, K if inserts is None else min(inserts, K), dtype=np.int64)
         self.warm = warm  # per-layer experts to upload at the next boundary, best first
+        # uploads and evictions are told to a policy that overrides Policy's no-ops for them
+        self._tell_inserted = type(policy).inserted is not Policy.inserted
+        self._tell_evicted = type(policy).evicted is not Policy.evicted
 
     def plan(self, t: int, seen: Observation | None, upload_misses: bool, spent: np.ndarray):
         """Warm-start uploads, then the observed misses (unless upload_misses is False), then
-        prefetch with the budget left (spent: the layer of each upload already counted against
-        it): the (evict, upload) job tables of this boundary."""
+        prefetch with the budget left (spent: the job table of the uploads already counted
+        against it): the (evict, upload) job tables of this boundary."""
+        fill_misses = seen is not None and upload_misses and seen.any_miss  # nothing to upload after all hits
+        if not (self.warm or fill_misses or self._policy.predicts):  # most eager boundaries
+            return NO_JOBS, NO_JOBS
         jobs = _Jobs()
         if self.warm:
             self._upload_warm(t, jobs)
-        uploaded = spent
-        if seen is not None and upload_misses and seen.any_miss:  # nothing to upload after all hits
+        uploaded = spent[:, 0]
+        if fill_misses:
             uploaded = self._fill(t, seen.ids, self._cap, True, False, jobs)
         if self._policy.predicts:
             left = self._cap - np.bincount(uploaded, minlength=self.n_layers)
@@ -79,9 +85,10 @@ class UploadPlanner:
         """Start these uploads over whatever their slots held and tell the policy: the victims'
         job table."""
         evict = self._core.commit(upload, prefetch)
-        if len(evict):
+        if self._tell_evicted and len(evict):
             self._policy.evicted(t, evict[:, 0], evict[:, 1])
-        self._policy.inserted(t, upload[:, 0], upload[:, 1], prefetch)
+        if self._tell_inserted:
+            self._policy.inserted(t, upload[:, 0], upload[:, 1], prefetch)
         return evict
 
     def _upload_warm(self, t, jobs):

@@ -84,7 +84,7 @@ class Lru(Policy):
         self.last_use = np.zeros((n_layers, n_expert))
 
     def observe(self, step, ids, hit_mask, used):
-        np.copyto(self.last_use, step, where=used)
+        np.putmask(self.last_use, used, step)  # a masked copyto or ufunc costs more at this size
 
     def priority(self, step, keys):
         return self.last_use.take(keys)
@@ -117,7 +117,7 @@ class DecayedLfu(Policy):
 
     def observe(self, step, ids, hit_mask, used):
         weight = self._weight(step)  # first: it may rebase `scaled`
-        np.add(self.scaled, weight, out=self.scaled, where=used)  # masked ufunc: no gather/scatter
+        np.putmask(self.scaled, used, self.scaled + weight)  # cheaper than a masked add at this size
 
     def priority(self, step, keys):
         return self.scaled.take(keys)
@@ -163,7 +163,7 @@ class Gdsf(Policy):
         self.value = np.zeros((n_layers, n_expert))
 
     def observe(self, step, ids, hit_mask, used):
-        np.add(self.value, 1.0, out=self.value, where=used)
+        np.putmask(self.value, used, self.value + 1.0)
 
     def priority(self, step, keys):
         return self.value.take(keys)

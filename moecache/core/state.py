@@ -17,7 +17,9 @@ NO_LAYERS = np.empty(0, dtype=np.int64)
 
 
 def join_jobs(parts) -> np.ndarray:
-    """One job table of these, in order."""
+    """One job table of these, in order (a part that is the only non-empty one comes back as it
+    is: most boundaries join an empty table to another)."""
+    parts = [part for part in parts if len(part)]
     if not parts:
         return NO_JOBS
     return parts[0] if len(parts) == 1 else np.concatenate(parts)

@@ -21,7 +21,7 @@ engine's model of them, or the cache freezes).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -30,9 +30,8 @@ from ..core.engine import CacheEngine
 from . import native
 
 
-@dataclass(frozen=True)
-class Observed:
-    """The selections of the ubatch before a boundary."""
+class Observed(NamedTuple):
+    """The selections of the ubatch before a boundary (a tuple: made at every step)."""
     ids: np.ndarray    # (n_layers, n_tokens * n_used), token by token; -1 where a layer ran fewer tokens
     hits: np.ndarray   # the engine's hit mask of ids
     n_tokens: int
@@ -50,6 +49,7 @@ class Boundary:
         self._observed = {}     # stock (bool) -> libllama's observed ids, mapped once
         self._shape = self.ffi.new("int32_t[2]")  # out-parameters (n_cols, stride), reused every step
         self._handover = self.ffi.new("struct llama_moe_cache_handover *")
+        self._budget = None     # the handover's budget (the engine's, the same every step) as handed over
 
     def step(self) -> Observed | None:
         """The engine's step on what the last ubatch selected, applied in libllama; None when
@@ -101,7 +101,9 @@ class Boundary:
         n = self._shape[0]
         if n == 0:
             return np.empty((0, 3), dtype=np.int32)
-        return np.frombuffer(self.ffi.buffer(ptr, 12 * n), dtype=np.int32).reshape(n, 3).copy()
+        rows = np.empty((n, 3), dtype=np.int32)
+        self.ffi.memmove(rows, ptr, 12 * n)
+        return rows
 
     def _check_admitted(self, ids, admitted) -> None:
         """With every upload waited for, what libllama admitted must be the engine's model of it
@@ -121,15 +123,20 @@ class Boundary:
         """The engine's Handover to libllama, for the next graph (one call; libllama copies it)."""
         arrays = (np.ascontiguousarray(handover.victims, dtype=np.int32),
                   np.ascontiguousarray(handover.victim_worth, dtype=np.float64),
-                  np.ascontiguousarray(handover.worth, dtype=np.float64),
-                  np.ascontiguousarray(handover.budget, dtype=np.int32))
+                  np.ascontiguousarray(handover.worth, dtype=np.float64))
         h, cast = self._handover, self.ffi.from_buffer
+        if self._budget is None or self._budget[0] is not handover.budget:  # converted once
+            budget = cast("int32_t[]", np.ascontiguousarray(handover.budget, dtype=np.int32))
+            self._budget = (handover.budget, budget)  # keeps the converted table alive
+            h.budget = budget
         h.victims, h.victim_worth = cast("int32_t[]", arrays[0]), cast("double[]", arrays[1])
-        h.worth, h.budget = cast("double[]", arrays[2]), cast("int32_t[]", arrays[3])
+        h.worth = cast("double[]", arrays[2])
         return self.lib.llama_moe_cache_hand_over(self.ctx, h)
 
     def _rows(self, jobs):
         """A job table as (pointer, row count) for libllama: (n, 3) int32, C order."""
+        if not len(jobs):  # most tables of a boundary are empty
+            return self.ffi.NULL, 0
         return self.ffi.from_buffer("int32_t[]", np.ascontiguousarray(jobs, dtype=np.int32)), len(jobs)
 
     def _observed_ids(self, stock=False):
