@@ -11,9 +11,9 @@ from conftest import TRACES  # noqa: E402
 
 from moecache.core.policies import Heat
 from moecache.core.profile import ProfileError, UsageProfile
-from moecache.core.traces import DECODE, read_trace
+from moecache.core.traces import DECODE, PREFILL, TraceWriter, read_trace, synthetic_routing
 from moecache.offline.cli import main
-from moecache.offline.replay import GLOBAL, MIB, PER_LAYER, simulate
+from moecache.offline.replay import GLOBAL, MIB, PER_LAYER, PREFILL_MODES, UPSTREAM, simulate
 
 QWEN = TRACES / "qwen3-30b-a3b.route.csv"
 GPTOSS = TRACES / "gpt-oss-120b.route.csv"
@@ -289,3 +289,38 @@ def test_the_default_admission_is_the_live_caches(tmp_path):
     assert cli(GPTOSS, "--slots", "8", "--policies", "lru,arc,default", "--csv", out) == 0
     rows = {row["policy"]: row["admission"] for row in csv.DictReader(out.open())}
     assert rows == {"lru": "eager", "arc": "boundary", "default(heat)": "eager"}
+
+
+def batched_turns(path):
+    """Two turns as the live cache writes them: a prompt in two ubatches, then decode tokens,
+    three of them verified in one batch."""
+    ids = synthetic_routing(24, 3, 8, 2, seed=5)
+    with TraceWriter(str(path), model="m", arch="a", n_layer=3, n_expert=8, n_expert_used=2,
+                     layers=[(layer, MIB, 0) for layer in range(3)]) as writer:
+        for turn, base in ((0, 0), (1, 12)):
+            for phase, first, n in ((PREFILL, 0, 2), (PREFILL, 2, 3), (DECODE, 5, 1), (DECODE, 6, 3),
+                                    (DECODE, 9, 1), (DECODE, 10, 2)):
+                tokens = ids[base + first:base + first + n]
+                writer.write_step(turn, phase, first, np.concatenate(list(tokens), axis=1), None,
+                                  np.zeros((3, 2 * n), int))
+    return read_trace(str(path))
+
+
+def test_a_replay_in_windows_of_a_few_steps_counts_as_in_one(tmp_path, monkeypatch, qwen):
+    """The adapter hands the steps over a window at a time, cut between observations: in windows
+    of 2 steps every model and prompt mode counts what it counts in windows of thousands."""
+    from moecache.offline import steps
+
+    def counts(traces):
+        per_layer = [(PER_LAYER, policy, 3, {"prefill": prefill}) for policy in ("lru", "belady")
+                     for prefill in PREFILL_MODES]
+        return [simulate(trace, model, policy, size, **options).totals_all for trace, mib in traces
+                for model, policy, size, options in per_layer + [
+                    (GLOBAL, "lru", mib, {}), (GLOBAL, "belady", mib, {}), (UPSTREAM, "upstream", mib, {})]]
+
+    def traces():  # new objects: the NextUse of a trace is kept
+        return [(batched_turns(tmp_path / "b.csv"), 5), (qwen.select(slice(None)), 3000)]
+
+    whole = counts(traces())
+    monkeypatch.setattr(steps, "WINDOW_STEPS", 2)
+    assert counts(traces()) == whole

@@ -27,6 +27,7 @@ from __future__ import annotations
 import csv
 import errno
 import io
+import mmap
 import os
 import re
 from dataclasses import dataclass, replace
@@ -79,10 +80,18 @@ class RouteTrace:
     dropped: np.ndarray         # (n_steps, n_layers, k) bool; all False if the column is absent
     batch: np.ndarray | None = None  # (n_steps,) the observation (ubatch) of each step; -1 (the
                                      # default) when not recorded: every step its own
+    pages: mmap.mmap | None = None   # the file the arrays map (moecache.core.binary_trace), if any
 
     def __post_init__(self):
         if self.batch is None:
             self.batch = np.full(len(self.step), -1, dtype=np.int64)
+
+    def drop_pages(self) -> None:
+        """A mapped trace's pages leave this process (the kernel keeps them cached and maps
+        them again when touched): what a replay calls as it walks the trace, so that its memory
+        stays a window's, however long the trace. Nothing for arrays in memory."""
+        if self.pages is not None and hasattr(mmap, "MADV_DONTNEED"):
+            self.pages.madvise(mmap.MADV_DONTNEED)
 
     @property
     def decode_ids(self) -> np.ndarray:
