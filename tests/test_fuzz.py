@@ -18,6 +18,7 @@ from hypothesis import strategies as st  # noqa: E402
 from test_traces import SMALL as SMALL_TRACE  # noqa: E402
 
 from moecache.core import traces  # noqa: E402
+from moecache.core.binary_trace import MAGIC as BINARY_MAGIC  # noqa: E402
 from moecache.core.profile import ProfileError, UsageProfile  # noqa: E402
 from moecache.core.traces import OPTIONAL_COLUMNS, REQUIRED_COLUMNS, TraceError, read_trace  # noqa: E402
 
@@ -73,6 +74,7 @@ def _check_trace(path: str) -> None:
 def test_trace_reader_on_arbitrary_bytes(scratch, data):
     _check_trace(_write(scratch, data))
     _check_trace(_write(scratch, TRACE_LINES[0].encode() + b"\n" + data))
+    _check_trace(_write(scratch, BINARY_MAGIC + b"\n" + data))  # the compact binary form's
 
 
 @FUZZ

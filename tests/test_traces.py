@@ -1,12 +1,14 @@
 import hashlib
 import os
 import tracemalloc
+from dataclasses import replace
 
 import numpy as np
 import pytest
 from conftest import TRACES  # noqa: E402
 
 import moecache.core.traces as traces
+from moecache.core.binary_trace import write_binary_trace
 from moecache.core.traces import DECODE, PREFILL, TraceError, TraceWriter, read_trace, synthetic_routing
 
 QWEN = TRACES / "qwen3-30b-a3b.route.csv"
@@ -393,3 +395,67 @@ def test_writer_records_any_model_name_readably(tmp_path, name, recorded):
     trace = read_trace(path)
     assert (trace.model, trace.arch) == (recorded, recorded)
     assert trace.ids.tolist() == [[[1, 2]]]
+
+
+# --- the compact binary form ----------------------------------------------------------------
+
+@pytest.mark.parametrize("path", [QWEN, GPTOSS], ids=["qwen", "gptoss"])
+def test_a_converted_trace_reads_back_as_its_csv_mapped(tmp_path, path):
+    out = tmp_path / "t.bin"
+    write_binary_trace(read_trace(str(path)), out)
+    trace = read_trace(str(out))
+    assert digest(trace) == READ_BEFORE[path] and trace.path == str(out)
+    assert trace.pages is not None and not trace.ids.flags.writeable  # views of the file
+    assert os.path.getsize(out) < os.path.getsize(path) / 2
+
+
+def small_binary(tmp_path):
+    path = tmp_path / "t.bin"
+    write_binary_trace(read_trace(write(tmp_path, SMALL)), path)
+    return path
+
+
+def test_a_damaged_binary_trace_is_an_error_naming_it_never_other_values(tmp_path):
+    """Any byte flipped fails a check (CRC-32s of the header and of each array, sizes, ranges)
+    or lies in the padding between arrays; a file cut anywhere, or grown, is refused."""
+    path = small_binary(tmp_path)
+    data, good = path.read_bytes(), digest(read_trace(str(path)))
+    seen = set()
+
+    def outcome():
+        try:
+            trace = read_trace(str(path))
+        except TraceError as e:
+            assert str(e).startswith(str(path)) and "\n" not in str(e)
+            return "error"
+        assert digest(trace) == good
+        return "same"
+
+    for i in range(len(data)):
+        for bit in (0x01, 0x80):
+            path.write_bytes(data[:i] + bytes([data[i] ^ bit]) + data[i + 1:])
+            seen.add(outcome())
+    assert seen == {"error", "same"}
+    for size in range(len(data)):
+        path.write_bytes(data[:size])
+        assert outcome() == "error"
+    path.write_bytes(data + b"\0")
+    with pytest.raises(TraceError, match=f"t.bin: {len(data) + 1} bytes where its header describes {len(data)}"):
+        read_trace(str(path))
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda t: {"ids": np.where(t.ids == 7, 8, t.ids)}, r"t.bin: ids holds values outside \[-1, 7\]"),
+    (lambda t: {"phase": t.phase + 1}, r"t.bin: phase holds values outside \[0, 1\]"),
+    (lambda t: {"residency": t.residency + 3}, r"t.bin: residency holds values outside \[0, 2\]"),
+    (lambda t: {"step": t.step[::-1].copy()}, r"t.bin: steps out of \(turn, step\) order"),
+    (lambda t: {"layers": t.layers[::-1].copy()}, "t.bin: header: layers must be ascending"),
+    (lambda t: {"expert_bytes": 0 * t.expert_bytes}, r"t.bin: header: expert_bytes=0 must be in \[1, "),
+    (lambda t: {"n_expert_used": 3}, "t.bin: .* bytes where its header describes"),
+])
+def test_a_binary_trace_of_values_no_trace_holds_is_refused(tmp_path, change, message):
+    """Whole CRC-32s do not make a file a trace: what the replay relies on is checked too."""
+    trace = read_trace(write(tmp_path, SMALL))
+    write_binary_trace(replace(trace, **change(trace)), tmp_path / "t.bin")
+    with pytest.raises(TraceError, match=message):
+        read_trace(str(tmp_path / "t.bin"))

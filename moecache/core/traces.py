@@ -620,7 +620,7 @@ def _shares_batch(turn, batch):
 @dataclass(frozen=True)
 class TraceReader:
     name: str
-    sniff: Callable[[str], bool]      # first line of the file -> is it this format?
+    sniff: Callable[[bytes], bool]    # first line of the file, without its line end -> is it this format?
     read: Callable[[str], RouteTrace]
 
 
@@ -631,7 +631,8 @@ def register_reader(reader: TraceReader) -> None:
     READERS[reader.name] = reader
 
 
-register_reader(TraceReader("route_trace_v1", lambda first: first.strip() == MAGIC, read_route_trace))
+register_reader(TraceReader("route_trace_v1", lambda first: first.decode("utf-8", "replace").strip() == MAGIC,
+                            read_route_trace))
 
 
 def read_trace(path: str, fmt: str | None = None) -> RouteTrace:
@@ -641,15 +642,17 @@ def read_trace(path: str, fmt: str | None = None) -> RouteTrace:
             raise TraceError(f"unknown trace format {fmt!r}; known: {', '.join(sorted(READERS))}")
         return READERS[fmt].read(path)
     try:
-        with open(path, "r", encoding="utf-8") as f:
-            first = f.readline()
+        with open(path, "rb") as f:
+            first = (f.readline(MAX_LINE + 1).splitlines() or [b""])[0]  # \r, \n or \r\n, as text reads
     except OSError as e:
         raise TraceError(f"{path}: {e.strerror}") from None
-    except UnicodeDecodeError:
-        raise TraceError(f"{path}: not UTF-8 text") from None
     for reader in READERS.values():
         if reader.sniff(first):
             return reader.read(path)
+    try:
+        first.decode("utf-8")
+    except UnicodeDecodeError:
+        raise TraceError(f"{path}: not UTF-8 text") from None
     raise TraceError(f"{path}:1: unrecognised trace format (known: {', '.join(sorted(READERS))})")
 
 
@@ -793,3 +796,7 @@ def synthetic_routing(n_steps: int, n_layers: int, n_expert: int, k: int, *, ske
         previous = np.zeros_like(previous)
         previous[rows, top] = stickiness
     return out
+
+
+# The compact binary form registers its reader; it imports this module, so it comes last.
+from . import binary_trace  # noqa: E402,F401
