@@ -20,6 +20,9 @@ tokens of one batch were evaluated in one ubatch (a multi-token decode, e.g. a s
 verification, or a prompt's ubatch), between the same two cache steps, and the per-layer replay
 observes them together. Such a token may lack a layer as a whole (llama.cpp runs the last layer only for the
 tokens whose logits are wanted). Without the column every decode token is its own observation.
+
+The CSV is the interchange format; long recordings replay from its compact binary form
+(moecache.core.binary_trace), which read_trace tells from it by the first line.
 """
 
 from __future__ import annotations
