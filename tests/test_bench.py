@@ -112,16 +112,6 @@ def test_bench_host_experts_checks_the_repacked_skip_and_prints_ratios():
     assert all(float(row.split("|")[4]) > 0 for row in rows)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--cached", "8"], "--cached must be below --top-k"),
-    (["--embd", "100"], "--embd must be a multiple of 32"),
-    (["--runs", "0"], "argument --runs: 0 must be >= 1"),
-])
-def test_bench_host_experts_bad_flags_exit_2_with_one_line(argv, message):
-    run = _run([sys.executable, HOST_EXPERTS, *argv])
-    assert run.returncode == 2 and len(run.stderr.strip().splitlines()) == 1 and message in run.stderr, run.stderr
-
-
 def test_gpu_check_help():
     run = _run(["bash", GPU_CHECK, "--help"])
     assert run.returncode == 0
@@ -211,10 +201,31 @@ def test_bench_step_replay_throughput_reports_lookups_per_second():
     assert len(rows) == 2 and all("4 lookups per decode step" in row for row in rows), run.stdout
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--trace", "x.csv"], "--trace needs --replay"),
-    (["--replay", "1", "--experts", "4", "--top-k", "1", "--slots", "8"], "--slots 8 exceeds the 4 experts"),
-])
-def test_bench_step_bad_flags_exit_2_with_one_line(argv, message):
-    run = _run([sys.executable, BENCH_STEP, *argv])
+REPLAY_SCALE = os.path.join(REPO, "scripts", "bench_replay_scale.py")
+
+
+def test_bench_replay_scale_times_each_reading_path_and_checks_their_hits():
+    run = _run([sys.executable, REPLAY_SCALE, "--tokens", "300", "--slots", "8", "--policy", "lru"], timeout=300)
+    assert run.returncode == 0, run.stderr
+    rows = {line.split("|")[1].strip(): [cell.strip() for cell in line.split("|")[2:-1]]
+            for line in run.stdout.splitlines() if line.startswith("| ") and not line.startswith("| path")}
+    assert list(rows) == ["CSV", "convert", "binary"]
+    for wall, cpu, peak, *_, status in rows.values():
+        assert status == "ok" and float(wall) > 0 and float(cpu) > 0 and int(peak) > 0
+    assert rows["CSV"][4] == rows["binary"][4] != "-" and rows["convert"][3:5] == ["-", "-"]
+    assert f"each replay: {300 * 48 * 8} lookups" in run.stdout
+
+
+@pytest.mark.parametrize("script, argv, message", [
+    (HOST_EXPERTS, ["--cached", "8"], "--cached must be below --top-k"),
+    (HOST_EXPERTS, ["--embd", "100"], "--embd must be a multiple of 32"),
+    (HOST_EXPERTS, ["--runs", "0"], "argument --runs: 0 must be >= 1"),
+    (BENCH_STEP, ["--trace", "x.csv"], "--trace needs --replay"),
+    (BENCH_STEP, ["--replay", "1", "--experts", "4", "--top-k", "1", "--slots", "8"], "--slots 8 exceeds the 4 experts"),
+    (REPLAY_SCALE, ["--tokens", "0"], "argument --tokens: 0 must be >= 1"),
+    (REPLAY_SCALE, ["--slots", "129"], "argument --slots: 129 must be in [1, 128]"),
+    (REPLAY_SCALE, ["--before", "no-such-revision"], "--before no-such-revision: fatal: not a valid object name"),
+], ids=lambda value: os.path.basename(value) if isinstance(value, str) and value.endswith(".py") else None)
+def test_bench_scripts_bad_flags_exit_2_with_one_line(script, argv, message):
+    run = _run([sys.executable, script, *argv])
     assert run.returncode == 2 and len(run.stderr.strip().splitlines()) == 1 and message in run.stderr, run.stderr

@@ -11,9 +11,9 @@ from conftest import TRACES  # noqa: E402
 
 from moecache.core.policies import Heat
 from moecache.core.profile import ProfileError, UsageProfile
-from moecache.core.traces import DECODE, read_trace
+from moecache.core.traces import DECODE, PREFILL, RouteTrace, TraceWriter, read_trace, synthetic_routing
 from moecache.offline.cli import main
-from moecache.offline.replay import GLOBAL, MIB, PER_LAYER, simulate
+from moecache.offline.replay import GLOBAL, MIB, PER_LAYER, PREFILL_MODES, UPSTREAM, simulate
 
 QWEN = TRACES / "qwen3-30b-a3b.route.csv"
 GPTOSS = TRACES / "gpt-oss-120b.route.csv"
@@ -240,6 +240,9 @@ def test_cli_absurd_trace_is_one_line(tmp_path, edit, message):
     (["--link-gbps", "0"], "argument --link-gbps: '0': a bandwidth must be a finite number of GB/s > 0"),
     (["--host-gbps", "nan"], "argument --host-gbps: 'nan': a bandwidth must be a finite number"),
     (["--host-gbps", "60,70"], "argument --host-gbps: '60,70' is not a number"),
+    (["--convert", "{tmp}/t.bin", "--slots", "8", "--prefill", "off"], "--convert replays nothing: drop --slots, --prefill"),
+    (["--convert", "{tmp}/missing/t.bin"], "--convert {tmp}/missing/t.bin: directory {tmp}/missing does not exist"),
+    (["--convert", "{tmp}/small.csv"], "--convert {tmp}/small.csv: is the trace itself"),
 ])
 def test_cli_bad_flags_are_one_line_before_any_replay(tmp_path, capsys, args, message):
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
@@ -289,3 +292,110 @@ def test_the_default_admission_is_the_live_caches(tmp_path):
     assert cli(GPTOSS, "--slots", "8", "--policies", "lru,arc,default", "--csv", out) == 0
     rows = {row["policy"]: row["admission"] for row in csv.DictReader(out.open())}
     assert rows == {"lru": "eager", "arc": "boundary", "default(heat)": "eager"}
+
+
+def batched_turns(path):
+    """Two turns as the live cache writes them: a prompt in two ubatches, then decode tokens,
+    three of them verified in one batch."""
+    ids = synthetic_routing(24, 3, 8, 2, seed=5)
+    with TraceWriter(str(path), model="m", arch="a", n_layer=3, n_expert=8, n_expert_used=2,
+                     layers=[(layer, MIB, 0) for layer in range(3)]) as writer:
+        for turn, base in ((0, 0), (1, 12)):
+            for phase, first, n in ((PREFILL, 0, 2), (PREFILL, 2, 3), (DECODE, 5, 1), (DECODE, 6, 3),
+                                    (DECODE, 9, 1), (DECODE, 10, 2)):
+                tokens = ids[base + first:base + first + n]
+                writer.write_step(turn, phase, first, np.concatenate(list(tokens), axis=1), None,
+                                  np.zeros((3, 2 * n), int))
+    return read_trace(str(path))
+
+
+def test_a_replay_in_windows_of_a_few_steps_counts_as_in_one(tmp_path, monkeypatch, qwen):
+    """The adapter hands the steps over a window at a time, cut between observations: in windows
+    of 2 steps every model and prompt mode counts what it counts in windows of thousands."""
+    from moecache.offline import steps
+
+    def counts(traces):
+        per_layer = [(PER_LAYER, policy, 3, {"prefill": prefill}) for policy in ("lru", "belady")
+                     for prefill in PREFILL_MODES]
+        return [simulate(trace, model, policy, size, **options).totals_all for trace, mib in traces
+                for model, policy, size, options in per_layer + [
+                    (GLOBAL, "lru", mib, {}), (GLOBAL, "belady", mib, {}), (UPSTREAM, "upstream", mib, {})]]
+
+    def traces():  # new objects: the NextUse of a trace is kept
+        return [(batched_turns(tmp_path / "b.csv"), 5), (qwen.select(slice(None)), 3000)]
+
+    whole = counts(traces())
+    monkeypatch.setattr(steps, "WINDOW_STEPS", 2)
+    assert counts(traces()) == whole
+
+
+# --- the compact binary form ---------------------------------------------------------------
+
+@pytest.mark.parametrize("path", [QWEN, GPTOSS], ids=["qwen", "gptoss"])
+def test_a_converted_trace_replays_to_the_numbers_of_its_csv(tmp_path, path):
+    """--convert, then every model (per-layer at each admission, global, upstream) replays the
+    binary file to the CSV's rows, all but the seconds."""
+    converted = tmp_path / "t.bin"
+    proc = run_cli(path, "--convert", converted)
+    assert proc.returncode == 0 and proc.stdout.startswith(f"wrote {converted}: "), proc.stderr
+    rows = []
+    for trace in (path, converted):
+        out = tmp_path / "r.csv"
+        proc = run_cli(trace, "--slots", "16", "--budget-mib", "3000", "--admission", "boundary,eager",
+                       "--policies", "lru,belady,default,upstream", "--csv", out)
+        assert proc.returncode == 0, proc.stderr
+        rows.append([{k: v for k, v in row.items() if k != "seconds"} for row in csv.DictReader(out.open())])
+    assert len(rows[0]) == 16 and rows[0] == rows[1]
+
+
+def test_a_converted_trace_replays_every_stored_figure_of_its_csv(tmp_path):
+    """The gpt-oss trace's 102 runs of tests/replay_values.json, replayed from its binary form."""
+    from replay_values import STORED, trace_values
+
+    from moecache.core.binary_trace import write_binary_trace
+
+    write_binary_trace(read_trace(str(GPTOSS)), tmp_path / "t.bin")
+    now = trace_values(read_trace(str(tmp_path / "t.bin")), "gpt-oss-120b")
+    stored = json.loads(STORED.read_text())
+    assert len(now) == 102 and {key: value for key, value in now.items() if stored[key] != list(value)} == {}
+
+
+def test_cli_damaged_binary_trace_exits_2_with_one_line(tmp_path):
+    converted = tmp_path / "t.bin"
+    assert cli(GPTOSS, "--convert", converted) == 0
+    converted.write_bytes(converted.read_bytes()[:-1])
+    proc = run_cli(converted, "--slots", "8")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == f"{PROG}: error: {converted}: {converted.stat().st_size} bytes where its header " \
+                          f"describes {converted.stat().st_size + 1}: truncated or damaged\n"
+
+
+MAPPED_REPLAY = """
+import sys
+from moecache.core.traces import read_trace
+from moecache.offline.replay import PER_LAYER, simulate
+result = simulate(read_trace(sys.argv[1]), PER_LAYER, "lru", 4, admission="boundary")
+with open("/proc/self/status") as f:  # VmHWM: this program's peak (ru_maxrss counts the parent's too)
+    peak = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+print(result.lookups, peak)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the peak RSS from /proc")
+def test_a_mapped_replay_needs_the_same_memory_for_a_trace_4_times_as_long(tmp_path):
+    """Replaying the binary form maps it and drops each window's pages: peak memory (RSS) does
+    not grow with the trace, whose arrays here grow by 38 MB (only its per-step numbers do,
+    some 40 bytes a step)."""
+    from moecache.core.binary_trace import write_binary_trace
+
+    routing = synthetic_routing(10000, 16, 64, 8, seed=2)
+    peaks = []
+    for repeats in (1, 4):
+        path = tmp_path / f"{repeats}.bin"
+        write_binary_trace(RouteTrace.from_routing(np.concatenate([routing] * repeats), 64), path)
+        proc = subprocess.run([sys.executable, "-c", MAPPED_REPLAY, str(path)], capture_output=True, text=True,
+                              cwd=REPO, timeout=120)
+        lookups, peak_kib = map(int, proc.stdout.split())
+        assert lookups == repeats * routing.size, proc.stderr
+        peaks.append(peak_kib << 10)
+    assert peaks[1] - peaks[0] < 4 << 20, peaks

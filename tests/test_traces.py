@@ -1,9 +1,14 @@
+import hashlib
 import os
+import tracemalloc
+from dataclasses import replace
 
 import numpy as np
 import pytest
 from conftest import TRACES  # noqa: E402
 
+import moecache.core.traces as traces
+from moecache.core.binary_trace import write_binary_trace
 from moecache.core.traces import DECODE, PREFILL, TraceError, TraceWriter, read_trace, synthetic_routing
 
 QWEN = TRACES / "qwen3-30b-a3b.route.csv"
@@ -27,6 +32,14 @@ def write(tmp_path, text, name="t.csv"):
     path = tmp_path / name
     path.write_text(text)
     return str(path)
+
+
+@pytest.fixture(params=[None, 40], ids=["one-block", "blocks-of-a-line-or-two"])
+def blocks(request, monkeypatch):
+    """The reader parses the text a block at a time: read in one block, and in blocks of a line
+    or two, so that every check meets rows of several blocks."""
+    if request.param:
+        monkeypatch.setattr(traces, "_BLOCK_CHARS", request.param)
 
 
 def test_real_traces_load_with_the_documented_shapes():
@@ -111,7 +124,7 @@ def test_small_trace_columns_by_name(tmp_path):
     (lambda s: s.replace("# layer=2 ", "# layer=2 " + "x" * 70_000 + "=1 "), "t.csv:4: line longer than 65536 characters"),
     (lambda s: s.replace("0,1,1,1,1,5,0.3,0,1000", "0,1,1,1,1,5,0.3,0,1000\n\n"), "t.csv:10: expected 9 fields, got 0"),
 ])
-def test_malformed_traces_fail_with_file_and_line(tmp_path, edit, message):
+def test_malformed_traces_fail_with_file_and_line(tmp_path, blocks, edit, message):
     path = write(tmp_path, edit(SMALL))
     with pytest.raises(TraceError) as info:
         read_trace(path)
@@ -121,7 +134,7 @@ def test_malformed_traces_fail_with_file_and_line(tmp_path, edit, message):
 
 
 @pytest.mark.parametrize("batch", [2**31, 2**63 - 1, -1])
-def test_a_batch_number_out_of_range_names_its_line(tmp_path, batch):
+def test_a_batch_number_out_of_range_names_its_line(tmp_path, blocks, batch):
     lines = SMALL.splitlines()
     lines[4] += ",batch"
     lines[5:] = [f"{row},{batch if i >= 2 else 0}" for i, row in enumerate(lines[5:])]
@@ -241,18 +254,79 @@ def test_binary_or_directory_is_a_trace_error(tmp_path):
         read_trace(str(tmp_path))
 
 
-def test_trailing_blank_lines_and_crlf_are_read(tmp_path):
+def test_trailing_blank_lines_and_crlf_are_read(tmp_path, blocks):
     trace = read_trace(write(tmp_path, SMALL.replace("\n", "\r\n") + "\r\n  \n"))
     assert trace.ids[1].tolist() == [[3, 5], [0, 7]]
 
 
-def test_a_grid_larger_than_memory_is_refused_before_allocating(tmp_path, monkeypatch):
-    import moecache.core.traces as traces
-
+def test_a_grid_larger_than_memory_is_refused_before_allocating(tmp_path, blocks, monkeypatch):
     monkeypatch.setattr(traces, "available_memory", lambda: 100)
     with pytest.raises(TraceError) as info:
         read_trace(write(tmp_path, SMALL))
     assert str(info.value).endswith("t.csv: 2 steps x 2 layers x 2 ranks need 128 bytes, 100 bytes available")
+
+
+# What the reader of 578d740 (the csv module, every row held) read from the shipped traces:
+# digest() of each, recorded before the reader streamed.
+READ_BEFORE = {QWEN: "21d5dd51b1f1a734", GPTOSS: "409f8e22b016a615"}
+
+
+def digest(trace) -> str:
+    """Every array of a trace (dtype, shape, values) and its model facts, in 16 hex digits."""
+    h = hashlib.sha256()
+    for name in ("turn", "step", "phase", "batch", "ids", "weights", "residency", "dropped", "layers",
+                 "expert_bytes", "dense_bytes"):
+        a = np.ascontiguousarray(getattr(trace, name))
+        h.update(f"{name} {a.dtype.str} {a.shape}".encode() + a.tobytes())
+    h.update(repr((trace.model, trace.arch, trace.n_layer, trace.n_expert, trace.n_expert_used)).encode())
+    return h.hexdigest()[:16]
+
+
+@pytest.mark.parametrize("path", [QWEN, GPTOSS], ids=["qwen", "gptoss"])
+@pytest.mark.parametrize("block_chars", [None, 4096])
+def test_the_shipped_traces_read_as_before_in_blocks_of_any_size(monkeypatch, path, block_chars):
+    if block_chars:
+        monkeypatch.setattr(traces, "_BLOCK_CHARS", block_chars)
+    assert digest(read_trace(str(path))) == READ_BEFORE[path]
+
+
+def test_rows_in_any_order_read_as_in_writing_order(tmp_path, monkeypatch):
+    """Steps are ordered by (turn, step), not by where their rows are: the rows of the Qwen trace
+    shuffled (every block then mixes steps) read as the file does."""
+    lines = QWEN.read_text().splitlines(keepends=True)
+    header = next(i for i, line in enumerate(lines) if not line.startswith("#"))
+    rows = lines[header + 1:]
+    shuffled = [rows[i] for i in np.random.default_rng(0).permutation(len(rows))]
+    path = write(tmp_path, "".join(lines[:header + 1] + shuffled))
+    monkeypatch.setattr(traces, "_BLOCK_CHARS", 1 << 16)
+    assert digest(read_trace(path)) == READ_BEFORE[QWEN]
+    with open(path, "a") as f:
+        f.write(shuffled[0])
+    with pytest.raises(TraceError, match=rf"t.csv:{header + 2 + len(rows)}: duplicate row for"):
+        read_trace(path)
+
+
+def test_reading_holds_the_arrays_not_the_text(tmp_path, monkeypatch):
+    """Peak memory while reading is the trace's arrays (10 bytes a lookup, a quarter more while
+    they grow) and one block's temporaries, whatever the text's length (the reader before
+    held some 160 bytes a row)."""
+    monkeypatch.setattr(traces, "_BLOCK_CHARS", 1 << 15)
+    path = str(tmp_path / "long.csv")
+    ids = synthetic_routing(200, 48, 128, 8, seed=1)
+    with TraceWriter(path, model="m", arch="a", n_layer=48, n_expert=128, n_expert_used=8,
+                     layers=[(layer, 3059712, 0) for layer in range(48)]) as writer:
+        for step, routing in enumerate(ids):
+            writer.write_step(0, DECODE, step, routing, None, np.zeros((48, 8), int))
+    tracemalloc.start()
+    try:
+        trace = read_trace(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    arrays = sum(getattr(trace, name).nbytes for name in ("ids", "weights", "residency", "dropped"))
+    assert np.array_equal(trace.ids, ids) and arrays == 10 * ids.size
+    assert os.path.getsize(path) > 30 * ids.size  # the text: 3 times the arrays
+    assert peak < 1.25 * arrays + (1 << 20), (peak, arrays)
 
 
 def test_from_routing_and_select():
@@ -321,3 +395,67 @@ def test_writer_records_any_model_name_readably(tmp_path, name, recorded):
     trace = read_trace(path)
     assert (trace.model, trace.arch) == (recorded, recorded)
     assert trace.ids.tolist() == [[[1, 2]]]
+
+
+# --- the compact binary form ----------------------------------------------------------------
+
+@pytest.mark.parametrize("path", [QWEN, GPTOSS], ids=["qwen", "gptoss"])
+def test_a_converted_trace_reads_back_as_its_csv_mapped(tmp_path, path):
+    out = tmp_path / "t.bin"
+    write_binary_trace(read_trace(str(path)), out)
+    trace = read_trace(str(out))
+    assert digest(trace) == READ_BEFORE[path] and trace.path == str(out)
+    assert trace.pages is not None and not trace.ids.flags.writeable  # views of the file
+    assert os.path.getsize(out) < os.path.getsize(path) / 2
+
+
+def small_binary(tmp_path):
+    path = tmp_path / "t.bin"
+    write_binary_trace(read_trace(write(tmp_path, SMALL)), path)
+    return path
+
+
+def test_a_damaged_binary_trace_is_an_error_naming_it_never_other_values(tmp_path):
+    """Any byte flipped fails a check (CRC-32s of the header and of each array, sizes, ranges)
+    or lies in the padding between arrays; a file cut anywhere, or grown, is refused."""
+    path = small_binary(tmp_path)
+    data, good = path.read_bytes(), digest(read_trace(str(path)))
+    seen = set()
+
+    def outcome():
+        try:
+            trace = read_trace(str(path))
+        except TraceError as e:
+            assert str(e).startswith(str(path)) and "\n" not in str(e)
+            return "error"
+        assert digest(trace) == good
+        return "same"
+
+    for i in range(len(data)):
+        for bit in (0x01, 0x80):
+            path.write_bytes(data[:i] + bytes([data[i] ^ bit]) + data[i + 1:])
+            seen.add(outcome())
+    assert seen == {"error", "same"}
+    for size in range(len(data)):
+        path.write_bytes(data[:size])
+        assert outcome() == "error"
+    path.write_bytes(data + b"\0")
+    with pytest.raises(TraceError, match=f"t.bin: {len(data) + 1} bytes where its header describes {len(data)}"):
+        read_trace(str(path))
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda t: {"ids": np.where(t.ids == 7, 8, t.ids)}, r"t.bin: ids holds values outside \[-1, 7\]"),
+    (lambda t: {"phase": t.phase + 1}, r"t.bin: phase holds values outside \[0, 1\]"),
+    (lambda t: {"residency": t.residency + 3}, r"t.bin: residency holds values outside \[0, 2\]"),
+    (lambda t: {"step": t.step[::-1].copy()}, r"t.bin: steps out of \(turn, step\) order"),
+    (lambda t: {"layers": t.layers[::-1].copy()}, "t.bin: header: layers must be ascending"),
+    (lambda t: {"expert_bytes": 0 * t.expert_bytes}, r"t.bin: header: expert_bytes=0 must be in \[1, "),
+    (lambda t: {"n_expert_used": 3}, "t.bin: .* bytes where its header describes"),
+])
+def test_a_binary_trace_of_values_no_trace_holds_is_refused(tmp_path, change, message):
+    """Whole CRC-32s do not make a file a trace: what the replay relies on is checked too."""
+    trace = read_trace(write(tmp_path, SMALL))
+    write_binary_trace(replace(trace, **change(trace)), tmp_path / "t.bin")
+    with pytest.raises(TraceError, match=message):
+        read_trace(str(tmp_path / "t.bin"))

@@ -20,12 +20,17 @@ tokens of one batch were evaluated in one ubatch (a multi-token decode, e.g. a s
 verification, or a prompt's ubatch), between the same two cache steps, and the per-layer replay
 observes them together. Such a token may lack a layer as a whole (llama.cpp runs the last layer only for the
 tokens whose logits are wanted). Without the column every decode token is its own observation.
+
+The CSV is the interchange format; long recordings replay from its compact binary form
+(moecache.core.binary_trace), which read_trace tells from it by the first line.
 """
 
 from __future__ import annotations
 
 import csv
 import errno
+import io
+import mmap
 import os
 import re
 from dataclasses import dataclass, replace
@@ -78,10 +83,18 @@ class RouteTrace:
     dropped: np.ndarray         # (n_steps, n_layers, k) bool; all False if the column is absent
     batch: np.ndarray | None = None  # (n_steps,) the observation (ubatch) of each step; -1 (the
                                      # default) when not recorded: every step its own
+    pages: mmap.mmap | None = None   # the file the arrays map (moecache.core.binary_trace), if any
 
     def __post_init__(self):
         if self.batch is None:
             self.batch = np.full(len(self.step), -1, dtype=np.int64)
+
+    def drop_pages(self) -> None:
+        """A mapped trace's pages leave this process (the kernel keeps them cached and maps
+        them again when touched): what a replay calls as it walks the trace, so that its memory
+        stays a window's, however long the trace. Nothing for arrays in memory."""
+        if self.pages is not None and hasattr(mmap, "MADV_DONTNEED"):
+            self.pages.madvise(mmap.MADV_DONTNEED)
 
     @property
     def decode_ids(self) -> np.ndarray:
@@ -127,7 +140,15 @@ MAX_INDEX = 2**31 - 1          # turn, step and batch numbers
 MAX_EXPERT_BYTES = 2**40
 MAX_LINE = 1 << 16            # characters in a preamble line (a row field has csv's own limit)
 INT_COLUMNS = ("turn", "phase", "step", "layer", "slot", "expert", "residency")
-_CHUNK = 1 << 16               # rows converted to arrays at a time
+_BLOCK_CHARS = 1 << 22        # text read and parsed at a time: about 140,000 rows
+_LONGEST_LINE = 1 << 26       # characters: far beyond a valid row (csv allows 131072 per field)
+_EXACT_ROWS = 1 << 16         # rows the csv module's path converts to arrays at a time
+WINDOW_STEPS = 4096           # steps a check or a replay takes at a time (temporaries, mapped pages)
+# loadtxt's type of each column: the narrowest that holds every valid value (a value that
+# overflows it sends the block to the exact path, which names it); the weight as float() reads it
+_FAST_TYPES = {"turn": np.int32, "phase": np.int8, "step": np.int32, "layer": np.int16, "slot": np.int32,
+               "expert": np.int32, "residency": np.int8, "expert_bytes": np.int64, "dropped": np.int8,
+               "batch": np.int32, "weight": np.float64}
 
 
 def available_memory() -> int | None:
@@ -246,40 +267,106 @@ def _parse_header(path, preamble):
     return header
 
 
-def _read_rows(path, f, header, first_line):
-    """The data rows as (n, 7) int64 INT_COLUMNS, float32 weights and {optional column: int64
-    values} for those present. Rows are converted a chunk at a time; a chunk that does not
-    convert is scanned row by row for the first bad field, so the error names it."""
-    col = {name: header.index(name) for name in header}
+def read_route_trace(path: str) -> RouteTrace:
+    """Read a route_trace v1 CSV a block of rows at a time into the trace's dense arrays: the
+    memory it needs is theirs (_Grid), not the text's."""
+    try:
+        with open(path, "r", encoding="utf-8", newline="") as f:
+            preamble = _read_preamble(path, f)
+            header = _parse_header(path, preamble)
+            grid = _Grid(path, preamble, "batch" in header)
+            for first_line, columns in _row_pieces(path, f, header, preamble.header_line + 1):
+                grid.add(first_line, columns)
+    except OSError as e:
+        raise TraceError(f"{path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise TraceError(f"{path}: not UTF-8 text") from None
+    return grid.trace()
+
+
+def _blocks(f):
+    """The rest of f in blocks of whole lines, about _BLOCK_CHARS each. Text of _LONGEST_LINE
+    characters without a line end goes on as it is: no valid row is that long, and the csv
+    module names the line."""
+    rest = ""
+    while text := f.read(_BLOCK_CHARS):
+        text = rest + text
+        # after the last \n, else after a lone \r (csv's line end too) that a \n cannot follow
+        cut = text.rfind("\n") + 1 or text.rfind("\r", 0, len(text) - 1) + 1
+        if not cut and len(text) < _LONGEST_LINE:
+            rest = text
+            continue
+        cut = cut or len(text)
+        rest = text[cut:]
+        yield text[:cut]
+    if rest:
+        yield rest
+
+
+def _row_pieces(path, f, header, first_line):
+    """(line of the first row, {column: values}) of the data rows, a block at a time. numpy's
+    loadtxt parses a block of plain rows (_parse_fast); a block it refuses, or might read
+    otherwise than the csv module, goes through the csv module row by row (_parse_exact), which
+    reads as this reader always has and names the first bad field."""
+    blank = None  # (line, fields) of a blank line: allowed only after the last row
+    for text in _blocks(f):
+        columns = None if blank else _parse_fast(text, header)
+        if columns is not None:
+            yield first_line, columns
+            first_line += len(columns["turn"])  # a row a line
+        else:
+            blank, lines = yield from _parse_exact(path, text, first_line, header, blank)
+            first_line += lines
+
+
+def _parse_fast(text, header):
+    """The block's columns as loadtxt reads them (_FAST_TYPES), or None where its reading could
+    differ from the csv module's: other than ASCII, a NUL, a CR outside CRLF, a line over csv's
+    field limit, a blank line, a value loadtxt refuses or that overflows its column's type, a
+    negative expert_bytes or a weight beyond float32 (for the exact path to name)."""
+    if not text.isascii() or "\0" in text or ("\r" in text and text.count("\r") != text.count("\r\n")):
+        return None
+    data = text.encode("ascii")
+    ends = np.flatnonzero(np.frombuffer(data, dtype=np.uint8) == ord("\n"))
+    if np.diff(ends, prepend=-1, append=len(data)).max() > csv.field_size_limit():
+        return None
+    types = np.dtype([(name, _FAST_TYPES[name]) for name in header])
+    try:
+        rows = np.loadtxt(io.BytesIO(data), dtype=types, delimiter=",", comments=None, ndmin=1)
+    except ValueError:
+        return None
+    weight = rows["weight"]
+    if len(rows) != ends.size + (not data.endswith(b"\n")) or (rows["expert_bytes"] < 0).any() \
+            or (np.isfinite(weight) & (np.abs(weight) > _FLOAT32_MAX)).any():
+        return None
+    return {name: np.ascontiguousarray(rows[name]) for name in header}
+
+
+def _parse_exact(path, text, first_line, header, blank):
+    """The block through the csv module: yields (line, columns) of up to _EXACT_ROWS rows at a
+    time; returns (the blank line after the last row, if any, and the lines read)."""
     n_cols = len(header)
-    optional = [name for name in OPTIONAL_COLUMNS if name in col]
-    converters = [(col[name], int) for name in INT_COLUMNS + ("expert_bytes",) + tuple(optional)]
-    converters.append((col["weight"], float))
-    parts, chunk, chunk_line, blank_line = [], [], 0, None
-    reader = csv.reader(f, quoting=csv.QUOTE_NONE)
+    reader = csv.reader(io.StringIO(text, newline=""), quoting=csv.QUOTE_NONE)
+    chunk, chunk_line = [], first_line
     for row in _rows_or_error(path, reader, first_line):
         lineno = first_line + reader.line_num - 1
-        if len(row) <= 1 and not (row and row[0].strip()):  # blank: allowed only after the last row
-            if blank_line is None:
-                blank_line, blank_fields = lineno, len(row)
+        if len(row) <= 1 and not (row and row[0].strip()):
+            if blank is None:
+                blank = (lineno, len(row))
             continue
-        if blank_line is not None:
-            raise TraceError(f"{path}:{blank_line}: expected {n_cols} fields, got {blank_fields}")
+        if blank is not None:
+            raise TraceError(f"{path}:{blank[0]}: expected {n_cols} fields, got {blank[1]}")
         if len(row) != n_cols:
             raise TraceError(f"{path}:{lineno}: expected {n_cols} fields, got {len(row)}")
         if not chunk:
             chunk_line = lineno
         chunk.append(row)
-        if len(chunk) == _CHUNK:
-            parts.append(_convert(path, chunk, chunk_line, header, converters))
+        if len(chunk) == _EXACT_ROWS:
+            yield chunk_line, _convert(path, chunk, chunk_line, header)
             chunk = []
     if chunk:
-        parts.append(_convert(path, chunk, chunk_line, header, converters))
-    if not parts:
-        return np.empty((0, 7), dtype=np.int64), np.empty(0, np.float32), {}
-    columns = [np.concatenate(c) for c in zip(*parts)]
-    rows = np.stack(columns[:7], axis=1)
-    return rows, columns[-1].astype(np.float32), dict(zip(optional, columns[8:-1]))
+        yield chunk_line, _convert(path, chunk, chunk_line, header)
+    return blank, reader.line_num
 
 
 def _rows_or_error(path, reader, first_line):
@@ -298,32 +385,39 @@ def _rows_or_error(path, reader, first_line):
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
-def _convert(path, chunk, first_line, header, converters):
-    """One array per converter's column (int64, or float64 for the weight)."""
+def _converters(header):
+    """(column, name, int or float) in the order a row's fields are checked."""
+    names = INT_COLUMNS + ("expert_bytes",) + tuple(c for c in OPTIONAL_COLUMNS if c in header) + ("weight",)
+    return [(header.index(name), name, float if name == "weight" else int) for name in names]
+
+
+def _convert(path, chunk, first_line, header):
+    """The rows' columns: int64, or float64 for the weight."""
     fields = list(zip(*chunk))
+    converters = _converters(header)
     try:
-        out = [np.fromiter(map(convert, fields[c]), dtype=np.int64 if convert is int else np.float64,
-                           count=len(chunk)) for c, convert in converters]
+        columns = {name: np.fromiter(map(convert, fields[c]), count=len(chunk),
+                                     dtype=np.int64 if convert is int else np.float64)
+                   for c, name, convert in converters}
     except (ValueError, OverflowError):
-        _first_bad_field(path, chunk, first_line, header, converters)
+        _first_bad_field(path, chunk, first_line, converters)
         raise TraceError(f"{path}:{first_line}: rows that do not convert") from None
-    negative = np.flatnonzero(out[7] < 0)  # expert_bytes
+    negative = np.flatnonzero(columns["expert_bytes"] < 0)
     if negative.size:
-        _first_bad_field(path, chunk[:negative[0] + 1], first_line, header, converters)
-    weight = out[-1]
+        _first_bad_field(path, chunk[:negative[0] + 1], first_line, converters)
+    weight = columns["weight"]
     too_big = np.flatnonzero(np.isfinite(weight) & (np.abs(weight) > _FLOAT32_MAX))  # stored as float32
     if too_big.size:
         r = int(too_big[0])
-        raise TraceError(f"{path}:{first_line + r}: weight={chunk[r][converters[-1][0]].strip()} "
+        raise TraceError(f"{path}:{first_line + r}: weight={chunk[r][header.index('weight')].strip()} "
                          f"is out of the float32 range")
-    return out
+    return columns
 
 
-def _first_bad_field(path, chunk, first_line, header, converters):
+def _first_bad_field(path, chunk, first_line, converters):
     """Raise for the first bad field of these rows, in row order, then column order."""
     for r, row in enumerate(chunk):
-        for c, convert in converters:
-            name = header[c]
+        for c, name, convert in converters:
             try:
                 value = convert(row[c])
             except ValueError:
@@ -335,37 +429,16 @@ def _first_bad_field(path, chunk, first_line, header, converters):
                 raise TraceError(f"{path}:{first_line + r}: negative expert_bytes")
 
 
-def read_route_trace(path: str) -> RouteTrace:
-    try:
-        with open(path, "r", encoding="utf-8", newline="") as f:
-            preamble = _read_preamble(path, f)
-            header = _parse_header(path, preamble)
-            rows, weight, optional = _read_rows(path, f, header, preamble.header_line + 1)
-    except OSError as e:
-        raise TraceError(f"{path}: {e.strerror}") from None
-    except UnicodeDecodeError:
-        raise TraceError(f"{path}: not UTF-8 text") from None
-    if len(rows) == 0:
-        raise TraceError(f"{path}:{preamble.header_line}: no rows")
-    _check_rows(path, preamble, rows)
-    dropped = optional["dropped"] != 0 if "dropped" in optional else np.zeros(len(rows), dtype=bool)
-    batch = optional.get("batch")
-    if batch is not None and ((batch < 0) | (batch > MAX_INDEX)).any():
-        r = int(np.flatnonzero((batch < 0) | (batch > MAX_INDEX))[0])
-        raise TraceError(f"{path}:{preamble.header_line + 1 + r}: batch={batch[r]} must be in [0, {MAX_INDEX}]")
-    return _to_trace(path, preamble, rows, weight, dropped, batch)
-
-
-def _check_rows(path, preamble, rows):
+def _check_rows(path, preamble, columns, first_line):
     """Every value in its range, naming the first row (by column) that is not."""
-    turn, phase, step, layer, slot, expert, residency = rows.T
+    turn, phase, step, layer, slot, expert, residency = (columns[name] for name in INT_COLUMNS)
     n_layer, n_expert, k = preamble.n_layer, preamble.n_expert, preamble.k
 
     def fail_at(mask, what):
         bad = np.flatnonzero(mask)
         if bad.size:
             r = int(bad[0])
-            raise TraceError(f"{path}:{preamble.header_line + 1 + r}: {what(r)}")
+            raise TraceError(f"{path}:{first_line + r}: {what(r)}")
 
     fail_at(turn < 0, lambda r: f"turn={turn[r]} is negative")
     fail_at(turn > MAX_INDEX, lambda r: f"turn={turn[r]} must be <= {MAX_INDEX}")
@@ -380,82 +453,162 @@ def _check_rows(path, preamble, rows):
     fail_at((slot < 0) | (slot >= k), lambda r: f"slot={slot[r]} out of range [0, {k})")
     fail_at((expert < 0) | (expert >= n_expert), lambda r: f"expert={expert[r]} out of range [0, {n_expert})")
     fail_at((residency < 0) | (residency > 2), lambda r: f"residency={residency[r]} is not 0, 1 or 2")
+    if "batch" in columns:
+        batch = columns["batch"]
+        fail_at((batch < 0) | (batch > MAX_INDEX), lambda r: f"batch={batch[r]} must be in [0, {MAX_INDEX}]")
 
 
-def _to_trace(path, preamble, rows, weight, dropped, batch) -> RouteTrace:
-    """Steps are identified by (turn, step); each must carry one phase (and batch) and a full
-    k x layers grid (see the module docstring for prefill and batches)."""
-    turn, phase, step, layer, slot, expert, residency = rows.T
-    k, first_data_line = preamble.k, preamble.header_line + 1
-    layers = np.unique(layer)
-    layer_index = np.full(preamble.n_layer, -1, dtype=np.int64)
-    layer_index[layers] = np.arange(layers.size)
-    n_layers = layers.size
-
-    step_key = turn * (int(step.max()) + 1) + step
-    keys, first_row, step_of_row = np.unique(step_key, return_index=True, return_inverse=True)
-    n_steps = keys.size
-
-    def per_step(values, problem):
-        """The value of each step, which every row of the step must carry."""
-        of_step = values[first_row]
-        mixed = np.flatnonzero(values != of_step[step_of_row])
-        if mixed.size:
-            r = int(mixed[0])
-            raise TraceError(f"{path}:{first_data_line + r}: step {step[r]} of turn {turn[r]} {problem}")
-        return of_step
-
-    step_phase = per_step(phase, "mixes prefill and decode rows")
-    step_batch = np.full(n_steps, -1, dtype=np.int64) if batch is None else per_step(batch, "has rows of two batches")
-    cells = n_steps * n_layers * k
-    try:
-        require_memory(16 * cells, f"{n_steps} steps x {n_layers} layers x {k} ranks")
-    except ValueError as e:
-        raise TraceError(f"{path}: {e}") from None
-    cell = (step_of_row * n_layers + layer_index[layer]) * k + slot
-    _check_cells(path, first_data_line, rows, cell, (n_steps, n_layers, k), first_row,
-                 (step_phase == DECODE) & ~_shares_batch(turn[first_row], step_batch), layers)
-
-    def grid(values, dtype, absent):
-        out = np.full(cells, absent, dtype=dtype)
-        out[cell] = values
-        return out.reshape(n_steps, n_layers, k)
-
-    sizes = [preamble.layer_bytes[int(l)] for l in layers]
-    return RouteTrace(
-        path=path, model=preamble.model["model"], arch=preamble.model["arch"],
-        n_layer=preamble.n_layer, n_expert=preamble.n_expert, n_expert_used=k,
-        layers=layers, expert_bytes=np.array([e for e, _ in sizes], dtype=np.int64),
-        dense_bytes=np.array([d for _, d in sizes], dtype=np.int64),
-        turn=turn[first_row], step=step[first_row], phase=step_phase.astype(np.int8),
-        ids=grid(expert, np.int32, -1), weights=grid(weight, np.float32, 0.0),
-        residency=grid(residency, np.int8, 0), dropped=grid(dropped, bool, False), batch=step_batch)
+# per (step, layer, rank) cell of a trace: dtype, the value of a cell without a row
+_CELLS = {"ids": (np.int32, -1), "weights": (np.float32, 0), "residency": (np.int8, 0), "dropped": (bool, False)}
+_CELL_COLUMNS = {"ids": "expert", "weights": "weight", "residency": "residency", "dropped": "dropped"}
+# per step, in the order steps first appear: (turn << 31 | step), phase, batch, its first row
+_STEP_FIELDS = {"key": np.int64, "phase": np.int8, "batch": np.int64, "first_row": np.int64}
+_GRID_BYTES_PER_CELL = 16  # the cells' 10 bytes, and room for growing and checking them
 
 
-def _check_cells(path, first_data_line, rows, cell, shape, first_row, needs_all_layers, layers):
-    """Each (step, layer, rank) cell given once, and no holes: a step whose layers must all be
-    there (needs_all_layers) has every rank of every layer; any step, all ranks or none of one."""
-    turn, _, step, layer, slot = rows.T[:5]
-    n_steps, n_layers, k = shape
-    order = np.argsort(cell, kind="stable")
-    repeated = order[1:][cell[order[1:]] == cell[order[:-1]]]
-    if repeated.size:
-        r = int(repeated[0])
-        raise TraceError(f"{path}:{first_data_line + r}: duplicate row for turn {turn[r]} step "
-                         f"{step[r]} layer {layer[r]} slot {slot[r]}")
-    seen = np.zeros(n_steps * n_layers * k, dtype=bool)
-    seen[cell] = True
-    # A layer may be absent from a prefill token as a whole (llama.cpp runs the last layer only
-    # for the tokens whose logits are wanted); those cells read -1. Anything else is a hole.
-    groups = seen.reshape(shape)
-    partial = groups.any(axis=2) & ~groups.all(axis=2)
-    partial |= ~groups.any(axis=2) & needs_all_layers[:, None]
-    if partial.any():
-        s, li = (int(v[0]) for v in np.nonzero(partial))
-        r = int(first_row[s])
-        raise TraceError(f"{path}:{first_data_line + r}: turn {turn[r]} step {step[r]} lacks rows for "
-                         f"layer {layers[li]} (a decode step needs all {k} ranks of every layer, "
-                         f"a prefill step all or none)")
+class _Grid:
+    """The dense arrays of a trace being read, filled a piece of rows at a time. A step gets
+    its index when it first appears (rows may come in any order; trace() sorts the steps), and
+    the arrays grow by a quarter in place (ndarray.resize, a realloc): the memory is the final
+    arrays' and at most a quarter more, whatever the text's size."""
+
+    def __init__(self, path, preamble, recorded_batch):
+        self.path, self.preamble, self.recorded_batch = path, preamble, recorded_batch
+        self.layers = np.array(sorted(preamble.layer_bytes), dtype=np.int64)
+        self.layer_index = np.full(preamble.n_layer, -1, dtype=np.int64)
+        self.layer_index[self.layers] = np.arange(self.layers.size)
+        self.layer_seen = np.zeros(self.layers.size, dtype=bool)
+        self.shape = (self.layers.size, preamble.k)
+        self.cells = {name: np.full((0, *self.shape), absent, dtype) for name, (dtype, absent) in _CELLS.items()}
+        self.steps = {name: np.zeros(0, dtype) for name, dtype in _STEP_FIELDS.items()}
+        self.index_of = {}  # step key -> step index
+        self.n_steps = self.n_rows = 0
+
+    def add(self, first_line, columns) -> None:
+        """A piece of rows (first_line: the line of its first row), checked, into the arrays."""
+        _check_rows(self.path, self.preamble, columns, first_line)
+        step = self._step_index(first_line, columns)
+        layer = self.layer_index[columns["layer"]]
+        cell = (step * self.shape[0] + layer) * self.shape[1] + columns["slot"]
+        self._check_duplicates(first_line, columns, cell)
+        for name, array in self.cells.items():
+            if _CELL_COLUMNS[name] in columns:
+                values = columns[_CELL_COLUMNS[name]]
+                array.reshape(-1)[cell] = values != 0 if name == "dropped" else values
+        self.layer_seen[layer] = True
+        self.n_rows += len(cell)
+
+    def _step_index(self, first_line, columns):
+        """Each row's step index. A new step takes its phase and batch from its first row, and
+        every row of a step must carry the same."""
+        turn, step = columns["turn"], columns["step"]
+        key = turn.astype(np.int64) << 31 | step
+        first, inverse = _runs(key)
+        index = np.array([self.index_of.get(k, -1) for k in key[first].tolist()], dtype=np.int64)
+        new = index < 0
+        for name, problem in (("phase", "mixes prefill and decode rows"), ("batch", "has rows of two batches")):
+            if name in columns:
+                values = columns[name]
+                expected = values[first].astype(np.int64)
+                expected[~new] = self.steps[name][index[~new]]
+                mixed = np.flatnonzero(values != expected[inverse])
+                if mixed.size:
+                    r = int(mixed[0])
+                    raise TraceError(f"{self.path}:{first_line + r}: step {step[r]} of turn {turn[r]} {problem}")
+        index[new] = np.arange(self.n_steps, self.n_steps + new.sum())
+        self._grow(self.n_steps + int(new.sum()))
+        added = {"key": key[first[new]], "phase": columns["phase"][first[new]],
+                 "batch": columns["batch"][first[new]] if "batch" in columns else -1,
+                 "first_row": self.n_rows + first[new]}
+        for name, values in added.items():
+            self.steps[name][index[new]] = values
+        self.index_of.update(zip(added["key"].tolist(), index[new].tolist()))
+        self.n_steps += int(new.sum())
+        return index[inverse]
+
+    def _grow(self, n_steps):
+        capacity = len(self.steps["key"])
+        if n_steps <= capacity:
+            return
+        capacity = max(n_steps, capacity + capacity // 4)
+        L, k = self.shape
+        try:
+            require_memory(_GRID_BYTES_PER_CELL * capacity * L * k, f"{capacity} steps x {L} layers x {k} ranks")
+        except ValueError as e:
+            raise TraceError(f"{self.path}: {e}") from None
+        for name, array in [*self.cells.items(), *self.steps.items()]:
+            before = len(array)
+            array.resize((capacity, *array.shape[1:]), refcheck=False)  # zeros after `before`
+            if name == "ids":
+                array[before:] = -1
+
+    def _check_duplicates(self, first_line, columns, cell):
+        """No (step, layer, rank) cell given twice, in this piece or before it."""
+        again = np.flatnonzero(self.cells["ids"].reshape(-1)[cell] >= 0)
+        if not (cell[1:] > cell[:-1]).all():  # (rows in writing order need no sort)
+            order = np.argsort(cell, kind="stable")
+            again = np.concatenate((again, order[1:][cell[order[1:]] == cell[order[:-1]]]))
+        if again.size:
+            r = int(again.min())
+            turn, step, layer, slot = (columns[name][r] for name in ("turn", "step", "layer", "slot"))
+            raise TraceError(f"{self.path}:{first_line + r}: duplicate row for turn {turn} step {step} "
+                             f"layer {layer} slot {slot}")
+
+    def trace(self) -> RouteTrace:
+        """The arrays in (turn, step) order, over the layers that have rows, once every row is
+        in: the checks that need them all, then the RouteTrace."""
+        preamble, n = self.preamble, self.n_steps
+        if self.n_rows == 0:
+            raise TraceError(f"{self.path}:{preamble.header_line}: no rows")
+        for array in [*self.cells.values(), *self.steps.values()]:
+            array.resize((n, *array.shape[1:]), refcheck=False)
+        cells, steps = self.cells, self.steps
+        order = np.argsort(steps["key"], kind="stable")
+        if (order != np.arange(n)).any():
+            cells, steps = ({name: a[order] for name, a in arrays.items()} for arrays in (cells, steps))
+        if not self.layer_seen.all():
+            cells = {name: a[:, self.layer_seen] for name, a in cells.items()}
+        turn, step = steps["key"] >> 31, steps["key"] & MAX_INDEX
+        batch = steps["batch"] if self.recorded_batch else np.full(n, -1, dtype=np.int64)
+        layers = self.layers[self.layer_seen]
+        _check_holes(self.path, cells["ids"], (steps["phase"] == DECODE) & ~_shares_batch(turn, batch),
+                     preamble.header_line + 1 + steps["first_row"], turn, step, layers)
+        sizes = [preamble.layer_bytes[int(l)] for l in layers]
+        return RouteTrace(
+            path=self.path, model=preamble.model["model"], arch=preamble.model["arch"],
+            n_layer=preamble.n_layer, n_expert=preamble.n_expert, n_expert_used=preamble.k,
+            layers=layers, expert_bytes=np.array([e for e, _ in sizes], dtype=np.int64),
+            dense_bytes=np.array([d for _, d in sizes], dtype=np.int64),
+            turn=turn, step=step, phase=steps["phase"], batch=batch, **cells)
+
+
+def _runs(key):
+    """(first position of each distinct key, each position's distinct key's number): by runs
+    where the keys never decrease (a step's rows together, as writers write them), else sorted."""
+    if (key[1:] >= key[:-1]).all():
+        first = np.flatnonzero(np.diff(key, prepend=key[0] - 1))
+        return first, np.repeat(np.arange(first.size), np.diff(first, append=key.size))
+    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    return first, inverse
+
+
+def _check_holes(path, ids, needs_all_layers, line, turn, step, layers):
+    """A step whose layers must all be there (needs_all_layers) has every rank of every layer;
+    any step, all ranks of a layer or none. A window of steps at a time."""
+    k = ids.shape[2]
+    for start in range(0, len(ids), WINDOW_STEPS):
+        window = slice(start, start + WINDOW_STEPS)
+        # A layer may be absent from a prefill token as a whole (llama.cpp runs the last layer
+        # only for the tokens whose logits are wanted); those cells read -1. Anything else is a hole.
+        given = ids[window] >= 0
+        partial = given.any(axis=2) & ~given.all(axis=2)
+        partial |= ~given.any(axis=2) & needs_all_layers[window, None]
+        if partial.any():
+            s, li = (int(v[0]) for v in np.nonzero(partial))
+            s += start
+            raise TraceError(f"{path}:{line[s]}: turn {turn[s]} step {step[s]} lacks rows for "
+                             f"layer {layers[li]} (a decode step needs all {k} ranks of every layer, "
+                             f"a prefill step all or none)")
 
 
 def _shares_batch(turn, batch):
@@ -470,7 +623,7 @@ def _shares_batch(turn, batch):
 @dataclass(frozen=True)
 class TraceReader:
     name: str
-    sniff: Callable[[str], bool]      # first line of the file -> is it this format?
+    sniff: Callable[[bytes], bool]    # first line of the file, without its line end -> is it this format?
     read: Callable[[str], RouteTrace]
 
 
@@ -481,7 +634,8 @@ def register_reader(reader: TraceReader) -> None:
     READERS[reader.name] = reader
 
 
-register_reader(TraceReader("route_trace_v1", lambda first: first.strip() == MAGIC, read_route_trace))
+register_reader(TraceReader("route_trace_v1", lambda first: first.decode("utf-8", "replace").strip() == MAGIC,
+                            read_route_trace))
 
 
 def read_trace(path: str, fmt: str | None = None) -> RouteTrace:
@@ -491,15 +645,17 @@ def read_trace(path: str, fmt: str | None = None) -> RouteTrace:
             raise TraceError(f"unknown trace format {fmt!r}; known: {', '.join(sorted(READERS))}")
         return READERS[fmt].read(path)
     try:
-        with open(path, "r", encoding="utf-8") as f:
-            first = f.readline()
+        with open(path, "rb") as f:
+            first = (f.readline(MAX_LINE + 1).splitlines() or [b""])[0]  # \r, \n or \r\n, as text reads
     except OSError as e:
         raise TraceError(f"{path}: {e.strerror}") from None
-    except UnicodeDecodeError:
-        raise TraceError(f"{path}: not UTF-8 text") from None
     for reader in READERS.values():
         if reader.sniff(first):
             return reader.read(path)
+    try:
+        first.decode("utf-8")
+    except UnicodeDecodeError:
+        raise TraceError(f"{path}: not UTF-8 text") from None
     raise TraceError(f"{path}:1: unrecognised trace format (known: {', '.join(sorted(READERS))})")
 
 
@@ -643,3 +799,7 @@ def synthetic_routing(n_steps: int, n_layers: int, n_expert: int, k: int, *, ske
         previous = np.zeros_like(previous)
         previous[rows, top] = stickiness
     return out
+
+
+# The compact binary form registers its reader; it imports this module, so it comes last.
+from . import binary_trace  # noqa: E402,F401

@@ -214,7 +214,9 @@ def _per_layer_cache(trace, policy, slots, inserts, admission, prefill, profile,
         require_memory(ENGINE_BYTES_PER_ENTRY * L * E, f"the cache engine's {L} layers x {E} experts")
         if isinstance(policy, str):
             label = policy if policy != "default" else f"default({resolve_policy(policy)})"
-            policy = make_policy(policy, future=steps.future(trace, PER_LAYER, prefill), seed=seed)
+            reads_ahead = _reads_ahead(POLICIES, resolve_policy(policy))
+            policy = make_policy(policy, future=steps.future(trace, PER_LAYER, prefill) if reads_ahead else None,
+                                 seed=seed)
         elif isinstance(policy, Policy):
             label = policy.name
         else:
@@ -225,6 +227,13 @@ def _per_layer_cache(trace, policy, slots, inserts, admission, prefill, profile,
             engine.preload(profile.top(slots), rates=profile.rates(trace.n_expert_used))
     engine.step(None)
     return engine, label, engine.n_slots, engine.inserts
+
+
+def _reads_ahead(registry, name) -> bool:
+    """Whether the named policy reads the future (its NextUse, some 16 bytes a lookup, is built
+    for it only); an unknown name is its factory's to refuse."""
+    factory = registry.get(name)
+    return factory is not None and factory.offline_only
 
 
 def _budget_bytes(model, budget_mib):
@@ -238,7 +247,8 @@ def _budget_bytes(model, budget_mib):
 def _global_cache(trace, policy, budget_mib, seed):
     budget = _budget_bytes(GLOBAL, budget_mib)
     if isinstance(policy, str):
-        label, policy = policy, make_budget_policy(policy, future=steps.future(trace, GLOBAL), seed=seed)
+        future = steps.future(trace, GLOBAL) if _reads_ahead(BUDGET_POLICIES, policy) else None
+        label, policy = policy, make_budget_policy(policy, future=future, seed=seed)
     elif isinstance(policy, BudgetPolicy):
         label = policy.name
     else:

@@ -8,9 +8,11 @@ each expert is used next (what the offline optima read ahead), computed here onc
 - upstream (moecache.offline.upstream): (layer index, expert ids, n_tokens) per layer of each
   ubatch: a turn's prompt in ubatches of DEFAULT_UBATCH tokens, then each decode token alone.
 
-Each is a list of (is_decode, [step, ...]) segments, adjacent steps of one phase together, so
-the driver can tell decode counts from prefill ones. Sweeps replay one trace many times: its
-steps and its NextUse are prepared once per trace and model.
+Each is an iterator of (is_decode, [step, ...]) segments of one phase, so the driver can tell
+decode counts from prefill ones. The segments are made as the driver takes them, a window of
+WINDOW_STEPS steps at a time, and a mapped trace drops the pages of a window once it is
+replayed (RouteTrace.drop_pages): a replay holds a window, never the whole trace's steps.
+Sweeps replay one trace many times: its NextUse is prepared once per trace and model.
 """
 
 from __future__ import annotations
@@ -20,40 +22,36 @@ import weakref
 import numpy as np
 
 from ..core.policies import NextUse
-from ..core.traces import DECODE, PREFILL, RouteTrace
+from ..core.traces import DECODE, PREFILL, WINDOW_STEPS, RouteTrace
 from .upstream import DEFAULT_UBATCH
 
 PER_LAYER, GLOBAL, UPSTREAM = "per-layer", "global", "upstream"
 PREFILL_MODES = ("warm", "off", "plain")  # the per-layer model's prompts (moecache.offline.replay)
 
-_prepared: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # trace -> {key: steps}
+_prepared: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # trace -> {key: NextUse}
 
 
-def _memo(trace, key, build):
-    memo = _prepared.setdefault(trace, {})
-    if key not in memo:
-        memo[key] = build()
-    return memo[key]
-
-
-def segments(trace: RouteTrace, model: str, prefill: str | None = None) -> list[tuple[bool, list]]:
-    """[(is_decode, [step input, ...])] of one model (prefill: the per-layer model's mode)."""
-    build = {PER_LAYER: lambda: _observations(trace, prefill),
-             GLOBAL: lambda: _batches(trace), UPSTREAM: lambda: ubatches(trace)}[model]
-    return _memo(trace, (model, prefill), build)
+def segments(trace: RouteTrace, model: str, prefill: str | None = None):
+    """(is_decode, [step input, ...]) of one model, made as they are taken (prefill: the
+    per-layer model's mode)."""
+    if model == PER_LAYER:
+        return _observations(trace, prefill)
+    return {GLOBAL: _batches, UPSTREAM: ubatches}[model](trace)
 
 
 def future(trace: RouteTrace, model: str, prefill: str | None = None) -> NextUse:
     """When each key is used next in a replay of `trace` through the per-layer or the global
     model: what their offline policies (belady) read ahead."""
-    def build():
-        items = [item for _, items in segments(trace, model, prefill) for item in items]
+    memo = _prepared.setdefault(trace, {})
+    key = (model, prefill)
+    if key not in memo:
+        items = (item for _, items in segments(trace, model, prefill) for item in items)
         if model == PER_LAYER:
             keys = observation_keys(items, trace.n_expert)
         else:
             keys = [np.unique(np.asarray(batch_keys, dtype=np.int64)) for _, batch_keys in items]
-        return next_use(keys, trace.layers.size * trace.n_expert)
-    return _memo(trace, ("future", model, prefill), build)
+        memo[key] = next_use(keys, trace.layers.size * trace.n_expert)
+    return memo[key]
 
 
 def observation_keys(observations, n_expert: int) -> list[np.ndarray]:
@@ -92,14 +90,25 @@ def turns(trace: RouteTrace) -> list[slice]:
     return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def _merged(segments):
-    out = []
-    for is_decode, items in segments:
-        if items and out and out[-1][0] == is_decode:
-            out[-1][1].extend(items)
-        elif items:
-            out.append((is_decode, list(items)))
-    return out
+def _phases(trace):
+    """(the prompt's steps, the decode steps) of each turn, as step numbers."""
+    for turn in turns(trace):
+        phase = trace.phase[turn]
+        yield turn.start + np.flatnonzero(phase == PREFILL), turn.start + np.flatnonzero(phase == DECODE)
+
+
+def _windows(trace, steps, starts=None):
+    """(positions in steps, their ids) of about WINDOW_STEPS steps at a time, cut only where a
+    group begins (starts: positions in steps; None: anywhere). When the next window is asked
+    for, the last one is replayed: the trace drops the pages it read."""
+    n = len(steps)
+    if starts is None:
+        starts = np.arange(1, n)
+    marks = np.searchsorted(starts, np.arange(WINDOW_STEPS, n, WINDOW_STEPS))
+    cuts = [0, *np.unique(starts[marks[marks < starts.size]]).tolist()] if n else []
+    for a, b in zip(cuts, [*cuts[1:], n]):
+        yield slice(a, b), trace.ids[steps[a:b]]
+        trace.drop_pages()
 
 
 def _observations(trace, prefill):
@@ -107,21 +116,19 @@ def _observations(trace, prefill):
     order. The decode tokens of one recorded batch (a multi-token ubatch) are one observation;
     a turn's prompt is one ("plain"), or one per recorded batch, else per ubatch of
     DEFAULT_UBATCH tokens, as llama.cpp splits it ("warm"), or none ("off")."""
-    segments = []
-    for turn in turns(trace):
-        ids, phase = trace.ids[turn], trace.phase[turn]
-        prompt = phase == PREFILL
-        if prefill == "plain" and prompt.any():
-            segments.append((False, [_together(ids[prompt])]))
-        elif prefill == "warm" and prompt.any():
-            batch = trace.batch[turn][prompt]
+    for prompt, decode in _phases(trace):
+        if prefill == "plain" and prompt.size:
+            yield False, [_together(trace.ids[prompt])]
+            trace.drop_pages()
+        elif prefill == "warm" and prompt.size:
+            batch = trace.batch[prompt]
             if (batch < 0).all():
-                batch = np.arange(prompt.sum()) // DEFAULT_UBATCH
-            starts = np.flatnonzero(np.diff(batch)) + 1
-            segments.append((False, [_together(part) for part in np.split(ids[prompt], starts)]))
-        decode = phase == DECODE
-        segments.append((True, _by_batch(ids[decode], trace.batch[turn][decode])))
-    return _merged(segments)
+                batch = np.arange(prompt.size) // DEFAULT_UBATCH
+            for window, ids in _windows(trace, prompt, _prompt_starts(batch)):
+                yield False, [_together(part) for part in np.split(ids, _prompt_starts(batch[window]))]
+        batch = trace.batch[decode]
+        for window, ids in _windows(trace, decode, _decode_starts(batch)):
+            yield True, _by_batch(ids, batch[window])
 
 
 def _together(ids):
@@ -129,49 +136,53 @@ def _together(ids):
     return np.ascontiguousarray(ids.transpose(1, 0, 2)).reshape(ids.shape[1], -1)
 
 
+def _prompt_starts(batch):
+    """Where an observation begins among a prompt's steps: at a new batch."""
+    return np.flatnonzero(np.diff(batch)) + 1
+
+
+def _decode_starts(batch):
+    """Where an observation begins among decode steps: at a new recorded batch, and at every
+    step without one (batch -1)."""
+    return np.flatnonzero((np.diff(batch) != 0) | (batch[1:] < 0)) + 1
+
+
 def _by_batch(ids, batch):
     """Steps (n, L, k) as observations: consecutive steps of one recorded batch together."""
     if len(ids) == 0 or (batch < 0).all():
         return list(ids)
-    starts = np.flatnonzero((np.diff(batch) != 0) | (batch[1:] < 0)) + 1
-    return [group[0] if len(group) == 1 else _together(group) for group in np.split(ids, starts)]
+    groups = np.split(ids, _decode_starts(batch))
+    return [group[0] if len(group) == 1 else _together(group) for group in groups]
 
 
 def _batches(trace):
     """The global model's steps: (layer index, keys) with keys layer * n_expert + expert, in
     the order that engine's load_layer calls run."""
     base = np.arange(trace.layers.size)[:, None] * trace.n_expert
-    segments = []
-    for turn in turns(trace):
-        ids, phase = trace.ids[turn], trace.phase[turn]
-        prefill = ids[phase == PREFILL]  # (tokens, L, k)
+    for prompt, decode in _phases(trace):
+        prefill = trace.ids[prompt]  # (tokens, L, k): one batch per layer for the whole prompt
         batches = []
         for li in range(trace.layers.size):
             ids_li = prefill[:, li, :].ravel()  # token-major: the prompt tail's experts end hottest
             ids_li = ids_li[ids_li >= 0]
             if ids_li.size:
                 batches.append((li, (ids_li + base[li, 0]).tolist()))
-        segments.append((False, batches))
-        decode = ids[phase == DECODE]
-        keys = np.where(decode >= 0, decode + base, -1).tolist()  # (steps, L, k)
-        if (decode < 0).any():  # bare routing: a layer without a selection looks nothing up
-            keys = [[[key for key in row if key >= 0] for row in rows] for rows in keys]
-        segments.append((True, [(li, row) for rows in keys for li, row in enumerate(rows) if row]))
-    return _merged(segments)
+        yield False, batches
+        trace.drop_pages()
+        for _, ids in _windows(trace, decode):
+            keys = np.where(ids >= 0, ids + base, -1).tolist()  # (steps, L, k)
+            if (ids < 0).any():  # bare routing: a layer without a selection looks nothing up
+                keys = [[[key for key in row if key >= 0] for row in rows] for rows in keys]
+            yield True, [(li, row) for rows in keys for li, row in enumerate(rows) if row]
 
 
-def ubatches(trace: RouteTrace, n_ubatch: int = DEFAULT_UBATCH) -> list[tuple[bool, list]]:
+def ubatches(trace: RouteTrace, n_ubatch: int = DEFAULT_UBATCH):
     """The upstream model's steps: (layer index, expert ids, n_tokens) per layer of each
     ubatch: a turn's prompt in ubatches of n_ubatch tokens, then each decode token alone."""
-    segments = []
-    for turn in turns(trace):
-        ids, phase = trace.ids[turn], trace.phase[turn]
-        prefill = ids[phase == PREFILL]  # (tokens, L, k)
-        steps = []
-        for start in range(0, len(prefill), n_ubatch):
-            ubatch = prefill[start:start + n_ubatch]
-            steps += [(li, ubatch[:, li, :].ravel().tolist(), len(ubatch)) for li in range(trace.layers.size)]
-        segments.append((False, steps))
-        segments.append((True, [(li, row, 1) for rows in ids[phase == DECODE].tolist()
-                                for li, row in enumerate(rows)]))
-    return _merged(segments)
+    layers = range(trace.layers.size)
+    for prompt, decode in _phases(trace):
+        for _, ids in _windows(trace, prompt, np.arange(n_ubatch, prompt.size, n_ubatch)):
+            yield False, [(li, ubatch[:, li, :].ravel().tolist(), len(ubatch))
+                          for ubatch in np.split(ids, range(n_ubatch, len(ids), n_ubatch)) for li in layers]
+        for _, ids in _windows(trace, decode):
+            yield True, [(li, row, 1) for rows in ids.tolist() for li, row in enumerate(rows)]
