@@ -108,3 +108,30 @@ def test_the_command_line_prints_the_hardware_class_and_takes_explicit_rates(cap
                           if line.startswith("upstream ") and "cache" not in line).split()[-2])
     # its synchronous copies were the eGPU's time; host memory (41 GB/s) now bounds them
     assert upstream_ms(fast) < upstream_ms(egpu) / 5
+
+
+def test_the_comparison_script_ends_with_the_geomean_line(capsys):
+    """scripts/compare_upstream.py's issue-22 grid on a small routing: one row per (K, class)
+    and its last line in the issue's form, computed from the rows."""
+    import importlib.util
+    import math
+    import re
+    from pathlib import Path
+
+    from moecache.core.traces import RouteTrace, synthetic_routing
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "compare_upstream.py"
+    spec = importlib.util.spec_from_file_location("compare_upstream", script)
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+    trace = RouteTrace.from_routing(synthetic_routing(32, 3, 16, 2, seed=1), 16,
+                                    expert_bytes=[4 * 10 ** 6] * 3, name="small")
+    compare.timeline_grid([trace], sizes=(4, 8))
+    lines = capsys.readouterr().out.strip().splitlines()
+    rows = [line for line in lines if line.startswith("| small |")]
+    assert len(rows) == 2 * len(HARDWARE)
+    ratios = [float(row.strip("|").split("|")[-1]) for row in rows]
+    match = re.fullmatch(r"geomean ours/min\(stock,upstream\) = (\d\.\d\d) over (\d+) cells, (\d+) cells above 1\.0",
+                         lines[-1])
+    assert match and int(match[2]) == len(rows) and int(match[3]) == sum(r > 1.0 for r in ratios)
+    assert float(match[1]) == pytest.approx(math.exp(sum(map(math.log, ratios)) / len(ratios)), abs=0.01)
