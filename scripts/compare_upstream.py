@@ -1,12 +1,13 @@
-"""Eager admission against upstream llama.cpp's own cache at equal device bytes: the tables
-of docs/policies.md ("Eager admission, upstream llama.cpp's cache and modelled cost").
+"""Eager admission against upstream llama.cpp's own cache at equal device bytes, and every miss
+where it costs least: the tables of docs/policies.md ("Eager admission, upstream llama.cpp's
+cache and modelled cost").
 
     python scripts/compare_upstream.py [TRACE ...]   (default: the shipped traces; imports the
                                                      installed moecache, as every script here)
 
-Per trace and K = 8, 16, 32: decode hit%, MiB uploaded per decode token and MODELLED expert
-milliseconds per decode token (moecache.offline.cost: host 60 GB/s; link PCIe 4.0 x16, 25 GB/s, and
-PCIe 5.0 x16, 50 GB/s) for today's default (heat, boundary admission, prompts not fed), heat
+Per trace and K = 8, 16, 32: decode hit%, MiB uploaded per decode token and MODELLED
+milliseconds per decode token (moecache.offline.cost's per-layer timeline, on the hardware
+classes pcie4-x16 and pcie5-x16) for today's default (heat, boundary admission, prompts not fed), heat
 and LRU with eager admission, the live default (heat, eager, the cache warmed from each prompt),
 and the upstream model given the same device bytes (moecache.offline.upstream). Then the issue's K=16
 targets (the live default against upstream and today's default, with the bytes the prompts
@@ -14,8 +15,16 @@ uploaded), the eager-timing policy candidates tried against heat,
 on the traces and on the synthetic routing of the other tables, and hits against bytes
 at K=16: admission rules that upload less, and the offline optimum. The candidates live in
 moecache.offline.experiments, outside moecache.core.policies.
+
+Last, issue 22's grid: per trace, K and hardware class (moecache.offline.cost.HARDWARE),
+modelled ms per decode token of stock --cpu-moe, upstream at the same device bytes and the live
+default with the miss planner at that class's rates (moecache.core.missplan), the live default
+without it beside them; it ends with the line
+
+    geomean ours/min(stock,upstream) = 0.xx over N cells, M cells above 1.0
 """
 
+import math
 import sys
 from pathlib import Path
 
@@ -25,13 +34,12 @@ from moecache.core.banks import equal_bytes
 from moecache.core.model import hit_rate
 from moecache.core.policies import make_policy
 from moecache.core.traces import DECODE, SHIPPED_TRACES, RouteTrace, read_trace
-from moecache.offline.cost import DEFAULT_HOST_GBPS, DEFAULT_LINK_GBPS, PCIE5_LINK_GBPS, Bandwidth
+from moecache.offline.cost import HARDWARE
 from moecache.offline.experiments import HeatMargin, HeatOracleAdmission, HeatSeenBefore, synthetic_routings
 from moecache.offline.replay import MIB, PER_LAYER, UPSTREAM, simulate
 from moecache.offline.steps import future
 
-LINKS = [("PCIe 4.0", Bandwidth(DEFAULT_HOST_GBPS, DEFAULT_LINK_GBPS)),
-         ("PCIe 5.0", Bandwidth(DEFAULT_HOST_GBPS, PCIE5_LINK_GBPS))]
+LINKS = [(name, HARDWARE[name]) for name in ("pcie4-x16", "pcie5-x16")]
 ROWS = [  # (label, policy, admission, prefill)
     ("heat, boundary (today's default)", "heat", "boundary", "off"),
     ("heat, eager", "heat", "eager", "off"),
@@ -83,7 +91,7 @@ def cells(result):
 def comparison_table(trace):
     runs = {}
     print(f"\n{Path(trace.path).name}\n")
-    print("| K | cache | decode hit% | MiB up/token | ms/token, PCIe 4.0 | ms/token, PCIe 5.0 |")
+    print("| K | cache | decode hit% | MiB up/token | " + " | ".join(f"ms/token, {name}" for name, _ in LINKS) + " |")
     print("|---:|---|---:|---:|---:|---:|")
     for k in (8, 16, 32):
         for label, policy, admission, prefill in ROWS:
@@ -92,8 +100,8 @@ def comparison_table(trace):
         runs[k, "upstream"] = upstream(trace, k)
         print(f"| {k} | upstream llama.cpp, same bytes ({runs[k, 'upstream'].budget_mib:.0f} MiB) | "
               f"{cells(runs[k, 'upstream'])} |")
-    print(f"\nstock --cpu-moe (every selected expert read on the host): "
-          f"{runs[8, 'upstream'].stock_ms(LINKS[0][1]):.2f} modelled ms/token")
+    print("\nstock --cpu-moe (every selected expert on the CPU): " + ", ".join(
+        f"{runs[8, 'upstream'].stock_ms(hw):.2f} ({name})" for name, hw in LINKS) + " modelled ms/token")
     return runs
 
 
@@ -116,7 +124,7 @@ def targets(all_runs):
 
 def candidate_table(traces):
     print("\nCandidates: decode hit% at K = n_expert/8, INSERTS=2 unless said (on the real traces: "
-          "MiB up/token, modelled ms/token at PCIe 4.0 / 5.0)\n")
+          "MiB up/token, modelled ms/token on " + " / ".join(name for name, _ in LINKS) + ")\n")
     routings = [(Path(t.path).name.split(".")[0], t) for t in traces]
     routings += [(label, RouteTrace.from_routing(routing, experts))
                  for label, _, routing, experts in synthetic_routings()]
@@ -175,12 +183,45 @@ def static_hit_rate(chosen_from, lookups, n_expert, k):
     return hit_rate(hits, (lookups >= 0).sum() - hits)
 
 
+def timeline_grid(traces, sizes=(8, 16, 32)):
+    """Issue 22's cells: ours (the live default with the miss planner at each class's rates)
+    against the faster of stock and upstream at the same device bytes."""
+    print("\nEvery miss where it costs least (issue 22): MODELLED ms per decode token, per-layer "
+          "timeline (moecache.offline.cost) on each hardware class:\n")
+    for hw in HARDWARE.values():
+        print(f"- {hw.describe()}. {hw.summary}; {hw.sources}")
+    print("\nours: the live default (heat, eager, prompt warm) with the miss planner at the class's rates "
+          "(decode hit%, lane misses and MiB uploaded per decode token); without: the live default "
+          "without the planner\n")
+    print("| trace | K | hardware | stock | upstream | ours | hit%, lane/tok, MiB up/tok | without | ours / min |")
+    print("|---|---:|---|---:|---:|---:|---|---:|---:|")
+    ratios = []
+    for trace in traces:
+        name = Path(trace.path).name.split(".")[0]
+        for k in sizes:
+            up = upstream(trace, k)
+            plain = simulate(trace, PER_LAYER, "default", k, admission="eager", prefill="warm")
+            for hw in HARDWARE.values():
+                ours = simulate(trace, PER_LAYER, "default", k, admission="eager", prefill="warm",
+                                miss_plan=hw.rates)
+                stock, upstream_ms, ours_ms = up.stock_ms(hw), up.modelled_ms(hw), ours.modelled_ms(hw)
+                ratios.append(ours_ms / min(stock, upstream_ms))
+                lane = ours.totals["lane_misses"] / ours.decode_steps
+                print(f"| {name} | {k} | {hw.name} | {stock:.2f} | {upstream_ms:.2f} | {ours_ms:.2f} | "
+                      f"{100 * ours.hit_rate:.1f}, {lane:.1f}, {ours.upload_bytes_per_token / MIB:.0f} | "
+                      f"{plain.modelled_ms(hw):.2f} | {ratios[-1]:.2f} |")
+    geomean = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+    print(f"\ngeomean ours/min(stock,upstream) = {geomean:.2f} over {len(ratios)} cells, "
+          f"{sum(r > 1.0 for r in ratios)} cells above 1.0")
+
+
 def main():
     traces = [read_trace(p) for p in (sys.argv[1:] or [str(p) for p in SHIPPED_TRACES])]
     all_runs = {Path(t.path).name: comparison_table(t) for t in traces}
     targets(all_runs)
     candidate_table(traces)
     frontier(traces)
+    timeline_grid(traces)
 
 
 if __name__ == "__main__":

@@ -1,53 +1,137 @@
-"""The modelled cost per decode token: the formulas, checked by hand."""
+"""The per-layer timeline of a decode token (moecache.core.missplan.Rates.layer_ms and
+moecache.offline.cost): each formula on small cases computed by hand, the hardware classes,
+and --hardware on the command line."""
 
 import pytest
+from conftest import TRACES
 
-from moecache.offline.cost import DEFAULT_HOST_GBPS, DEFAULT_LINK_GBPS, Bandwidth
+from moecache.core.missplan import OUR_LAYOUT, STOCK_LAYOUT, UPSTREAM_LAYOUT, Rates
+from moecache.offline.cli import main
+from moecache.offline.cost import (DEFAULT_HARDWARE, HARDWARE, Hardware, WorkTally, ddr_peak_gbps,
+                                   pcie_peak_gbps)
 
-GB = 1e9
-
-
-def test_stock_reads_every_selected_expert_on_the_host():
-    assert Bandwidth(host_gbps=50, link_gbps=25).stock_ms(1 * GB) == pytest.approx(20.0)
-
-
-def test_moecache_shares_host_bandwidth_with_its_uploads():
-    bw = Bandwidth(host_gbps=50, link_gbps=25)
-    # host: (0.4 + 0.1) GB / 50 GB/s = 10 ms; link: 0.1 / 25 = 4 ms
-    assert bw.moecache_ms(0.4 * GB, 0.1 * GB) == pytest.approx(10.0)
-    # the link bounds the token when uploads outgrow it: 0.5 / 25 = 20 ms > 0.6 / 50 = 12 ms
-    assert bw.moecache_ms(0.1 * GB, 0.5 * GB) == pytest.approx(20.0)
-    assert bw.moecache_ms(0, 0) == 0
+MB = 1e6
+# host 50 GB/s: 1 MB in 0.02 ms; link 25: 0.04 ms; dram 80: 0.0125 ms; device 500: 0.002 ms
+RATES = Rates(host_gbps=50, link_gbps=25, dram_gbps=80, device_gbps=500, ids_trip_us=10, join_us=5)
+DENSE = 5 * MB  # the router: 5 MB / 500 GB/s = 0.01 ms
 
 
-def test_upstream_copies_misses_synchronously_over_the_slower_path():
-    assert Bandwidth(host_gbps=50, link_gbps=25).upstream_ms(0.5 * GB) == pytest.approx(20.0)
-    assert Bandwidth(host_gbps=20, link_gbps=25).upstream_ms(0.5 * GB) == pytest.approx(25.0)
-    # experts the cache bypasses are read on the host
-    assert Bandwidth(50, 25).upstream_ms(0.5 * GB, host_bytes=1 * GB) == pytest.approx(40.0)
+def layer(layout, hits=0, lane=0, cpu=0, rates=RATES):
+    return rates.layer_ms(layout, MB, DENSE, hits, lane, cpu)
 
 
-def test_defaults_and_bad_bandwidths():
-    assert Bandwidth() == Bandwidth(DEFAULT_HOST_GBPS, DEFAULT_LINK_GBPS)
-    for bad in (0, -1, float("nan"), float("inf")):
-        with pytest.raises(ValueError, match="link_gbps"):
-            Bandwidth(link_gbps=bad)
-        with pytest.raises(ValueError, match="host_gbps"):
-            Bandwidth(host_gbps=bad)
+def test_stock_waits_for_the_ids_reads_every_expert_on_the_cpu_and_joins():
+    # router 0.01 + ids 0.01 + 4 MB / 50 GB/s 0.08 + join 0.005
+    assert layer(STOCK_LAYOUT, cpu=4) == pytest.approx(0.105)
 
 
-def test_each_replay_model_gets_its_formula():
-    from moecache.offline.replay import ReplayResult
+def test_our_hits_run_beside_the_cpu_misses():
+    # CPU branch: 0.01 + 0.01 + 0.02 + 0.005; device branch: 3 hits, 0.006 from the router on
+    assert layer(OUR_LAYOUT, hits=3, cpu=1) == pytest.approx(0.01 + 0.035)
+    # 30 hits (0.06 ms) outlast the CPU's branch
+    assert layer(OUR_LAYOUT, hits=30, cpu=1) == pytest.approx(0.01 + 0.06)
+    # every expert a hit: the static graph still sends the ids over and joins
+    assert layer(OUR_LAYOUT, hits=6) == pytest.approx(0.01 + max(0.015, 0.012))
 
-    totals = {"hits": 6, "misses": 4, "uploads": 1, "upload_bytes": 0.1 * GB,
-              "miss_bytes": 0.4 * GB, "lookup_bytes": 1 * GB}
-    bw = Bandwidth(host_gbps=50, link_gbps=25)
 
-    def result(model):  # 2 decode tokens: per token, half of each total
-        return ReplayResult(model, "p", 16, None, 2, 2, totals, totals, 1.0)
+def test_the_lane_copies_beside_the_cpu_then_the_device_computes_after_it():
+    # host window: max(1 MB / 50, 1 MB / 25, 2 MB / 80) = 0.04; device after ids + copy: 3 x 0.002
+    assert layer(OUR_LAYOUT, hits=2, lane=1, cpu=1) == pytest.approx(0.01 + 0.01 + 0.04 + 0.006)
 
-    assert result("per-layer").modelled_ms(bw) == pytest.approx(bw.moecache_ms(0.2 * GB, 0.05 * GB))
-    # upstream: the uploaded misses over the link, the others (bypassed) on the host
-    assert result("upstream").modelled_ms(bw) == pytest.approx(bw.upstream_ms(0.05 * GB, 0.15 * GB))
-    assert result("per-layer").stock_ms(bw) == pytest.approx(10.0)
-    assert result("global").modelled_ms(bw) is None
+
+def test_cpu_and_dma_share_host_memory():
+    shared = Rates(host_gbps=50, link_gbps=25, dram_gbps=60, device_gbps=500, ids_trip_us=0, join_us=0)
+    # 3 MB on the CPU (0.06 ms) and 1 MB copied (0.04 ms) alone; together 4 MB / 60 GB/s
+    assert shared.host_ms(3 * MB, 1 * MB) == pytest.approx(4 / 60)
+    assert shared.host_ms(3 * MB, 0) == pytest.approx(0.06)
+
+
+def test_upstream_copies_synchronously_then_computes_every_expert():
+    # ids 0.01, copy 0.04, then 3 experts on the device; no CPU node, no join
+    assert layer(UPSTREAM_LAYOUT, hits=2, lane=1) == pytest.approx(0.01 + 0.01 + 0.04 + 0.006)
+    # all hits: it still reads the ids back before computing
+    assert layer(UPSTREAM_LAYOUT, hits=3) == pytest.approx(0.01 + 0.01 + 0.006)
+    # a bypassed layer runs as stock
+    assert layer(UPSTREAM_LAYOUT, cpu=4) == pytest.approx(layer(STOCK_LAYOUT, cpu=4))
+
+
+def test_bad_rates_are_refused():
+    for name, bad in (("link_gbps", 0), ("host_gbps", float("inf")), ("ids_trip_us", -1), ("dram_gbps", float("nan"))):
+        fields = dict(host_gbps=50, link_gbps=25, dram_gbps=80, device_gbps=500, ids_trip_us=10, join_us=5)
+        fields[name] = bad
+        with pytest.raises(ValueError, match=name):
+            Rates(**fields)
+
+
+def test_a_token_is_its_layers_unless_the_background_uploads_outgrow_the_link_or_host_memory():
+    tally = WorkTally(OUR_LAYOUT, [MB, 2 * MB], [DENSE, DENSE])
+    tally.add_layers([1, 0], [0, 0], [1, 2])   # token 1
+    tally.add_layers([1, 0], [0, 0], [1, 2])   # token 2
+    hw = Hardware("test", "", RATES, "")
+    # layer 0: 0.01 + max(0.01 + 0.02 + 0.005, 0.002); layer 1: 0.01 + 0.01 + 4 MB / 50 + 0.005
+    per_token = 0.045 + 0.105
+    assert hw.token_ms(tally, 2) == pytest.approx(per_token)
+    tally.add_async([10, 0])                  # 10 MB over the run: 0.4 ms of link, beyond 2 tokens
+    assert hw.token_ms(tally, 2) == pytest.approx(10 * MB / 25e6 / 2)
+    # stock on the same passes: every expert on the CPU
+    assert hw.token_ms(tally.as_stock(), 2) == pytest.approx(
+        layer(STOCK_LAYOUT, cpu=2) + RATES.layer_ms(STOCK_LAYOUT, 2 * MB, DENSE, 0, 0, 2))
+
+
+def test_hardware_classes_follow_their_peaks_and_stated_efficiencies():
+    assert set(HARDWARE) >= {"pcie3-x4-egpu", "pcie4-x16", "pcie5-x16"} and DEFAULT_HARDWARE == "pcie4-x16"
+    assert ddr_peak_gbps(3200) == pytest.approx(51.2) and ddr_peak_gbps(5600) == pytest.approx(89.6)
+    assert pcie_peak_gbps(16, 16) == pytest.approx(31.5, abs=0.01)
+    assert pcie_peak_gbps(8, 4) == pytest.approx(3.94, abs=0.01)
+    egpu, x16, gen5 = (HARDWARE[n].rates for n in ("pcie3-x4-egpu", "pcie4-x16", "pcie5-x16"))
+    assert egpu.link_gbps < x16.link_gbps < gen5.link_gbps
+    assert egpu.host_gbps < x16.host_gbps < gen5.host_gbps
+    for h in HARDWARE.values():  # host memory serves the CPU and DMA together at least as fast as the CPU alone
+        assert h.rates.host_gbps <= h.rates.dram_gbps and h.sources
+    assert x16.link_gbps == pytest.approx(0.8 * 31.5, abs=0.02)
+
+
+GPTOSS = TRACES / "gpt-oss-120b.route.csv"
+
+
+def test_the_command_line_prints_the_hardware_class_and_takes_explicit_rates(capsys):
+    args = [str(GPTOSS), "--slots", "8", "--policies", "upstream"]
+    assert main(args + ["--hardware", "pcie3-x4-egpu"]) == 0
+    egpu = capsys.readouterr().out
+    assert "pcie3-x4-egpu: host 34.1 GB/s (CPU), dram 41.0 (CPU + DMA), link 3.2" in egpu
+    assert main(args + ["--hardware", "pcie3-x4-egpu", "--link-gbps", "1000", "--ids-trip-us", "0"]) == 0
+    fast = capsys.readouterr().out
+    assert "pcie3-x4-egpu with link_gbps=1000, ids_trip_us=0" in fast
+
+    def upstream_ms(out):
+        return float(next(line for line in out.splitlines()
+                          if line.startswith("upstream ") and "cache" not in line).split()[-2])
+    # its synchronous copies were the eGPU's time; host memory (41 GB/s) now bounds them
+    assert upstream_ms(fast) < upstream_ms(egpu) / 5
+
+
+def test_the_comparison_script_ends_with_the_geomean_line(capsys):
+    """scripts/compare_upstream.py's issue-22 grid on a small routing: one row per (K, class)
+    and its last line in the issue's form, computed from the rows."""
+    import importlib.util
+    import math
+    import re
+    from pathlib import Path
+
+    from moecache.core.traces import RouteTrace, synthetic_routing
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "compare_upstream.py"
+    spec = importlib.util.spec_from_file_location("compare_upstream", script)
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+    trace = RouteTrace.from_routing(synthetic_routing(32, 3, 16, 2, seed=1), 16,
+                                    expert_bytes=[4 * 10 ** 6] * 3, name="small")
+    compare.timeline_grid([trace], sizes=(4, 8))
+    lines = capsys.readouterr().out.strip().splitlines()
+    rows = [line for line in lines if line.startswith("| small |")]
+    assert len(rows) == 2 * len(HARDWARE)
+    ratios = [float(row.strip("|").split("|")[-1]) for row in rows]
+    match = re.fullmatch(r"geomean ours/min\(stock,upstream\) = (\d\.\d\d) over (\d+) cells, (\d+) cells above 1\.0",
+                         lines[-1])
+    assert match and int(match[2]) == len(rows) and int(match[3]) == sum(r > 1.0 for r in ratios)
+    assert float(match[1]) == pytest.approx(math.exp(sum(map(math.log, ratios)) / len(ratios)), abs=0.01)

@@ -240,6 +240,11 @@ def test_cli_absurd_trace_is_one_line(tmp_path, edit, message):
     (["--link-gbps", "0"], "argument --link-gbps: '0': a bandwidth must be a finite number of GB/s > 0"),
     (["--host-gbps", "nan"], "argument --host-gbps: 'nan': a bandwidth must be a finite number"),
     (["--host-gbps", "60,70"], "argument --host-gbps: '60,70' is not a number"),
+    (["--hardware", "nvlink"], "argument --hardware: invalid choice: 'nvlink'"),
+    (["--join-us", "-1"], "argument --join-us: '-1': a latency must be a finite number of us >= 0"),
+    (["--policies", "lru", "--planner"], "--planner needs per-layer policies whose worth counts uses "
+                                         "(default, heat, lfu); not lru"),
+    (["--policies", "heat", "--planner", "--admission", "boundary"], "--planner needs --admission eager"),
     (["--convert", "{tmp}/t.bin", "--slots", "8", "--prefill", "off"], "--convert replays nothing: drop --slots, --prefill"),
     (["--convert", "{tmp}/missing/t.bin"], "--convert {tmp}/missing/t.bin: directory {tmp}/missing does not exist"),
     (["--convert", "{tmp}/small.csv"], "--convert {tmp}/small.csv: is the trace itself"),

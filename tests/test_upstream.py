@@ -183,6 +183,7 @@ from conftest import TRACES  # noqa: E402
 
 from moecache.core.traces import read_trace  # noqa: E402
 from moecache.offline.cli import main  # noqa: E402
+from moecache.offline.cost import HARDWARE  # noqa: E402
 
 QWEN, GPTOSS = TRACES / "qwen3-30b-a3b.route.csv", TRACES / "gpt-oss-120b.route.csv"
 
@@ -215,7 +216,11 @@ def test_cli_runs_both_timings_and_upstream_at_equal_bytes_with_modelled_cost(ca
     assert main([str(GPTOSS), "--slots", "16", "--policies", "default,upstream",
                  "--admission", "boundary,eager", "--prefill", "off", "--link-gbps", "50", "--csv", str(out_csv)]) == 0
     out = capsys.readouterr().out
-    assert "MODELLED" in out and "host 60 GB/s, link 50 GB/s; stock --cpu-moe 15.86" in out
+    assert "MODELLED" in out and "pcie4-x16 with link_gbps=50: host 59.7 GB/s (CPU)" in out
+    # stock --cpu-moe on the trace's routing, the same figure the replay's result models
+    stock = simulate(read_trace(str(GPTOSS)), "upstream", "upstream", 7274).stock_ms(
+        HARDWARE["pcie4-x16"].override(link_gbps=50))
+    assert f"stock --cpu-moe {stock:.2f}\n" in out
     assert [line.split()[:5] for line in rows_of(out, "default(heat)", "upstream")] == [
         ["default(heat)", "boundary", "16", "7274", "61.2"],
         ["default(heat)", "eager", "16", "7274", "64.0"],

@@ -121,21 +121,29 @@ class EagerAdmission:
     """The engine's side of eager admission: the handover of each boundary (native/engine_core.c
     orders the slots as build_handover does) and the admissions a graph made under it."""
 
-    def __init__(self, state, core, policy, inserts: int | None):
+    def __init__(self, state, core, policy, inserts: int | None, miss_planner=None):
         L, E = state.expert_slot.shape
         K = state.slot_expert.shape[1]
         self._state, self._core, self._policy = state, core, policy
         self._all_keys = np.arange(L * E).reshape(L, E)
         self._budget = np.full(L, K if inserts is None else inserts, dtype=np.int64)
         self.handover: Handover | None = None  # what the graph about to run follows
+        # moecache.core.missplan.MissPlanner: lane and paying uploads instead of admissions()
+        self._miss_planner = miss_planner
+        self._use_worth = 1.0  # the handover's worth units of one use (the planner's margin)
+        self.lane_plan = None  # the last graph's MissPlan (with a planner)
 
-    def admitted(self, ids: np.ndarray, reported) -> np.ndarray:
+    def admitted(self, ids: np.ndarray, reported, hit_mask=None) -> np.ndarray:
         """The uploads the graph that selected `ids` started under the current handover:
         `reported` by libllama (rows of admissions(), in the order it started them), or when
-        None the modelled ones."""
-        if reported is None:
+        None the modelled ones (with a miss planner: its plan, hit_mask needed)."""
+        if reported is not None:
+            return np.ascontiguousarray(reported, dtype=np.int32)
+        if self._miss_planner is None:
             return admissions(self.handover, ids, self._state.slot_expert)
-        return np.ascontiguousarray(reported, dtype=np.int32)
+        self.lane_plan = self._miss_planner.plan(self.handover, ids, hit_mask, self._state.slot_expert,
+                                                 self._use_worth)
+        return self.lane_plan.jobs
 
     def hand_over(self, t: int) -> Handover:
         """The handover for the graph about to run, from the policy's view at boundary t."""
@@ -148,4 +156,6 @@ class EagerAdmission:
             worth = np.full(self._all_keys.shape, np.inf)
         victims, victim_worth = self._core.handover(priority, worth)
         self.handover = Handover(victims, victim_worth, worth, self._budget)
+        if self._miss_planner is not None:
+            self._use_worth = policy.use_worth(t + 1)  # worth_if_used counts the use at t + 1
         return self.handover

@@ -32,6 +32,12 @@ and slots in flight stay), ordered and accepted as every upload (the policy's wo
 Those uploads count as prefill_uploads, not uploads, and are published at the next boundary as
 any other.
 
+miss_planner (moecache.core.missplan.MissPlanner, eager admission only) replaces the modelled
+rule of the graph's admissions with its plan: some misses through the copy-on-miss lane (kept
+in a victim slot when they pass the admission test), uploads of the others only when they pay
+back their bytes; StepPlan.lane counts the lane per layer, counters lane_misses and
+lane_uploads sum it. Without one nothing changes.
+
 Layers are the engine's own indices 0..n_layers-1 (the glue maps them to model layers).
 """
 
@@ -67,9 +73,15 @@ class StepPlan:
     # eager: the uploads libllama started during the observed graph (already running; their
     # victims are in evict, and those complete in publish)
     admitted: np.ndarray = field(default_factory=lambda: NO_JOBS)
+    # with a miss planner (moecache.core.missplan): per layer, the observed graph's misses
+    # computed on the device through the copy-on-miss lane, and how many of `admitted` were
+    # those lane copies kept in a slot; None without one
+    lane: np.ndarray | None = None
+    lane_kept: np.ndarray | None = None
 
 
-def _check_arguments(n_layers, n_expert, n_slots, policy, inserts, publish_delay, offline, admission):
+def _check_arguments(n_layers, n_expert, n_slots, policy, inserts, publish_delay, offline, admission,
+                     miss_planner):
     if n_layers < 1 or n_expert < 1 or not 1 <= n_slots <= n_expert:
         raise ValueError(f"need n_layers >= 1, n_expert >= 1, 1 <= n_slots <= n_expert; got "
                          f"{n_layers}, {n_expert}, {n_slots}")
@@ -85,6 +97,9 @@ def _check_arguments(n_layers, n_expert, n_slots, policy, inserts, publish_delay
     if admission == "eager" and publish_delay != 1:
         raise ValueError(f"eager admission publishes at the next boundary: publish_delay must "
                          f"be 1, got {publish_delay}")
+    if miss_planner is not None and (admission != "eager" or not policy.counts_uses):
+        raise ValueError(f"a miss planner plans the graph's own copies: it needs eager admission and "
+                         f"a policy whose worth counts uses (heat, lfu); got {admission}, {policy.name!r}")
     if policy.offline_only and not offline:
         raise ValueError(f"policy {policy.name!r} needs future routing: offline replay only")
 
@@ -144,8 +159,9 @@ class CacheEngine(CacheModel):
 
     def __init__(self, n_layers: int, n_expert: int, n_slots: int, policy: Policy, *,
                  inserts: int | None = 2, pinned=None, publish_delay: int = 1,
-                 offline: bool = False, admission: str = "boundary"):
-        _check_arguments(n_layers, n_expert, n_slots, policy, inserts, publish_delay, offline, admission)
+                 offline: bool = False, admission: str = "boundary", miss_planner=None):
+        _check_arguments(n_layers, n_expert, n_slots, policy, inserts, publish_delay, offline, admission,
+                         miss_planner)
         self.n_layers, self.n_expert, self.n_slots = n_layers, n_expert, n_slots
         self.inserts, self.publish_delay, self.admission = inserts, publish_delay, admission
         self.policy = policy
@@ -154,7 +170,12 @@ class CacheEngine(CacheModel):
         warm = [] if pinned is None else self._pin(pinned)
         self._core = Bookkeeping(state, track_prefetch=policy.predicts)
         self._planner = UploadPlanner(state, self._core, policy, inserts, warm)
-        self._eager = EagerAdmission(state, self._core, policy, inserts) if admission == "eager" else None
+        self._eager = EagerAdmission(state, self._core, policy, inserts, miss_planner) \
+            if admission == "eager" else None
+        self.miss_planner = miss_planner
+        if miss_planner is not None:  # the lane's own counters, beside the C's
+            for name in ("lane_misses", "lane_uploads"):
+                state.counters[name] = np.zeros(n_layers, dtype=np.int64)
         self._queue = _UploadQueue(self._core, publish_delay)
         self.slot_expert, self.expert_slot, self.usage = state.slot_expert, state.expert_slot, state.usage
         self.assigned = read_only(state.assigned)    # (L, E) slot of each published or in-flight expert
@@ -228,8 +249,10 @@ class CacheEngine(CacheModel):
         ids = None if ids is None else np.asarray(ids)
         seen = None if ids is None else self._observe(t, ids, lookups=not prefill)
         taken, taken_evict = NO_JOBS, NO_JOBS
+        lane = None
         if seen is not None and not prefill:
-            taken, taken_evict = self._take_admissions(t, ids, admitted)
+            taken, taken_evict = self._take_admissions(t, ids, admitted, seen.hit_mask)
+            lane = self._count_lane(admitted)
         publish, late = self._queue.publish(ready)
         if prefill:
             evict, upload = self._planner.plan_prompt(t, seen.ids)
@@ -243,7 +266,8 @@ class CacheEngine(CacheModel):
         if seen is None:
             return StepPlan(t, None, np.zeros(self.n_layers, dtype=np.int64),
                             np.zeros(self.n_layers, dtype=np.int64), publish, evict, upload, taken)
-        return StepPlan(t, seen.hit_mask, seen.hits, seen.misses, publish, evict, upload, taken)
+        return StepPlan(t, seen.hit_mask, seen.hits, seen.misses, publish, evict, upload, taken,
+                        *(lane or (None, None)))
 
     def _observe(self, t, ids, lookups) -> Observation:
         """Count the observed step (hits unless it made no lookups: a prompt) and hand it to
@@ -252,12 +276,23 @@ class CacheEngine(CacheModel):
         self.policy.observe(t, ids, seen.hit_mask, self._state.used)
         return seen
 
-    def _take_admissions(self, t, ids, reported):
+    def _count_lane(self, reported):
+        """The modelled plan's lane, counted (None without a planner, or when libllama reported
+        the admissions)."""
+        plan = None if self._eager is None or reported is not None else self._eager.lane_plan
+        if self.miss_planner is None or plan is None:
+            return None
+        self._eager.lane_plan = None
+        self.counters["lane_misses"] += plan.lane
+        self.counters["lane_uploads"] += plan.lane_kept
+        return plan.lane, plan.lane_kept
+
+    def _take_admissions(self, t, ids, reported, hit_mask):
         """Eager: commit the uploads the observed graph started under the last handover, due
         now after the ones already due. Returns them and their victims."""
         if self._eager is None or self._eager.handover is None:
             return NO_JOBS, NO_JOBS
-        admitted = self._eager.admitted(ids, reported)
+        admitted = self._eager.admitted(ids, reported, hit_mask)
         if not admitted.size:
             return admitted, NO_JOBS
         evict = self._planner.commit(t, admitted, False)

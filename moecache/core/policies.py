@@ -33,6 +33,9 @@ read by the engine and anything else that must know what a policy can do):
     takes_prior: prior(rates)                  before the first step: (L, E) uses per step
                                                from earlier runs (a usage profile) to start
                                                the policy's statistics from
+    counts_uses: use_worth(step) -> float      the priority units of one use observed at
+                                               `step`: worth and priority count expected uses
+                                               (what an upload must pay back, moecache.core.missplan)
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ class Policy:
     admits = False          # admit() values a miss against its victim (an admission test)
     predicts = False        # predict() names experts to prefetch
     takes_prior = False     # prior() starts the statistics from a usage profile
+    counts_uses = False     # use_worth() converts priorities to expected uses
 
     def bind(self, n_layers: int, n_expert: int, n_slots: int) -> None:
         self.n_layers, self.n_expert, self.n_slots = n_layers, n_expert, n_slots
@@ -96,6 +100,7 @@ class DecayedLfu(Policy):
     scores share the factor, so their order is the order of the decayed counts."""
     name = "lfu"
     takes_prior = True
+    counts_uses = True  # a decayed count is the uses expected over the next 1 / (1 - decay) steps
 
     def __init__(self, half_life: float = 32.0):
         if half_life <= 0:
@@ -121,6 +126,11 @@ class DecayedLfu(Policy):
 
     def priority(self, step, keys):
         return self.scaled.take(keys)
+
+    def use_worth(self, step):
+        """The scaled weight of one use observed at `step` (no rebase: handed-over worths keep
+        their scale)."""
+        return self.growth ** (step - self.origin)
 
     def prior(self, rates):
         """Start from the decayed count an expert used at these rates through an endless
@@ -148,7 +158,7 @@ class Heat(DecayedLfu):
     def worth_if_used(self, step, keys):
         # the use is observed at step + 1 with that step's weight; no rebase here, so the
         # residents' priorities handed over with these worths keep their scale
-        return self.scaled.take(keys) + self.growth ** (step + 1 - self.origin)
+        return self.scaled.take(keys) + self.use_worth(step + 1)
 
 
 class Gdsf(Policy):

@@ -4,7 +4,9 @@ through moecache.offline.replay.simulate (the models are described there).
     python -m moecache.replay TRACE [--slots 8,16,32,64] [--policies lru,belady,default]
                               [--inserts 2] [--admission boundary,eager] [--prefill warm]
                               [--budget-mib 3000,4000]
-                              [--host-gbps 60] [--link-gbps 25] [--csv FILE] [--plot PNG]
+                              [--hardware pcie4-x16] [--host-gbps G] [--link-gbps G]
+                              [--dram-gbps G] [--device-gbps G] [--ids-trip-us U] [--join-us U]
+                              [--planner] [--csv FILE] [--plot PNG]
     python -m moecache.replay TRACE --convert OUT
 
 --slots sizes the per-layer model (K per layer) and the upstream model (at the device bytes of
@@ -18,8 +20,10 @@ replay reads in place of the CSV: mapped, not parsed, so a long recording replay
 fraction of the time, in memory that does not grow with its length.
 
 Rates are fractions (hit_rate 0.578) in results and CSV; the printed tables show them as
-percent (hit% 57.8). Every table also shows MODELLED expert milliseconds per decode token
-(moecache.offline.cost, from --host-gbps and --link-gbps).
+percent (hit% 57.8). Every table also shows MODELLED milliseconds per decode token
+(moecache.offline.cost's per-layer timeline) on --hardware, a named class, with any of its
+rates and latencies given explicitly; --planner runs the per-layer model with the miss planner
+at those rates (moecache.core.missplan: the copy-on-miss lane, uploads only when they pay).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from ..core.profile import UsageProfile
 from ..core.traces import DECODE, PREFILL, read_trace
 from ..util import OneLineParser, Progress, atomic_write, int_arg, int_list_arg
 from .budget import BUDGET_POLICIES
-from .cost import DEFAULT_HOST_GBPS, DEFAULT_LINK_GBPS, Bandwidth
+from .cost import DEFAULT_HARDWARE, HARDWARE, Hardware
 from .replay import (GLOBAL, MIB, MODELS, PER_LAYER, PREFILL_MODES, UPSTREAM, ReplayResult,
                      per_layer_slots, policy_names, simulate)
 
@@ -69,6 +73,17 @@ def _gbps_arg(text):
     return value
 
 
+def _us_arg(text):
+    """--ids-trip-us, --join-us: one finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: a latency must be a finite number of us >= 0")
+    return value
+
+
 def admission_list_arg(text):
     """--admission: comma-separated admission.ADMISSIONS names."""
     values = [v.strip() for v in text.split(",") if v.strip()]
@@ -79,7 +94,8 @@ def admission_list_arg(text):
 
 
 _budgets_arg.__name__, _inserts_arg.__name__ = "budget list", "inserts"
-_gbps_arg.__name__, admission_list_arg.__name__ = "bandwidth", "admission list"
+_gbps_arg.__name__, admission_list_arg.__name__, _us_arg.__name__ = "bandwidth", "admission list", "latency"
+RATE_FLAGS = ("host_gbps", "link_gbps", "dram_gbps", "device_gbps", "ids_trip_us", "join_us")
 
 
 def parser() -> OneLineParser:
@@ -108,12 +124,22 @@ def parser() -> OneLineParser:
                          "each turn's prompt as one batched observation (plain)")
     ap.add_argument("--preload-profile", metavar="JSON",
                     help="per-layer model: warm start from a saved usage profile")
-    ap.add_argument("--host-gbps", type=_gbps_arg, default=DEFAULT_HOST_GBPS,
-                    help="host memory read bandwidth for experts, GB/s, for the MODELLED ms/token "
-                         f"(default {DEFAULT_HOST_GBPS:g}: a dual-channel DDR5 desktop)")
-    ap.add_argument("--link-gbps", type=_gbps_arg, default=DEFAULT_LINK_GBPS,
-                    help="host-to-device copy bandwidth, GB/s, for the MODELLED ms/token "
-                         f"(default {DEFAULT_LINK_GBPS:g}: PCIe 4.0 x16)")
+    ap.add_argument("--hardware", choices=list(HARDWARE), default=DEFAULT_HARDWARE,
+                    help="the machine of the MODELLED ms/token, a named class (moecache.offline.cost): "
+                         + "; ".join(f"{h.name}: {h.summary}" for h in HARDWARE.values()))
+    for flag, what in (("--host-gbps", "the CPU's read rate of host memory for experts, GB/s"),
+                       ("--link-gbps", "host-to-device copy rate, GB/s"),
+                       ("--dram-gbps", "host memory's read rate shared by the CPU and the DMA engine, GB/s"),
+                       ("--device-gbps", "the GPU's read rate of device memory, GB/s")):
+        ap.add_argument(flag, type=_gbps_arg, help=f"{what} (default: --hardware's)")
+    ap.add_argument("--ids-trip-us", type=_us_arg,
+                    help="a layer's router ids reaching the host, us (default: --hardware's)")
+    ap.add_argument("--join-us", type=_us_arg,
+                    help="a CPU partial result returning to the device, us (default: --hardware's)")
+    ap.add_argument("--planner", action="store_true",
+                    help="per-layer model: plan each graph's misses at the hardware's rates, as the live "
+                         "planner will (the copy-on-miss lane, uploads only when they pay; eager "
+                         "admission and a policy that counts uses: heat, lfu)")
     ap.add_argument("--seed", type=int_arg(minimum=0), default=0, help="seed of the random policies")
     ap.add_argument("--csv", help="also write the results here")
     ap.add_argument("--plot", help="also plot hit%% vs cache size here (needs matplotlib)")
@@ -141,7 +167,9 @@ def check_args(args) -> None:
         valid = "; ".join(f"{flag}: {', '.join(names)}" for flag, names in models)
         raise ValueError(f"unknown policy {', '.join(unknown)} for "
                          f"{' and '.join(f for f, _ in models)}; valid {valid}")
-    args.bandwidth = Bandwidth(args.host_gbps, args.link_gbps)
+    args.hardware = HARDWARE[args.hardware].override(**{name: getattr(args, name) for name in RATE_FLAGS})
+    if args.planner:
+        _check_planner(args)
     for flag, path in (("--csv", args.csv), ("--plot", args.plot)):
         if path:
             _check_output(path, flag)
@@ -150,6 +178,17 @@ def check_args(args) -> None:
             import matplotlib  # noqa: F401
         except ImportError:
             raise ValueError("--plot needs matplotlib (pip install matplotlib)") from None
+
+
+def _check_planner(args):
+    """--planner plans the graph's own copies: eager admission, policies that count uses."""
+    if args.admission and args.admission != ["eager"]:
+        raise ValueError("--planner needs --admission eager")
+    refused = [p for p in args.policies if p in policy_names(PER_LAYER)
+               and not POLICIES[resolve_policy(p)].counts_uses]
+    if refused or not any(p in policy_names(PER_LAYER) for p in args.policies):
+        raise ValueError(f"--planner needs per-layer policies whose worth counts uses (default, heat, lfu)"
+                         + (f"; not {', '.join(refused)}" if refused else ""))
 
 
 def _check_output(path, flag):
@@ -185,8 +224,9 @@ def run(args, trace, profile) -> list[ReplayResult]:
         return equal_bytes(trace.expert_bytes, k) / MIB
     # (model, policy, size, options, what the result stands against: the K of an upstream run,
     # the budget of a per-layer run sized by one)
+    plan = {"miss_plan": args.hardware.rates} if args.planner else {}
     per_layer = [(p, {"inserts": args.inserts, "prefill": args.prefill, "profile": profile,
-                      "admission": a}) for p in args.policies if p in policy_names(PER_LAYER)
+                      "admission": a, **plan}) for p in args.policies if p in policy_names(PER_LAYER)
                  for a in args.admission or [live_admission(POLICIES[resolve_policy(p)])]]
     runs = [(PER_LAYER, p, k, options, {}) for p, options in per_layer for k in args.slots] + \
            [(PER_LAYER, p, args.budget_slots[b], options, {"budget_mib": b}) for p, options in per_layer
@@ -220,12 +260,11 @@ def print_tables(args, trace, results) -> None:
     print(f"{args.trace}: {trace.arch}, {trace.layers.size} MoE layers x {trace.n_expert} experts, "
           f"top-{trace.n_expert_used}; {n_prefill} prefill + {n_decode} decode tokens; one token's "
           f"working set {trace.working_set_bytes() / MIB:.0f} MiB")
-    bandwidth = args.bandwidth
-    stock = next((r.stock_ms(bandwidth) for r in results if r.stock_ms(bandwidth) is not None), None)
+    hardware = args.hardware
+    stock = next((r.stock_ms(hardware) for r in results if r.stock_ms(hardware) is not None), None)
     if stock is not None:
-        print(f"ms/tok: MODELLED expert milliseconds per decode token (moecache.offline.cost), host "
-              f"{bandwidth.host_gbps:g} GB/s, link {bandwidth.link_gbps:g} GB/s; stock --cpu-moe "
-              f"{stock:.2f}")
+        print(f"ms/tok: MODELLED milliseconds per decode token (moecache.offline.cost), {hardware.describe()}; "
+              f"stock --cpu-moe {stock:.2f}")
     for model in MODELS:
         rows = [r for r in results if r.model == model]
         if not rows:
@@ -233,7 +272,8 @@ def print_tables(args, trace, results) -> None:
         if model == PER_LAYER:
             print(f"\nper-layer cache: K slots per layer, inserts={'unlimited' if args.inserts is None else args.inserts}, "
                   f"prefill {args.prefill}"
-                  f"{', warm start from ' + args.preload_profile if args.preload_profile else ''}")
+                  f"{', warm start from ' + args.preload_profile if args.preload_profile else ''}"
+                  f"{', miss planner at ' + hardware.name + chr(39) + 's rates' if args.planner else ''}")
             # MiB: the device bytes of the K slots (equal_bytes); budget: the --budget-mib they fit
             head = f"{'policy':<16}{'admission':>10}{'K':>6}{'MiB':>8}" + (f"{'budget':>8}" if args.budget_mib else "")
         elif model == GLOBAL:
@@ -259,7 +299,7 @@ def print_tables(args, trace, results) -> None:
             per_turn = "-" if r.prefill_upload_bytes_per_turn is None else f"{r.prefill_upload_bytes_per_turn / MIB:.1f}"
             print(f"{label}{_pct(r.hit_rate):>10}{_pct(r.hit_rate_all):>10}{per_token:>12}"
                   + (f"{per_turn:>14}" if warm else "")
-                  + f"{_ms(r.modelled_ms(bandwidth)):>8}{r.lookups_per_s / 1e6:>11.2f}")
+                  + f"{_ms(r.modelled_ms(hardware)):>8}{r.lookups_per_s / 1e6:>11.2f}")
 
 
 CSV_COLUMNS = ("model", "policy", "slots", "budget_mib", "inserts", "admission", "decode_steps",
@@ -268,13 +308,13 @@ CSV_COLUMNS = ("model", "policy", "slots", "budget_mib", "inserts", "admission",
                "prefill_upload_bytes")
 
 
-def write_csv(path, results, bandwidth: Bandwidth) -> None:
+def write_csv(path, results, hardware: Hardware) -> None:
     """One row per run; rates are fractions, empty where a run had no lookups; the modelled
-    milliseconds per decode token use `bandwidth`."""
-    atomic_write(path, lambda tmp: _write_rows(tmp, results, bandwidth))
+    milliseconds per decode token are on `hardware`."""
+    atomic_write(path, lambda tmp: _write_rows(tmp, results, hardware))
 
 
-def _write_rows(path, results, bandwidth):
+def _write_rows(path, results, hardware):
     with open(path, "w", encoding="utf-8", newline="") as f:
         writer = csv.DictWriter(f, CSV_COLUMNS)
         writer.writeheader()
@@ -289,7 +329,7 @@ def _write_rows(path, results, bandwidth):
                 "hit_rate_all": None if r.hit_rate_all is None else f"{r.hit_rate_all:.6f}",
                 "upload_bytes_per_token": None if r.upload_bytes_per_token is None
                 else f"{r.upload_bytes_per_token:.0f}",
-                "modelled_ms_per_token": _ms(r.modelled_ms(bandwidth)).replace("-", ""),
+                "modelled_ms_per_token": _ms(r.modelled_ms(hardware)).replace("-", ""),
                 "seconds": f"{r.seconds:.4f}", "prefill": r.prefill,
                 "prefill_upload_bytes": r.totals_all.get("prefill_upload_bytes") if r.model == PER_LAYER else None})
 
@@ -346,7 +386,7 @@ def replay(args) -> None:
     results = run(args, trace, profile)
     print_tables(args, trace, results)
     outputs = [(flag, path, write) for flag, path, write in (
-        ("--csv", args.csv, lambda p: write_csv(p, results, args.bandwidth)),
+        ("--csv", args.csv, lambda p: write_csv(p, results, args.hardware)),
         ("--plot", args.plot, lambda p: plot(p, trace, results))) if path]
     if outputs:
         print()

@@ -1,63 +1,156 @@
-"""Modelled expert time per decode token: a hit rate read as decode speed. MODELLED, never
-measured; docs/policies.md states the formulas and where the default bandwidths come from.
+"""Modelled milliseconds per decode token: a replay's routing read as decode time, one layer
+at a time. MODELLED, never measured; docs/policies.md ("Modelled cost") states the formulas,
+the hardware classes and what only a GPU can confirm.
 
-Per decode token, from a replay's byte counts (GB = 1e9 bytes):
+The layer formula is moecache.core.missplan.Rates.layer_ms (the live planner's too): per
+layer the router on the device, the ids' trip to the host, the CPU's misses and the lane's
+copies sharing host memory, the device's experts, the CPU's result returning. Stock
+--cpu-moe, upstream llama.cpp's cache and ours differ only in where each expert runs and in
+their Layout (moecache.core.missplan). A replay tallies its decode layer passes (`WorkTally`);
+a token is
 
-    stock --cpu-moe   every selected expert read on the host      lookup / host
-    moecache          misses read on the host; the uploads read   max((miss + upload) / host,
-                      host memory too (asynchronous, so they          upload / link)
-                      only share its bandwidth), and the link
-                      must carry them within the token
-    upstream          misses copied synchronously over the link   upload / min(link, host)
-                      before the GPU computes them; experts the       + host_read / host
-                      cache bypasses are read on the host
+    max(sum of its layers' times,
+        (lane + async upload bytes) / link,             the link carries the asynchronous
+        (cpu + lane + async upload bytes) / dram)       uploads in the time it is idle, host
+                                                        memory serves them in its spare time
 
-Expert compute on the GPU is taken as free next to the link (a decode token's cached experts
-are a few milliseconds of host reading, microseconds of GPU work), and upstream's per-layer
-synchronisation latency is not charged (both favour the GPU-side caches, i.e. upstream).
+averaged over the run's decode tokens (the uploads are background work: they fit where the
+link and host memory have room, over the run, not token by token).
+
+Hardware classes (HARDWARE): named Rates with the sources of each figure; every efficiency
+(the share of a peak rate a kernel or a copy reaches) is an ASSUMPTION, stated once below and
+applied the same way to every class, until scripts/gpu_check.sh measures them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, replace
 
-# Dual-channel DDR5-5600 desktop: 2 x 8 bytes x 5600 MT/s = 89.6 GB/s peak (JEDEC JESD79-5
-# data rate); we assume two thirds of peak for a streaming read of large expert tensors.
-DEFAULT_HOST_GBPS = 60.0
-# PCIe 4.0 x16: 16 GT/s x 16 lanes x 128/130 = 31.5 GB/s per direction (PCI-SIG); we assume
-# 80% of it for pinned host-to-device copies after packet overhead. PCIe 5.0 x16 doubles both
-# (63.0 peak, 50 assumed).
-DEFAULT_LINK_GBPS = 25.0
-PCIE5_LINK_GBPS = 50.0
+import numpy as np
+
+from ..core.missplan import STOCK_LAYOUT, Layout, Rates
+
+# Assumptions (shares of peak rates), one per resource:
+CPU_READ_EFFICIENCY = 2 / 3     # the CPU's quantized matvec kernels streaming expert weights
+DRAM_EFFICIENCY = 0.8           # host memory serving the CPU and the DMA engine together
+LINK_EFFICIENCY = 0.8           # pinned host-to-device copies, after packet overhead
+GPU_READ_EFFICIENCY = 0.7       # the GPU's decode matvec kernels reading device memory
+
+
+def ddr_peak_gbps(mt_per_s: float, channels: int = 2) -> float:
+    """JEDEC data rate x 8 bytes per 64-bit channel (JESD79-4 DDR4, JESD79-5 DDR5)."""
+    return channels * 8 * mt_per_s / 1e3
+
+
+def pcie_peak_gbps(gt_per_s: float, lanes: int) -> float:
+    """PCI-SIG: gen 3 and later encode 128b/130b; GB/s per direction."""
+    return gt_per_s * lanes * 128 / 130 / 8
 
 
 @dataclass(frozen=True)
-class Bandwidth:
-    host_gbps: float = DEFAULT_HOST_GBPS   # host memory read bandwidth for expert weights
-    link_gbps: float = DEFAULT_LINK_GBPS   # host-to-device copy bandwidth
+class Hardware:
+    """A named machine: its Rates, built from peak figures and the assumptions above."""
 
-    def __post_init__(self):
-        for name in ("host_gbps", "link_gbps"):
-            value = getattr(self, name)
-            if not value > 0 or value == float("inf"):
-                raise ValueError(f"{name} must be a finite number > 0, got {value}")
+    name: str
+    summary: str
+    rates: Rates
+    sources: str
 
-    def _ms(self, nbytes: float, gbps: float) -> float:
-        return nbytes / (gbps * 1e6)  # bytes / (GB/s) -> ms
+    @classmethod
+    def from_peaks(cls, name, summary, *, ddr_mt_s, pcie_gt_s, lanes, gpu_gbps, ids_trip_us, join_us,
+                   sources):
+        ddr = ddr_peak_gbps(ddr_mt_s)
+        rates = Rates(host_gbps=CPU_READ_EFFICIENCY * ddr, link_gbps=LINK_EFFICIENCY * pcie_peak_gbps(pcie_gt_s, lanes),
+                      dram_gbps=DRAM_EFFICIENCY * ddr, device_gbps=GPU_READ_EFFICIENCY * gpu_gbps,
+                      ids_trip_us=ids_trip_us, join_us=join_us)
+        return cls(name, summary, rates, sources)
 
-    def stock_ms(self, lookup_bytes: float) -> float:
-        """llama.cpp --cpu-moe: every selected expert read from host memory."""
-        return self._ms(lookup_bytes, self.host_gbps)
+    def override(self, **rates) -> "Hardware":
+        """This class with some rates given explicitly (None: keep the class's)."""
+        given = {k: v for k, v in rates.items() if v is not None}
+        if not given:
+            return self
+        return Hardware(f"{self.name} with " + ", ".join(f"{k}={v:g}" for k, v in given.items()),
+                        self.summary, replace(self.rates, **given), self.sources)
 
-    def moecache_ms(self, miss_bytes: float, upload_bytes: float) -> float:
-        """Misses computed on the host; uploads asynchronous, sharing host bandwidth, and the
-        link must keep up with them (else they arrive late and the replayed hit rate is not
-        the one reached)."""
-        return max(self._ms(miss_bytes + upload_bytes, self.host_gbps),
-                   self._ms(upload_bytes, self.link_gbps))
+    def describe(self) -> str:
+        r = self.rates
+        return (f"{self.name}: host {r.host_gbps:.1f} GB/s (CPU), dram {r.dram_gbps:.1f} (CPU + DMA), "
+                f"link {r.link_gbps:.1f}, device {r.device_gbps:.0f}, ids trip {r.ids_trip_us:g} us, "
+                f"join {r.join_us:g} us")
 
-    def upstream_ms(self, upload_bytes: float, host_bytes: float = 0.0) -> float:
-        """Upstream llama.cpp: misses copied synchronously (the slower of link and host memory
-        sets the pace), computed on the GPU; bypassed experts read on the host."""
-        return self._ms(upload_bytes, min(self.link_gbps, self.host_gbps)) \
-            + self._ms(host_bytes, self.host_gbps)
+    def token_ms(self, work: "WorkTally", tokens: int) -> float:
+        """Modelled milliseconds per decode token of the tallied work (module docstring)."""
+        r = self.rates
+        layers = 0.0
+        lane_bytes = cpu_bytes = 0.0
+        for (layer, hits, lane, cpu), passes in work.passes.items():
+            size = work.expert_bytes[layer]
+            layers += passes * r.layer_ms(work.layout, size, work.dense_bytes[layer], hits, lane, cpu)
+            lane_bytes += passes * lane * size
+            cpu_bytes += passes * cpu * size
+        link = (lane_bytes + work.async_bytes) / (r.link_gbps * 1e6)
+        host = (cpu_bytes + lane_bytes + work.async_bytes) / (r.dram_gbps * 1e6)
+        return max(layers, link, host) / tokens
+
+
+# Synchronisation latencies: ASSUMPTIONS until measured (scripts/gpu_check.sh, issue 22): the
+# ids' trip is a device-to-host copy of a few hundred bytes and a stream synchronisation (CUDA
+# launch plus a PCIe round trip, about 10 us on a direct x16 link) and the host thread waking
+# up; the join a small host-to-device copy the device's stream waits on. An eGPU enclosure
+# adds a switch hop (and Thunderbolt's tunnelling): doubled.
+HARDWARE = {h.name: h for h in (
+    Hardware.from_peaks(
+        "pcie3-x4-egpu", "PCIe 3.0 x4 eGPU (RTX 3060 Ti class), DDR4-3200 dual channel",
+        ddr_mt_s=3200, pcie_gt_s=8, lanes=4, gpu_gbps=448, ids_trip_us=30, join_us=10,
+        sources="DDR4-3200: 51.2 GB/s peak (JESD79-4); PCIe 3.0 x4: 3.94 GB/s per direction "
+                "(PCI-SIG, 8 GT/s, 128b/130b); RTX 3060 Ti: 448 GB/s GDDR6 (NVIDIA); the user "
+                "report of issue 22 (35 -> 1-8 tok/s with upstream's cache) is this machine"),
+    Hardware.from_peaks(
+        "pcie4-x16", "PCIe 4.0 x16 (RTX 4090 class), DDR5-5600 dual channel (today's default)",
+        ddr_mt_s=5600, pcie_gt_s=16, lanes=16, gpu_gbps=1008, ids_trip_us=15, join_us=5,
+        sources="DDR5-5600: 89.6 GB/s peak (JESD79-5); PCIe 4.0 x16: 31.5 GB/s per direction "
+                "(PCI-SIG); RTX 4090: 1008 GB/s GDDR6X (NVIDIA), upstream's published 25.0 -> "
+                "40.7 t/s card"),
+    Hardware.from_peaks(
+        "pcie5-x16", "PCIe 5.0 x16 (RTX 5090 class), DDR5-6400 dual channel",
+        ddr_mt_s=6400, pcie_gt_s=32, lanes=16, gpu_gbps=1792, ids_trip_us=15, join_us=5,
+        sources="DDR5-6400: 102.4 GB/s peak (JESD79-5); PCIe 5.0 x16: 63.0 GB/s per direction "
+                "(PCI-SIG); RTX 5090: 1792 GB/s GDDR7 (NVIDIA), upstream's published 30.8 -> "
+                "67.8 t/s card"),
+)}
+DEFAULT_HARDWARE = "pcie4-x16"
+
+
+class WorkTally:
+    """A replay's decode layer passes for the timeline: how often each layer ran with how many
+    experts computed on the device from slots (hits), copied through the lane, and on the CPU,
+    and the bytes uploaded asynchronously. Counted by kind, so its size does not grow with the
+    trace."""
+
+    def __init__(self, layout: Layout, expert_bytes, dense_bytes=None):
+        self.layout = layout
+        self.expert_bytes = [int(b) for b in expert_bytes]
+        self.dense_bytes = [0] * len(self.expert_bytes) if dense_bytes is None else [int(b) for b in dense_bytes]
+        self.passes: Counter = Counter()  # (layer, hits, lane, cpu) -> layer passes
+        self.async_bytes = 0
+
+    def add(self, layer: int, hits: int, lane: int, cpu: int) -> None:
+        self.passes[(layer, hits, lane, cpu)] += 1
+
+    def add_layers(self, hits, lane, cpu) -> None:
+        """One pass of every layer: (L,) counts each."""
+        self.passes.update(zip(range(len(self.expert_bytes)), np.asarray(hits).tolist(),
+                               np.asarray(lane).tolist(), np.asarray(cpu).tolist()))
+
+    def add_async(self, counts) -> None:
+        """Asynchronous uploads: (L,) counts."""
+        self.async_bytes += sum(n * size for n, size in zip(np.asarray(counts).tolist(), self.expert_bytes))
+
+    def as_stock(self) -> "WorkTally":
+        """The same layer passes run by stock --cpu-moe: every selected expert on the CPU."""
+        stock = WorkTally(STOCK_LAYOUT, self.expert_bytes, self.dense_bytes)
+        for (layer, hits, lane, cpu), passes in self.passes.items():
+            stock.passes[(layer, 0, 0, hits + lane + cpu)] += passes
+        return stock

@@ -2,7 +2,8 @@
 the one driver that every offline tool runs (the command line, moecache.offline.cli; the
 scripts; the tests). The trace adapter (moecache.offline.steps) turns the trace into the
 model's steps; simulate() builds the model (a moecache.core.model.CacheModel), feeds it the
-steps and reads its own counters at the phase changes.
+steps, reads its own counters at the phase changes and tallies each decode layer pass for the
+timeline cost model (moecache.offline.cost.WorkTally).
 
 Three models (MODELS, each with its policy registry):
 
@@ -26,8 +27,11 @@ global (size: a budget in MiB): BigMoeOnEdge's route-replay model (moecache.offl
     includes prefill, as that project reports.
 
 Rates are fractions (hit_rate 0.578), as in engine.stats() and the live stats, computed by
-moecache.core.model.hit_rate. ReplayResult also gives MODELLED expert milliseconds per decode
-token (moecache.offline.cost).
+moecache.core.model.hit_rate. ReplayResult also gives MODELLED milliseconds per decode token
+(moecache.offline.cost) on any hardware class, of the run and of stock --cpu-moe on its
+routing. With miss_plan (Rates; per-layer, eager admission) the engine plans each graph's
+misses at those rates (moecache.core.missplan): the lane and paying uploads, as the live
+planner will.
 """
 
 from __future__ import annotations
@@ -47,7 +51,8 @@ from ..core.profile import UsageProfile
 from ..core.traces import DECODE, RouteTrace, require_memory
 from . import steps
 from .budget import BUDGET_POLICIES, BudgetPolicy, ByteBudgetCache, make_budget_policy
-from .cost import Bandwidth
+from ..core.missplan import OUR_LAYOUT, UPSTREAM_LAYOUT, MissPlanner, Rates
+from .cost import Hardware, WorkTally
 from .steps import GLOBAL, PER_LAYER, PREFILL_MODES, UPSTREAM
 from .upstream import UpstreamCache
 
@@ -81,6 +86,7 @@ class ReplayResult:
     admission: str | None = None            # per-layer: the engine's admission timing
     prefill: str | None = None              # per-layer: PREFILL_MODES
     turns: int = 0
+    work: WorkTally | None = None           # decode layer passes (global: None)
 
     @property
     def hit_rate(self) -> float | None:
@@ -107,28 +113,25 @@ class ReplayResult:
     def lookups_per_s(self) -> float:
         return self.lookups / self.seconds if self.seconds > 0 else float("inf")
 
-    def modelled_ms(self, bandwidth: Bandwidth) -> float | None:
-        """MODELLED expert milliseconds per decode token of this cache (moecache.offline.cost); None
-        for the global model, whose cost is not modelled, or without decode tokens."""
-        if self.model == GLOBAL or not self.decode_steps:
+    def modelled_ms(self, hardware: Hardware) -> float | None:
+        """MODELLED milliseconds per decode token of this cache (moecache.offline.cost); None for
+        the global model, whose cost is not modelled, or without decode tokens."""
+        if self.work is None or not self.decode_steps:
             return None
-        miss, upload = (self.totals[name] / self.decode_steps for name in ("miss_bytes", "upload_bytes"))
-        if self.model == UPSTREAM:
-            return bandwidth.upstream_ms(upload, host_bytes=miss - upload)
-        return bandwidth.moecache_ms(miss, upload)
+        return hardware.token_ms(self.work, self.decode_steps)
 
-    def stock_ms(self, bandwidth: Bandwidth) -> float | None:
-        """MODELLED expert milliseconds per decode token of llama.cpp's stock --cpu-moe on the
-        same routing (every lookup read on the host)."""
-        if self.model == GLOBAL or not self.decode_steps:
+    def stock_ms(self, hardware: Hardware) -> float | None:
+        """MODELLED milliseconds per decode token of llama.cpp's stock --cpu-moe on the same
+        routing (every selected expert on the CPU)."""
+        if self.work is None or not self.decode_steps:
             return None
-        return bandwidth.stock_ms(self.totals["lookup_bytes"] / self.decode_steps)
+        return hardware.token_ms(self.work.as_stock(), self.decode_steps)
 
 
 def simulate(trace: RouteTrace, model: str, policy, size=None, *, inserts: int | None = 2,
              admission: str = "boundary", prefill: str | None = None,
              profile: UsageProfile | None = None, seed: int = 0, step_times: bool = False,
-             before_step=None) -> ReplayResult:
+             before_step=None, miss_plan: Rates | None = None) -> ReplayResult:
     """Replay `trace` (RouteTrace.from_routing makes one of bare routing) through one model.
 
     model: "per-layer" (size: K slots per layer), "global" (size: the budget in MiB) or
@@ -137,35 +140,57 @@ def simulate(trace: RouteTrace, model: str, policy, size=None, *, inserts: int |
     it, or (per-layer) a prepared CacheEngine not stepped yet, which brings its own size,
     inserts, admission and warm start. inserts, admission (admission.ADMISSIONS), prefill
     (PREFILL_MODES, default "warm"), profile (warm start as the live cache does it: the profile's top experts
-    preloaded, its rates the policy's prior): per-layer only. seed: the random policies'. step_times: keep each step's duration;
-    before_step: called before each step (a benchmark evicting the CPU caches)."""
+    preloaded, its rates the policy's prior), miss_plan (Rates: the engine plans each graph's
+    misses at them, moecache.core.missplan; eager admission): per-layer only. seed: the random
+    policies'. step_times: keep each step's duration; before_step: called before each step (a
+    benchmark evicting the CPU caches)."""
     if model == PER_LAYER:
         prefill = "warm" if prefill is None else prefill
         if prefill not in PREFILL_MODES:
             raise ValueError(f"prefill must be one of {', '.join(PREFILL_MODES)}, got {prefill!r}")
         cache, label, slots, inserts = _per_layer_cache(trace, policy, size, inserts, admission,
-                                                        prefill, profile, seed)
+                                                        prefill, profile, seed, miss_plan)
         segments = steps.segments(trace, PER_LAYER, prefill)
         totals = lambda: cache.stats(trace.expert_bytes)["totals"]  # noqa: E731
         budget, admission = None, cache.admission
+        work = WorkTally(OUR_LAYOUT, trace.expert_bytes, trace.dense_bytes)
+
+        def decode_step(ids):
+            _tally_plan(work, cache.step(ids))
         # (prefill step, decode step): a warm prompt is a prefill step, a plain one an observation
-        step = (functools.partial(cache.step, prefill=True) if prefill == "warm" else cache.step, cache.step)
+        step = (functools.partial(cache.step, prefill=True) if prefill == "warm" else cache.step, decode_step)
     elif model in (GLOBAL, UPSTREAM):
-        if prefill is not None or profile is not None or admission != "boundary":
-            raise ValueError("prefill, profile and admission are per-layer model options")
+        if prefill is not None or profile is not None or admission != "boundary" or miss_plan is not None:
+            raise ValueError("prefill, profile, admission and miss_plan are per-layer model options")
         if model == GLOBAL:
             cache, label = _global_cache(trace, policy, size, seed)
+            work, step = None, (cache.step, cache.step)
         else:
             cache, label = _upstream_cache(trace, policy, size)
+            work = WorkTally(UPSTREAM_LAYOUT, trace.expert_bytes, trace.dense_bytes)
+
+            def decode_step(ubatch):
+                work.add(*cache.step(ubatch))
+            step = (cache.step, decode_step)
         segments = steps.segments(trace, model)
         totals = cache.totals
         slots, inserts, budget, admission = None, None, size, None
-        step = (cache.step, cache.step)
     else:
         raise ValueError(f"unknown model {model!r}; valid: {', '.join(MODELS)}")
     decode, final, seconds, times = _drive(step, totals, segments, step_times, before_step)
     return ReplayResult(model, label, slots, budget, inserts, int((trace.phase == DECODE).sum()),
-                        decode, final, seconds, times, admission, prefill, len(steps.turns(trace)))
+                        decode, final, seconds, times, admission, prefill, len(steps.turns(trace)), work)
+
+
+def _tally_plan(work: WorkTally, plan) -> None:
+    """A decode boundary's StepPlan as the observed graph's layer passes: hits on the device,
+    the lane's misses, the others on the CPU; every upload but the lane's kept copies is
+    asynchronous."""
+    L = len(plan.hits)
+    lane = np.zeros(L, dtype=np.int64) if plan.lane is None else plan.lane
+    work.add_layers(plan.hits, lane, plan.misses - lane)
+    uploads = np.bincount(plan.admitted[:, 0], minlength=L) + np.bincount(plan.upload[:, 0], minlength=L)
+    work.add_async(uploads - (0 if plan.lane_kept is None else plan.lane_kept))
 
 
 def _drive(step_of, totals, segments, step_times, before_step):
@@ -199,12 +224,13 @@ def _drive(step_of, totals, segments, step_times, before_step):
     return decode, before, seconds, None if times is None else np.array(times)
 
 
-def _per_layer_cache(trace, policy, slots, inserts, admission, prefill, profile, seed):
+def _per_layer_cache(trace, policy, slots, inserts, admission, prefill, profile, seed, miss_plan):
     """(engine after its first boundary, label, K, inserts)."""
     if isinstance(policy, CacheEngine):
-        if slots is not None or profile is not None or admission != "boundary" or policy.step_index:
-            raise ValueError("a prepared engine brings its own size, admission and warm start, "
-                             "and must not have been stepped")
+        if slots is not None or profile is not None or admission != "boundary" or policy.step_index \
+                or miss_plan is not None:
+            raise ValueError("a prepared engine brings its own size, admission, warm start and miss "
+                             "planner, and must not have been stepped")
         engine = policy
         label = engine.policy.name
     else:
@@ -221,8 +247,9 @@ def _per_layer_cache(trace, policy, slots, inserts, admission, prefill, profile,
             label = policy.name
         else:
             raise ValueError(f"policy must be a name, a Policy or a CacheEngine, got {policy!r}")
+        planner = None if miss_plan is None else MissPlanner(miss_plan, trace.expert_bytes, trace.dense_bytes)
         engine = CacheEngine(L, E, int(slots), policy, inserts=inserts, offline=True,
-                             admission=admission)
+                             admission=admission, miss_planner=planner)
         if profile is not None:
             engine.preload(profile.top(slots), rates=profile.rates(trace.n_expert_used))
     engine.step(None)

@@ -138,8 +138,11 @@ class UpstreamCache(CacheModel):
         """Bytes of the banks as sized (spare slot included)."""
         return sum(g.expert_bytes * (g.n_slots + 1) for g in self.groups if g.n_slots)
 
-    def step(self, ubatch) -> None:
-        """ubatch: (layer, the expert ids its n_tokens tokens selected (-1 = none), n_tokens)."""
+    def step(self, ubatch) -> tuple[int, int, int, int]:
+        """ubatch: (layer, the expert ids its n_tokens tokens selected (-1 = none), n_tokens).
+        Returns the layer's pass for the timeline (moecache.offline.cost): (layer, hits on the
+        device, misses copied synchronously then computed there, misses the CPU computes
+        because the cache was bypassed)."""
         layer, experts, n_tokens = ubatch
         self.step_index += 1
         lru = self._lru_of[layer]
@@ -161,3 +164,4 @@ class UpstreamCache(CacheModel):
         counters["upload_bytes"] += uploads * size
         counters["miss_bytes"] += misses * size
         counters["lookup_bytes"] += len(distinct) * size
+        return layer, hits, uploads, misses - uploads
