@@ -27,7 +27,8 @@ Reported per configuration: decode and prompt tok/s (median [min, max] over the 
 share of the file in the page cache at the start, the cgroup's peak usage (the highest of the
 runs) and the page cache it held at the end, the process's peak RSS and its anonymous memory
 after decoding, the bytes its page faults read from storage per decode token (/proc/self/io),
-and whether the greedy tokens equal the first in-RAM run's. Pages other processes cached first
+whether the greedy tokens equal the first in-RAM run's, and the 1-minute load average at the
+start of the runs (medians). Pages other processes cached first
 (the Python and llama.cpp libraries) count in RSS but not in the cgroup. The disk (unless --no-disk): O_DIRECT reads of
 the model file, sequential 2 MiB requests at queue depth 1 and with --disk-threads threads, and
 4 KiB requests at random offsets at queue depth 1; with them an I/O bound for the limited run:
@@ -409,13 +410,15 @@ def one_run(args, model: str, cgroup_root: str, scratch: str, *, kind: str, plac
             cgroup = MemoryCgroup(cgroup_root, args.limit_mb * MB)
             spec["procs"] = os.path.join(cgroup.path, cgroup.procs)
             spec["cgroup"] = cgroup.relative_path(cgroup_root)
+        # other jobs on the cores slow two spinning llama.cpp threads a lot: say how busy it was
+        load_average = os.getloadavg()[0]
         try:
             done = subprocess.run([sys.executable, os.path.abspath(__file__), CHILD, json.dumps(spec)],
                                   env=env, capture_output=True, text=True, timeout=args.run_timeout)
             status = child_status(done)
         except subprocess.TimeoutExpired:
             status = f"killed after --run-timeout {args.run_timeout} s"
-        run = {"status": status, "cached_at_start": cached}
+        run = {"status": status, "cached_at_start": cached, "load_average": load_average}
         if cgroup is not None:
             run.update(cgroup.stats())
             if run["oom_kills"] and status != "ok":
@@ -525,7 +528,7 @@ def summarize(args, runs: dict) -> list[dict]:
                "kind": kind, "placement": placement, "runs": config_runs, "ok_runs": len(ok),
                "failures": sorted({r["status"] for r in config_runs if r["status"] != "ok"})}
         for key in ("decode_tok_s", "prompt_tok_s", "cached_at_start", "page_cache_bytes", "peak_rss_bytes",
-                    "anon_bytes", "decode_read_bytes_per_token", "load_s"):
+                    "anon_bytes", "decode_read_bytes_per_token", "load_s", "load_average"):
             values = [r[key] for r in ok if r.get(key) is not None]
             row[key] = statistics.median(values) if values else None
             if key in ("decode_tok_s", "prompt_tok_s"):
@@ -684,13 +687,13 @@ def markdown(report: dict) -> str:
             "configuration, interleaved",
             "",
             "| config | decode tok/s | prompt tok/s | file cached at start | peak cgroup MB | page cache MB "
-            "| peak RSS MB | anon MB | disk reads MB/token | greedy tokens |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+            "| peak RSS MB | anon MB | disk reads MB/token | greedy tokens | load average |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
         ]
         for r in report["rows"]:
             failed = f" ({len(r['runs']) - r['ok_runs']} failed: {'; '.join(r['failures'])})" if r["failures"] else ""
             if not r["ok_runs"]:
-                lines.append(f"| {r['config']}{failed} | - | - | | | | | | | |")
+                lines.append(f"| {r['config']}{failed} | - | - | | | | | | | | |")
                 continue
             speeds = [f"{r[k]:.2f} [{r[k + '_range'][0]:.2f}, {r[k + '_range'][1]:.2f}]"
                       for k in ("decode_tok_s", "prompt_tok_s")]
@@ -701,7 +704,8 @@ def markdown(report: dict) -> str:
                 peak += " (over the limit)"
             lines.append(f"| {r['config']}{failed} | {speeds[0]} | {speeds[1]} | {_fmt(r['cached_at_start'], '.0%')} "
                          f"| {peak} | {_fmt(r['page_cache_bytes'], '.0f', MB)} | {_fmt(r['peak_rss_bytes'], '.0f', MB)} "
-                         f"| {_fmt(r['anon_bytes'], '.0f', MB)} | {_fmt(r['decode_read_bytes_per_token'], '.0f', MB)} | {tokens} |")
+                         f"| {_fmt(r['anon_bytes'], '.0f', MB)} | {_fmt(r['decode_read_bytes_per_token'], '.0f', MB)} | {tokens} "
+                         f"| {_fmt(r['load_average'], '.1f')} |")
         lines.append("")
     disk = report["disk"]
     if disk:
