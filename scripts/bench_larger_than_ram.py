@@ -725,7 +725,9 @@ def markdown(report: dict) -> str:
             f"{_fmt(bound['decode_tok_s'], '.1f')} tok/s decode, {_fmt(bound['prompt_tok_s'], '.1f')} tok/s prompt "
             f"(every non-resident expert read once per prompt); stock reaches "
             f"{_fmt(_share(stock['decode_tok_s'], bound['decode_tok_s']), '.0%')} and "
-            f"{_fmt(_share(stock['prompt_tok_s'], bound['prompt_tok_s']), '.0%')} of it")
+            f"{_fmt(_share(stock['prompt_tok_s'], bound['prompt_tok_s']), '.0%')} of it. Stock read "
+            f"{_fmt(stock['decode_read_bytes_per_token'], '.0f', MB)} MB per decode token: at {bound['gbps']:.2f} GB/s "
+            f"alone {_fmt(_share(bound['gbps'] * 1e9, stock['decode_read_bytes_per_token']), '.2f')} tok/s")
     lines += [f"Note: {note}" for note in report["notes"]]
     return "\n".join(lines)
 
