@@ -1,0 +1,740 @@
+#!/usr/bin/env python3
+"""A MoE model larger than memory: stock llama.cpp decode and prompt speed with the model file in
+RAM and inside a memory cgroup smaller than the file, beside the disk's own bandwidth.
+
+    python scripts/bench_larger_than_ram.py [-m MODEL | --layers 8] [--limit-mb 1600] [-p PROMPT]
+        [-n 16] [-r 3] [-t THREADS] [-c 2048] [--ram-mib N|auto] [--cgroup-root DIR]
+        [--disk-mib 512] [--disk-threads 4] [--no-disk | --disk-only] [--md FILE] [--json FILE]
+
+The model (default: `python -m moecache.models synth qwen3-30b-a3b --layers 8`, 2.8 GB) loads as
+a user whose model does not fit must load it: stock llama-cpp-python, mmap, no repacking
+(use_extra_bufts=False: repacking copies every tensor into anonymous memory), CPU only.
+Configurations, each run a fresh process that loads the model, evaluates the prompt and decodes
+-n greedy tokens (moecache.live.decode.greedy); -r rounds, each running every configuration once:
+  stock, in RAM     the file read into the page cache first; no cgroup
+  stock, N MB       the file evicted from the page cache first (POSIX_FADV_DONTNEED, checked
+                    with mincore); the process joins a new memory cgroup limited to N MB
+                    (v1 memory.limit_in_bytes, or v2 memory.max) before the model loads
+  tier, ...         the same two with LLAMA_MOE_CACHE_RAM_MIB set (--ram-mib, default auto), the
+                    RAM tier of issue 21: only where the installed moecache accepts the variable;
+                    otherwise one line says so and no tier rows are reported
+Where no memory cgroup can be made (not root, no memory controller, --cgroup-root missing) the
+script says so and stops: it never reports an unlimited run as limited. The cgroups it makes
+(one per limited run, under --cgroup-root: default this process's own memory cgroup) are
+removed when the run ends, also on errors and Ctrl-C.
+
+Reported per configuration: decode and prompt tok/s (median [min, max] over the rounds), the
+share of the file in the page cache at the start, the cgroup's peak usage (the highest of the
+runs) and the page cache it held at the end, the process's peak RSS and its anonymous memory
+after decoding, the bytes its page faults read from storage per decode token (/proc/self/io),
+whether the greedy tokens equal the first in-RAM run's, and the 1-minute load average at the
+start of the runs (medians). Pages other processes cached first
+(the Python and llama.cpp libraries) count in RSS but not in the cgroup. The disk (unless --no-disk): O_DIRECT reads of
+the model file, sequential 2 MiB requests at queue depth 1 and with --disk-threads threads, and
+4 KiB requests at random offsets at queue depth 1; with them an I/O bound for the limited run:
+the experts that fit in the limit beside everything else stay resident, and each token reads
+the rest of its experts once at the best sequential bandwidth.
+
+Like every script here it imports the installed moecache package (scripts/bootstrap.sh installs
+it, editable, with the patched llama-cpp-python).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import mmap
+import os
+import random
+import re
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from moecache.util import OneLineParser, Progress, atomic_write, int_arg
+
+PROG = "bench_larger_than_ram.py"
+DEFAULT_PROMPT = "Explain how a mixture-of-experts model decides which experts handle each token."
+SYNTH_PRESET = "qwen3-30b-a3b"
+TIER_VARIABLE = "LLAMA_MOE_CACHE_RAM_MIB"
+CHILD = "--child-run"  # first argument of the per-run child process (not a user flag)
+MB = 10**6
+MIB = 2**20
+LARGER_THAN_LIMIT = 1.75  # the issue's minimum ratio of model size to memory limit
+CACHED_ENOUGH = 0.99  # in RAM: at least this share of the file's pages in the page cache
+EVICTED_ENOUGH = 0.01  # limited: at most this share left after eviction
+RANDOM_READ_SECONDS = 2.0
+
+
+class BenchError(ValueError):
+    """A one-line error for the user (exit status 2)."""
+
+
+class CgroupUnavailable(RuntimeError):
+    """No memory cgroup can be made here: the limited runs cannot be measured (exit status 1)."""
+
+
+def ram_mib_arg(text: str) -> str:
+    """--ram-mib: 'auto' or a non-negative integer, kept as text (it becomes an environment
+    variable); 0 turns the tier rows off."""
+    if text == "auto":
+        return text
+    return str(int_arg(minimum=0)(text))
+
+
+def parser() -> OneLineParser:
+    p = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p.add_argument("-m", "--model", help=f"GGUF file of a MoE model (default: the synthetic {SYNTH_PRESET}, "
+                                         "built or found in the model cache)")
+    p.add_argument("--layers", type=int_arg(minimum=1), default=8,
+                   help=f"layers of the synthetic {SYNTH_PRESET} when -m is not given (default 8: 2.8 GB)")
+    p.add_argument("--limit-mb", type=int_arg(minimum=1), default=1600,
+                   help="memory limit of the limited runs, MB of 10^6 bytes (default 1600)")
+    p.add_argument("-p", "--prompt", default=DEFAULT_PROMPT)
+    p.add_argument("-n", "--n-predict", type=int_arg(minimum=1), default=16, help="decode tokens per run (default 16)")
+    p.add_argument("-r", "--repetitions", type=int_arg(minimum=1), default=3,
+                   help="rounds, each running every configuration once (default 3)")
+    p.add_argument("-t", "--threads", type=int_arg(minimum=1), default=None, help="CPU threads (default: llama.cpp's)")
+    p.add_argument("-c", "--ctx-size", type=int_arg(minimum=16), default=2048)
+    p.add_argument("--seed", type=int_arg(minimum=0), default=0)
+    p.add_argument("--ram-mib", type=ram_mib_arg, default="auto",
+                   help=f"the tier rows' {TIER_VARIABLE} (default auto; 0: no tier rows)")
+    p.add_argument("--cgroup-root", help="make the memory cgroups under this directory "
+                                         "(default: this process's own memory cgroup)")
+    p.add_argument("--run-timeout", type=int_arg(minimum=1), default=1800,
+                   help="seconds one run may take before it is killed (default 1800)")
+    p.add_argument("--disk-mib", type=int_arg(minimum=2), default=512,
+                   help="MiB read per sequential disk measurement (default 512)")
+    p.add_argument("--disk-threads", type=int_arg(minimum=2), default=4,
+                   help="threads of the parallel sequential measurement (default 4)")
+    disk = p.add_mutually_exclusive_group()
+    disk.add_argument("--no-disk", action="store_true", help="skip the disk measurement and the I/O bound")
+    disk.add_argument("--disk-only", action="store_true", help="measure only the disk")
+    p.add_argument("--md", metavar="FILE", help="write the report (markdown) here")
+    p.add_argument("--json", metavar="FILE", help="write the results as JSON here")
+    return p
+
+
+def main(argv=None) -> int:
+    return parser().run(_bench, argv)
+
+
+def _bench(args) -> int:
+    _check_outputs(args)
+    # a plain kill must still run the finally blocks that remove the cgroups
+    signal.signal(signal.SIGTERM, _interrupt)
+    model = _model_path(args)
+    report = {"model": os.path.basename(model), "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
+              "facts": model_facts(model), "limit_mb": args.limit_mb, "n_predict": args.n_predict,
+              "repetitions": args.repetitions, "threads": args.threads, "ctx_size": args.ctx_size,
+              "host": _host(), "notes": [], "disk": None, "rows": [], "bound": None, "cgroup": None}
+    if not args.disk_only:
+        root = args.cgroup_root or own_memory_cgroup()
+        report["cgroup"] = probe_cgroup(root)  # raises CgroupUnavailable: stop before measuring anything
+        tier_problem = tier_unsupported(args.ram_mib) if args.ram_mib != "0" else None
+        if tier_problem:
+            print(f"tier: {tier_problem}: no tier rows", file=sys.stderr)
+            report["notes"].append(f"tier: {tier_problem}: no tier rows")
+        elif args.ram_mib == "0":
+            report["notes"].append("no tier rows (--ram-mib 0)")
+    if not args.no_disk:
+        report["disk"] = measure_disk(model, args.disk_mib * MIB, args.disk_threads)
+    if not args.disk_only:
+        ratio = report["facts"]["file_bytes"] / (args.limit_mb * MB)
+        if ratio < LARGER_THAN_LIMIT:
+            report["notes"].append(f"the model is {ratio:.2f}x the limit, under the {LARGER_THAN_LIMIT}x "
+                                   "of a larger-than-RAM run")
+        report["rows"] = measure_configs(args, model, root, tier=args.ram_mib != "0" and not tier_problem,
+                                         on_round=lambda rows: save(args, {**report, "rows": rows}))
+        report["bound"] = io_bound(report)
+    save(args, report)
+    print(markdown(report))
+    return 0
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _check_outputs(args):
+    for path in (args.md, args.json):
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise BenchError(f"cannot write {path}: no such directory")
+    if args.model and not os.path.isfile(args.model):
+        raise BenchError(f"model file not found: {args.model}")
+
+
+def _model_path(args) -> str:
+    if args.model:
+        return os.path.abspath(args.model)
+    from moecache.models import synth_moe
+
+    return str(synth_moe(SYNTH_PRESET, n_layer=args.layers))
+
+
+def save(args, report):
+    """Write the JSON and the markdown; after every round too, so that a stopped run leaves what
+    it measured."""
+    if args.json:
+        atomic_write(args.json, json.dumps(report, indent=1) + "\n")
+    if args.md:
+        atomic_write(args.md, markdown(report) + "\n")
+
+
+def model_facts(path: str) -> dict:
+    """Sizes from the GGUF's tensor table: routed experts (the *_exps tensors) against the rest."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    try:
+        expert_bytes = other_bytes = 0
+        moe_layers = set()
+        for tensor in reader.tensors:
+            if re.search(r"\.ffn_\w+_exps\.", tensor.name):
+                expert_bytes += int(tensor.n_bytes)
+                moe_layers.add(tensor.name.split(".")[1])
+            else:
+                other_bytes += int(tensor.n_bytes)
+        counts = {key.rsplit(".", 1)[1]: int(field.parts[field.data[0]][0]) for key, field in reader.fields.items()
+                  if key.endswith((".expert_count", ".expert_used_count"))}
+    finally:
+        del reader  # its memory map would keep the file's header pages cached
+    if not expert_bytes or set(counts) != {"expert_count", "expert_used_count"}:
+        raise BenchError(f"{path} is not a MoE model (no routed expert tensors or expert counts)")
+    return {"file_bytes": os.path.getsize(path), "expert_bytes": expert_bytes, "other_bytes": other_bytes,
+            "moe_layers": len(moe_layers), "n_expert": counts["expert_count"],
+            "n_expert_used": counts["expert_used_count"]}
+
+
+# --- the page cache ----------------------------------------------------------------------------
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+
+
+def cached_share(path: str) -> float:
+    """Share of the file's pages in the page cache (mincore over a mapping that faults nothing)."""
+    size = os.path.getsize(path)
+    pages = -(-size // mmap.PAGESIZE)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        address = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if address in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), f"mmap {path}")
+        try:
+            vector = (ctypes.c_ubyte * pages)()
+            if _libc.mincore(address, size, vector) != 0:
+                raise OSError(ctypes.get_errno(), f"mincore {path}")
+        finally:
+            _libc.munmap(address, size)
+    finally:
+        os.close(fd)
+    return 1 - bytes(vector).count(0) / pages
+
+
+def evict(path: str) -> float:
+    """Drop the file from the page cache; returns the share still cached (pages some other
+    process maps stay)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # dirty pages (a model just written) cannot be dropped
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return cached_share(path)
+
+
+def cache_whole_file(path: str) -> float:
+    """Read the file through the page cache unless it is there already; returns the share cached."""
+    if cached_share(path) < CACHED_ENOUGH:
+        buffer = bytearray(16 * MIB)
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(buffer):
+                pass
+    return cached_share(path)
+
+
+# --- memory cgroups ----------------------------------------------------------------------------
+
+def own_memory_cgroup() -> str:
+    """The directory of this process's memory cgroup: v1 (a 'memory' hierarchy) or v2."""
+    with open("/proc/self/cgroup") as f:
+        lines = [line.rstrip("\n").split(":", 2) for line in f]
+    for _, controllers, path in lines:
+        if "memory" in controllers.split(","):
+            return "/sys/fs/cgroup/memory" + path
+    for hierarchy, controllers, path in lines:
+        if hierarchy == "0" and os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
+            return "/sys/fs/cgroup" + path
+    raise CgroupUnavailable("cannot make a memory cgroup: this process is in no memory cgroup hierarchy")
+
+
+class MemoryCgroup:
+    """A new child memory cgroup of root with a limit (v1 or v2, whichever root is); remove() it."""
+
+    def __init__(self, root: str, limit_bytes: int | None):
+        self.path = tempfile.mkdtemp(prefix="moecache-bench-", dir=root)  # a unique name
+        try:
+            if os.path.exists(os.path.join(self.path, "memory.limit_in_bytes")):
+                self.version = 1
+                self.limit_file, self.procs = "memory.limit_in_bytes", "cgroup.procs"
+            elif os.path.exists(os.path.join(self.path, "memory.max")):
+                self.version = 2
+                self.limit_file, self.procs = "memory.max", "cgroup.procs"
+            else:
+                raise CgroupUnavailable(f"cannot make a memory cgroup under {root}: the new cgroup has no "
+                                        "memory controller (v2: not in the parent's cgroup.subtree_control)")
+            if limit_bytes is not None:
+                self._write(self.limit_file, str(limit_bytes))
+                set_to = self._read(self.limit_file).strip()
+                if set_to == "max" or int(set_to) > limit_bytes:
+                    raise CgroupUnavailable(f"cannot make a memory cgroup: {self.limit_file} reads {set_to} "
+                                            f"after writing {limit_bytes}")
+        except BaseException:
+            self.remove()
+            raise
+
+    def _read(self, name: str) -> str:
+        with open(os.path.join(self.path, name)) as f:
+            return f.read()
+
+    def _write(self, name: str, text: str) -> None:
+        with open(os.path.join(self.path, name), "w") as f:
+            f.write(text)
+
+    def relative_path(self, root: str) -> str:
+        return os.path.relpath(self.path, root)
+
+    def stats(self) -> dict:
+        """Peak usage, the page cache it holds, how often the limit was hit, OOM kills."""
+        stat = dict(line.split() for line in self._read("memory.stat").splitlines() if len(line.split()) == 2)
+        if self.version == 1:
+            oom = dict(line.split() for line in self._read("memory.oom_control").splitlines())
+            return {"peak_bytes": int(self._read("memory.max_usage_in_bytes")),
+                    "page_cache_bytes": int(stat["total_cache"]), "limit_hits": int(self._read("memory.failcnt")),
+                    "oom_kills": int(oom.get("oom_kill", 0))}
+        events = dict(line.split() for line in self._read("memory.events").splitlines())
+        peak = self._read("memory.peak") if os.path.exists(os.path.join(self.path, "memory.peak")) else None
+        return {"peak_bytes": int(peak) if peak else None, "page_cache_bytes": int(stat["file"]),
+                "limit_hits": int(events["max"]), "oom_kills": int(events.get("oom_kill", 0))}
+
+    def remove(self) -> None:
+        # the last task may take a moment to leave after its exit
+        for _ in range(50):
+            try:
+                os.rmdir(self.path)
+                return
+            except FileNotFoundError:
+                return
+            except OSError as e:
+                error = e
+                time.sleep(0.1)
+        raise RuntimeError(f"could not remove the cgroup {self.path}: {error}; remove it with rmdir")
+
+
+def probe_cgroup(root: str) -> dict:
+    """Make and remove a limited cgroup under root; CgroupUnavailable (one line) if that fails."""
+    if not os.path.isdir(root):
+        raise CgroupUnavailable(f"cannot make a memory cgroup: no cgroup directory {root}")
+    try:
+        cgroup = MemoryCgroup(root, 64 * MIB)
+    except OSError as e:
+        raise CgroupUnavailable(f"cannot make a memory cgroup under {root}: {e.strerror or e}"
+                                + (" (not root?)" if e.errno in (13, 1) else "")) from None
+    cgroup.remove()
+    return {"version": cgroup.version, "limit_file": cgroup.limit_file}
+
+
+# --- the tier ----------------------------------------------------------------------------------
+
+def tier_unsupported(ram_mib: str) -> str | None:
+    """Why the installed moecache cannot run the RAM tier (None: it accepts the variable). The
+    library's own configuration decides: it rejects variables it does not know."""
+    from moecache.live.config import CacheConfig, ConfigError
+
+    try:
+        CacheConfig.from_env({TIER_VARIABLE: ram_mib})
+    except ConfigError as e:
+        if "is not a moecache variable" in str(e):
+            return f"the installed moecache does not support {TIER_VARIABLE}"
+        return f"{TIER_VARIABLE}={ram_mib} refused: {e}"
+    return None
+
+
+# --- the runs ----------------------------------------------------------------------------------
+
+def measure_configs(args, model: str, cgroup_root: str, *, tier: bool, on_round=None) -> list[dict]:
+    configs = [("stock", "ram"), ("stock", "limited")]
+    if tier:
+        configs += [("tier", "ram"), ("tier", "limited")]
+    runs = {config: [] for config in configs}
+    progress = Progress(len(configs) * args.repetitions, unit="run", log_lines=True)
+    with tempfile.TemporaryDirectory(prefix="moecache-bench-") as scratch:
+        for round_ in range(args.repetitions):
+            for kind, placement in configs:
+                run = one_run(args, model, cgroup_root, scratch, kind=kind, placement=placement)
+                runs[(kind, placement)].append(run)
+                progress.advance(f"{kind} {placement} run {round_ + 1}: {run['status']}")
+            if on_round:
+                on_round(summarize(args, runs))
+    progress.close()
+    return summarize(args, runs)
+
+
+def one_run(args, model: str, cgroup_root: str, scratch: str, *, kind: str, placement: str) -> dict:
+    """One fresh process: load, prompt, -n greedy tokens. limited: in a new cgroup, file evicted."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_MOE_CACHE_")}
+    if kind == "tier":
+        env[TIER_VARIABLE] = args.ram_mib
+    result_file = os.path.join(scratch, "run.json")
+    spec = {"model": model, "prompt": args.prompt, "n_predict": args.n_predict, "threads": args.threads,
+            "ctx_size": args.ctx_size, "seed": args.seed, "result": result_file, "procs": None, "cgroup": None}
+    cgroup = None
+    if placement == "ram":
+        cached = cache_whole_file(model)
+    else:
+        cached = evict(model)
+        if cached > EVICTED_ENOUGH:
+            raise RuntimeError(f"{100 * cached:.1f}% of {model} stays in the page cache after eviction "
+                               "(mapped by another process?): a limited run would not be limited")
+    try:
+        if placement == "limited":
+            cgroup = MemoryCgroup(cgroup_root, args.limit_mb * MB)
+            spec["procs"] = os.path.join(cgroup.path, cgroup.procs)
+            spec["cgroup"] = cgroup.relative_path(cgroup_root)
+        # other jobs on the cores slow two spinning llama.cpp threads a lot: say how busy it was
+        load_average = os.getloadavg()[0]
+        try:
+            done = subprocess.run([sys.executable, os.path.abspath(__file__), CHILD, json.dumps(spec)],
+                                  env=env, capture_output=True, text=True, timeout=args.run_timeout)
+            status = child_status(done)
+        except subprocess.TimeoutExpired:
+            status = f"killed after --run-timeout {args.run_timeout} s"
+        run = {"status": status, "cached_at_start": cached, "load_average": load_average}
+        if cgroup is not None:
+            run.update(cgroup.stats())
+            if run["oom_kills"] and status != "ok":
+                run["status"] = f"killed by the memory cgroup (out of memory; {status})"
+        if status == "ok":
+            with open(result_file) as f:
+                run.update(json.load(f))
+        return run
+    finally:
+        if cgroup is not None:
+            cgroup.remove()
+
+
+def child_status(done: subprocess.CompletedProcess) -> str:
+    """'ok', or the child's last line of stderr; a moecache error line (the tier not active)
+    makes a run fail too: a tier row must not be a stock run under another name."""
+    lines = done.stderr.strip().splitlines()
+    library_error = next((line for line in lines if re.match(r"moecache: (error|no expert cache)", line)), None)
+    if done.returncode == 0 and library_error is None:
+        return "ok"
+    if done.returncode < 0:
+        return f"killed by signal {signal.Signals(-done.returncode).name}"
+    return f"failed: {library_error or (lines[-1] if lines else f'exit status {done.returncode}')}"
+
+
+def child(spec_json: str) -> int:
+    """One run, in its own process: join the cgroup first (everything the model maps is then
+    charged to it), then load and decode; the result goes to spec['result']."""
+    spec = json.loads(spec_json)
+    if spec["procs"]:
+        with open(spec["procs"], "w") as f:
+            f.write(str(os.getpid()))
+        with open("/proc/self/cgroup") as f:
+            joined = [line for line in f if line.rstrip("\n").endswith("/" + spec["cgroup"])]
+        if not joined:
+            print(f"{PROG}: error: the run did not join the cgroup {spec['cgroup']}", file=sys.stderr)
+            return 1
+    import llama_cpp
+    import llama_cpp.llama_cpp as bindings
+
+    from moecache.live.decode import greedy
+
+    stock_params = bindings.llama_model_default_params
+
+    def no_repacking():
+        params = stock_params()
+        params.use_extra_bufts = False
+        return params
+
+    bindings.llama_model_default_params = no_repacking
+    read_before = _io_read_bytes()
+    start = time.perf_counter()
+    llm = llama_cpp.Llama(spec["model"], n_gpu_layers=0, use_mmap=True, n_ctx=spec["ctx_size"],
+                          n_threads=spec["threads"], n_threads_batch=spec["threads"], seed=spec["seed"],
+                          verbose=False)
+    load_seconds = time.perf_counter() - start
+    read_loaded = _io_read_bytes()
+    prompt = llm.tokenize(spec["prompt"].encode())
+    if len(prompt) < 2 or len(prompt) + spec["n_predict"] > spec["ctx_size"]:
+        print(f"{PROG}: error: the prompt ({len(prompt)} tokens) must have 2 tokens or more, and with "
+              f"-n {spec['n_predict']} fit -c {spec['ctx_size']}", file=sys.stderr)
+        return 1
+    # the disk reads of the prompt end where greedy's first single-token evaluation starts
+    read_at_first_token = []
+    evaluate = llm.eval
+
+    def eval_noting_reads(tokens):
+        if len(tokens) == 1 and not read_at_first_token:
+            read_at_first_token.append(_io_read_bytes())
+        return evaluate(tokens)
+
+    llm.eval = eval_noting_reads
+    run = greedy(llm, prompt, spec["n_predict"])
+    read_done = _io_read_bytes()
+    memory = _proc_status()
+    result = {"tokens": run.tokens, "prompt_tokens": len(prompt), "load_s": load_seconds,
+              "prompt_tok_s": len(prompt) / run.prompt_seconds, "decode_tok_s": spec["n_predict"] / run.seconds,
+              "read_bytes_load": read_loaded - read_before, "read_bytes_prompt": read_at_first_token[0] - read_loaded,
+              "decode_read_bytes_per_token": (read_done - read_at_first_token[0]) / spec["n_predict"],
+              "peak_rss_bytes": memory["VmHWM"], "anon_bytes": memory["RssAnon"], "file_rss_bytes": memory["RssFile"]}
+    llm.close()
+    with open(spec["result"], "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+def _io_read_bytes() -> int:
+    """Bytes this process made the kernel read from storage (page faults on the model included)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
+
+
+def _proc_status() -> dict:
+    with open("/proc/self/status") as f:
+        return {key: int(value.split()[0]) * 1024 for key, value in (line.split(":", 1) for line in f)
+                if key in ("VmHWM", "RssAnon", "RssFile")}
+
+
+def summarize(args, runs: dict) -> list[dict]:
+    """A row per configuration: medians over its successful runs; tokens against the first
+    successful in-RAM stock run's."""
+    reference = next((r["tokens"] for r in runs.get(("stock", "ram"), []) if r["status"] == "ok"), None)
+    rows = []
+    for (kind, placement), config_runs in runs.items():
+        ok = [r for r in config_runs if r["status"] == "ok"]
+        row = {"config": f"{kind}, " + ("in RAM" if placement == "ram" else f"{args.limit_mb} MB"),
+               "kind": kind, "placement": placement, "runs": config_runs, "ok_runs": len(ok),
+               "failures": sorted({r["status"] for r in config_runs if r["status"] != "ok"})}
+        for key in ("decode_tok_s", "prompt_tok_s", "cached_at_start", "page_cache_bytes", "peak_rss_bytes",
+                    "anon_bytes", "decode_read_bytes_per_token", "load_s", "load_average"):
+            values = [r[key] for r in ok if r.get(key) is not None]
+            row[key] = statistics.median(values) if values else None
+            if key in ("decode_tok_s", "prompt_tok_s"):
+                row[key + "_range"] = [min(values), max(values)] if values else None
+        # the highest peak of the runs: the one the limit must hold
+        peaks = [r["peak_bytes"] for r in ok if r.get("peak_bytes") is not None]
+        row["peak_bytes"] = max(peaks) if peaks else None
+        row["tokens_match"] = None if reference is None or not ok else all(r["tokens"] == reference for r in ok)
+        row["peak_within_limit"] = None if row["peak_bytes"] is None else row["peak_bytes"] <= args.limit_mb * MB
+        rows.append(row)
+    return rows
+
+
+# --- the disk ----------------------------------------------------------------------------------
+
+def measure_disk(path: str, total_bytes: int, threads: int) -> dict | None:
+    """O_DIRECT reads of the file (the page cache bypassed): sequential 2 MiB requests at queue
+    depth 1 and with `threads` threads, 4 KiB at random offsets at queue depth 1; GB/s. None
+    where the filesystem has no O_DIRECT (tmpfs)."""
+    size = os.path.getsize(path)
+    request = 2 * MIB
+    usable = size // request * request
+    if usable < 2 * request:
+        raise BenchError(f"{path} is too small to measure the disk with 2 MiB reads")
+    total_bytes = min(total_bytes // request * request, usable // 2)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError as e:
+        print(f"disk: no O_DIRECT on the filesystem of {path} ({e.strerror}): no disk figures", file=sys.stderr)
+        return None
+    try:
+        # two regions of the file, so that the second measurement reads nothing the first read
+        # (a virtual disk's host cache would flatter it)
+        qd1 = _sequential(fd, range(0, total_bytes, request), request, 1)
+        parallel = _sequential(fd, range(total_bytes, 2 * total_bytes, request), request, threads)
+        random_read = _random_reads(fd, size // mmap.PAGESIZE, mmap.PAGESIZE)
+    except OSError as e:
+        print(f"disk: O_DIRECT reads of {path} failed ({e.strerror}): no disk figures", file=sys.stderr)
+        return None
+    finally:
+        os.close(fd)
+    return {"request_bytes": request, "bytes_per_measurement": total_bytes, "threads": threads,
+            "sequential_qd1_gbps": qd1, "sequential_threads_gbps": parallel,
+            "random_4k_qd1_gbps": random_read["gbps"], "random_4k_qd1_us": random_read["us"],
+            "random_4k_reads": random_read["reads"]}
+
+
+def _sequential(fd: int, offsets: range, request: int, threads: int) -> float:
+    """GB/s reading `offsets` in order, each thread taking the next request (queue depth = threads)."""
+    next_offset = iter(offsets)
+    lock = threading.Lock()
+    errors = []
+
+    def reader():
+        buffer = mmap.mmap(-1, request)  # page-aligned, as O_DIRECT needs
+        try:
+            while True:
+                with lock:
+                    offset = next(next_offset, None)
+                if offset is None:
+                    return
+                if os.preadv(fd, [buffer], offset) != request:
+                    raise OSError(5, "short read")
+        except OSError as e:
+            errors.append(e)
+        finally:
+            buffer.close()
+
+    workers = [threading.Thread(target=reader) for _ in range(threads)]
+    start = time.perf_counter()
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    seconds = time.perf_counter() - start
+    if errors:
+        raise errors[0]
+    return len(offsets) * request / seconds / 1e9
+
+
+def _random_reads(fd: int, pages: int, request: int) -> dict:
+    """One 4 KiB read at a time at random page offsets, for RANDOM_READ_SECONDS."""
+    buffer = mmap.mmap(-1, request)
+    rng = random.Random(0)
+    reads = 0
+    start = time.perf_counter()
+    try:
+        while time.perf_counter() - start < RANDOM_READ_SECONDS:
+            os.preadv(fd, [buffer], rng.randrange(pages - 1) * request)
+            reads += 1
+    finally:
+        buffer.close()
+    seconds = time.perf_counter() - start
+    return {"gbps": reads * request / seconds / 1e9, "us": seconds / reads * 1e6, "reads": reads}
+
+
+def io_bound(report: dict) -> dict | None:
+    """Decode and prompt tok/s if only the disk limited the limited run: the experts that fit
+    in the limit beside the rest of the model and the stock run's anonymous memory are resident,
+    each token reads the rest of its experts once (a hit rate equal to the resident share, as
+    with uniform routing), and the prompt reads every non-resident expert once, at the best
+    sequential bandwidth measured."""
+    disk = report["disk"]
+    limited = next((r for r in report["rows"] if r["kind"] == "stock" and r["placement"] == "limited"), None)
+    if not disk or not limited or limited["anon_bytes"] is None:
+        return None
+    facts = report["facts"]
+    gbps = max(disk["sequential_qd1_gbps"], disk["sequential_threads_gbps"])
+    room = report["limit_mb"] * MB - facts["other_bytes"] - limited["anon_bytes"]
+    resident = min(max(room / facts["expert_bytes"], 0.0), 1.0)
+    per_expert = facts["expert_bytes"] / (facts["moe_layers"] * facts["n_expert"])
+    token_bytes = facts["moe_layers"] * facts["n_expert_used"] * per_expert
+    miss_bytes = (1 - resident) * token_bytes
+    prompt_tokens = limited["runs"][0].get("prompt_tokens") if limited["runs"] else None
+    prompt_miss_bytes = (1 - resident) * facts["expert_bytes"]
+    return {"gbps": gbps, "resident_share": resident, "expert_bytes_per_token": token_bytes,
+            "read_bytes_per_token": miss_bytes,
+            "decode_tok_s": gbps * 1e9 / miss_bytes if miss_bytes else None,
+            "prompt_tok_s": (prompt_tokens * gbps * 1e9 / prompt_miss_bytes
+                             if prompt_tokens and prompt_miss_bytes else None)}
+
+
+def _host() -> dict:
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown CPU")
+    except OSError:
+        cpu = "unknown CPU"
+    return {"cpu": cpu, "cpus": os.cpu_count(), "ram_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")}
+
+
+# --- reporting ---------------------------------------------------------------------------------
+
+def _fmt(value, spec, scale=1.0, missing="-"):
+    return missing if value is None else format(value / scale, spec)
+
+
+def markdown(report: dict) -> str:
+    facts = report["facts"]
+    lines = [
+        f"Model `{report['model']}`: {facts['file_bytes'] / 1e9:.2f} GB, of it {facts['expert_bytes'] / 1e9:.2f} GB "
+        f"routed experts ({facts['moe_layers']} MoE layers x {facts['n_expert']} experts, top-{facts['n_expert_used']}); "
+        f"host: {report['host']['cpu']}, {report['host']['cpus']} CPUs, {report['host']['ram_bytes'] / 2**30:.0f} GiB RAM",
+        f"Command: `{report['command']}`",
+    ]
+    if report["rows"]:
+        cgroup = report["cgroup"]
+        prompt_tokens = next((r["runs"][0].get("prompt_tokens") for r in report["rows"] if r["ok_runs"]), None)
+        lines += [
+            f"Stock llama-cpp-python, mmap, no repacking, CPU only, threads {report['threads'] or 'default'}, "
+            f"n_ctx {report['ctx_size']}.",
+            f"Limited runs: memory cgroup v{cgroup['version']} ({cgroup['limit_file']} = {report['limit_mb']} MB, "
+            f"the model {facts['file_bytes'] / (report['limit_mb'] * MB):.2f}x the limit), the file evicted "
+            f"from the page cache before each; {prompt_tokens} prompt tokens, {report['n_predict']} greedy decode "
+            f"tokens per run, each run a fresh process; median [min, max] of {report['repetitions']} runs per "
+            "configuration, interleaved",
+            "",
+            "| config | decode tok/s | prompt tok/s | file cached at start | peak cgroup MB | page cache MB "
+            "| peak RSS MB | anon MB | disk reads MB/token | greedy tokens | load average |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+        ]
+        for r in report["rows"]:
+            failed = f" ({len(r['runs']) - r['ok_runs']} failed: {'; '.join(r['failures'])})" if r["failures"] else ""
+            if not r["ok_runs"]:
+                lines.append(f"| {r['config']}{failed} | - | - | | | | | | | | |")
+                continue
+            speeds = [f"{r[k]:.2f} [{r[k + '_range'][0]:.2f}, {r[k + '_range'][1]:.2f}]"
+                      for k in ("decode_tok_s", "prompt_tok_s")]
+            tokens = "reference" if r["kind"] == "stock" and r["placement"] == "ram" else \
+                {True: "identical", False: "DIFFER", None: "-"}[r["tokens_match"]]
+            peak = _fmt(r["peak_bytes"], ".0f", MB)
+            if r["peak_within_limit"] is False:
+                peak += " (over the limit)"
+            lines.append(f"| {r['config']}{failed} | {speeds[0]} | {speeds[1]} | {_fmt(r['cached_at_start'], '.0%')} "
+                         f"| {peak} | {_fmt(r['page_cache_bytes'], '.0f', MB)} | {_fmt(r['peak_rss_bytes'], '.0f', MB)} "
+                         f"| {_fmt(r['anon_bytes'], '.0f', MB)} | {_fmt(r['decode_read_bytes_per_token'], '.0f', MB)} | {tokens} "
+                         f"| {_fmt(r['load_average'], '.1f')} |")
+        lines.append("")
+    disk = report["disk"]
+    if disk:
+        lines.append(f"Disk (O_DIRECT reads of the model file, {disk['bytes_per_measurement'] / MIB:.0f} MiB each "
+                     f"sequential measurement): sequential 2 MiB requests {disk['sequential_qd1_gbps']:.2f} GB/s at "
+                     f"queue depth 1, {disk['sequential_threads_gbps']:.2f} GB/s with {disk['threads']} threads; "
+                     f"4 KiB random reads at queue depth 1 {disk['random_4k_qd1_gbps']:.3f} GB/s "
+                     f"({disk['random_4k_qd1_us']:.0f} us each)")
+    bound = report["bound"]
+    if bound:
+        stock = next(r for r in report["rows"] if r["kind"] == "stock" and r["placement"] == "limited")
+        lines.append(
+            f"I/O bound of the {report['limit_mb']} MB run: {bound['resident_share']:.0%} of the experts fit beside "
+            f"the rest of the model and the run's anonymous memory; each token's experts are "
+            f"{bound['expert_bytes_per_token'] / MB:.0f} MB, the non-resident share of them "
+            f"{bound['read_bytes_per_token'] / MB:.0f} MB, read once at {bound['gbps']:.2f} GB/s: "
+            f"{_fmt(bound['decode_tok_s'], '.1f')} tok/s decode, {_fmt(bound['prompt_tok_s'], '.1f')} tok/s prompt "
+            f"(every non-resident expert read once per prompt); stock reaches "
+            f"{_fmt(_share(stock['decode_tok_s'], bound['decode_tok_s']), '.0%')} and "
+            f"{_fmt(_share(stock['prompt_tok_s'], bound['prompt_tok_s']), '.0%')} of it. Stock read "
+            f"{_fmt(stock['decode_read_bytes_per_token'], '.0f', MB)} MB per decode token: at {bound['gbps']:.2f} GB/s "
+            f"alone {_fmt(_share(bound['gbps'] * 1e9, stock['decode_read_bytes_per_token']), '.2f')} tok/s")
+    lines += [f"Note: {note}" for note in report["notes"]]
+    return "\n".join(lines)
+
+
+def _share(value, of):
+    return value / of if value is not None and of else None
+
+
+if __name__ == "__main__":
+    sys.exit(child(sys.argv[2]) if sys.argv[1:2] == [CHILD] else main())

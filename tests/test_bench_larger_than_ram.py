@@ -1,0 +1,147 @@
+"""scripts/bench_larger_than_ram.py without a memory cgroup: its flags, the refusal where no cgroup
+can be made, the tier's refusal while the installed moecache lacks it, and the report."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(REPO, "scripts", "bench_larger_than_ram.py")
+
+
+def _run(*flags, timeout=60):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_MOE_CACHE_")}
+    return subprocess.run([sys.executable, BENCH, *flags], capture_output=True, text=True, timeout=timeout,
+                          env=env, cwd=REPO)
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_larger_than_ram", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--limit-mb", "0"], "argument --limit-mb: 0 must be >= 1"),
+    (["-n", "x"], "argument -n/--n-predict: 'x' is not an integer"),
+    (["--ram-mib", "lots"], "argument --ram-mib: 'lots' is not an integer"),
+    (["--ram-mib", "-1"], "argument --ram-mib: -1 must be >= 0"),
+    (["--disk-threads", "1"], "argument --disk-threads: 1 must be >= 2"),
+    (["--no-disk", "--disk-only"], "argument --disk-only: not allowed with argument --no-disk"),
+])
+def test_bad_flags_are_one_line_errors(flags, message):
+    run = _run(*flags)
+    assert run.returncode == 2
+    assert run.stderr == f"bench_larger_than_ram.py: error: {message}\n"
+
+
+def test_missing_model_and_output_directory(tmp_path):
+    run = _run("-m", str(tmp_path / "none.gguf"))
+    assert (run.returncode, run.stderr) == (2, f"bench_larger_than_ram.py: error: model file not found: "
+                                               f"{tmp_path / 'none.gguf'}\n")
+    run = _run("-m", str(tmp_path / "none.gguf"), "--json", str(tmp_path / "no" / "r.json"))
+    assert run.returncode == 2 and "cannot write" in run.stderr
+
+
+def test_no_cgroup_stops_before_measuring(tmp_path, tiny_path):
+    """A cgroup root that does not exist: one line, exit 1, no run reported as limited."""
+    report = tmp_path / "report.json"
+    run = _run("-m", tiny_path, "--cgroup-root", str(tmp_path / "no-cgroups"), "--json", str(report))
+    assert run.returncode == 1
+    assert run.stderr.splitlines()[-1] == (f"bench_larger_than_ram.py: error: cannot make a memory cgroup: "
+                                           f"no cgroup directory {tmp_path / 'no-cgroups'}")
+    assert run.stdout == "" and not report.exists()
+
+
+def test_a_directory_without_a_memory_controller_is_refused(bench, tmp_path):
+    """A plain directory takes the cgroup's mkdir but grows no memory files: refused, removed."""
+    with pytest.raises(bench.CgroupUnavailable, match="the new cgroup has no memory controller"):
+        bench.probe_cgroup(str(tmp_path))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_tier_is_refused_while_moecache_lacks_it(bench, monkeypatch):
+    from moecache.live import config
+
+    assert bench.tier_unsupported("auto") == "the installed moecache does not support LLAMA_MOE_CACHE_RAM_MIB"
+
+    # a library that knows the variable: supported, or its own refusal of the value
+    class WithTier:
+        @staticmethod
+        def from_env(environ):
+            if environ[bench.TIER_VARIABLE] == "7":
+                raise config.ConfigError("LLAMA_MOE_CACHE_RAM_MIB=7 is below one slot per layer")
+
+    monkeypatch.setattr(config, "CacheConfig", WithTier)
+    assert bench.tier_unsupported("auto") is None
+    assert bench.tier_unsupported("7") == ("LLAMA_MOE_CACHE_RAM_MIB=7 refused: "
+                                           "LLAMA_MOE_CACHE_RAM_MIB=7 is below one slot per layer")
+
+
+def test_a_run_with_a_moecache_error_is_not_ok(bench):
+    done = subprocess.CompletedProcess([], 0, "", "moecache: error: LLAMA_MOE_CACHE_RAM_MIB is not a moecache "
+                                                 "variable; known: ... - expert cache disabled\n")
+    assert bench.child_status(done).startswith("failed: moecache: error: LLAMA_MOE_CACHE_RAM_MIB")
+    assert bench.child_status(subprocess.CompletedProcess([], -9, "", "")) == "killed by signal SIGKILL"
+    assert bench.child_status(subprocess.CompletedProcess([], 0, "", "llama.cpp chatter\n")) == "ok"
+
+
+def test_summary_medians_tokens_and_limit(bench):
+    class Args:
+        limit_mb = 100
+
+    def run(decode, tokens, peak=None):
+        return {"status": "ok", "decode_tok_s": decode, "prompt_tok_s": 2 * decode, "tokens": tokens,
+                "peak_bytes": peak, "anon_bytes": 10, "prompt_tokens": 5}
+
+    rows = bench.summarize(Args, {
+        ("stock", "ram"): [run(30.0, [1, 2]), run(10.0, [1, 2]), run(20.0, [1, 2])],
+        ("stock", "limited"): [run(1.0, [1, 2], 99 * bench.MB), run(3.0, [1, 3], 101 * bench.MB),
+                               {"status": "killed by signal SIGKILL"}],
+    })
+    ram, limited = rows
+    assert (ram["decode_tok_s"], ram["decode_tok_s_range"], ram["prompt_tok_s"]) == (20.0, [10.0, 30.0], 40.0)
+    assert ram["tokens_match"] is True and ram["peak_within_limit"] is None
+    assert limited["config"] == "stock, 100 MB" and limited["ok_runs"] == 2
+    assert limited["failures"] == ["killed by signal SIGKILL"]
+    assert limited["tokens_match"] is False and limited["peak_within_limit"] is False
+    table = bench.markdown({"model": "m.gguf", "command": "c", "facts": {
+        "file_bytes": 300 * bench.MB, "expert_bytes": 280 * bench.MB, "other_bytes": 20 * bench.MB,
+        "moe_layers": 2, "n_expert": 8, "n_expert_used": 2}, "limit_mb": 100, "n_predict": 2, "repetitions": 3,
+        "threads": 2, "ctx_size": 64, "host": {"cpu": "cpu", "cpus": 2, "ram_bytes": 2**30},
+        "cgroup": {"version": 1, "limit_file": "memory.limit_in_bytes"}, "rows": rows, "disk": None,
+        "bound": None, "notes": []})
+    assert "| stock, 100 MB (1 failed: killed by signal SIGKILL) | 2.00 [1.00, 3.00] |" in table
+    assert "101 (over the limit)" in table and "| DIFFER |" in table
+
+
+def test_io_bound(bench):
+    MB = bench.MB
+    report = {"limit_mb": 1000, "disk": {"sequential_qd1_gbps": 0.5, "sequential_threads_gbps": 1.0},
+              "facts": {"expert_bytes": 1600 * MB, "other_bytes": 100 * MB, "moe_layers": 2, "n_expert": 8,
+                        "n_expert_used": 2},
+              "rows": [{"kind": "stock", "placement": "limited", "anon_bytes": 100 * MB,
+                        "runs": [{"prompt_tokens": 10}]}]}
+    bound = bench.io_bound(report)
+    # 800 MB of the 1600 MB of experts fit; a token uses 2 x 2 experts of 100 MB, reads half
+    assert bound["resident_share"] == pytest.approx(0.5)
+    assert bound["expert_bytes_per_token"] == pytest.approx(400 * MB)
+    assert bound["decode_tok_s"] == pytest.approx(1e9 / (200 * MB))
+    assert bound["prompt_tok_s"] == pytest.approx(10 * 1e9 / (800 * MB))
+    report["disk"] = None
+    assert bench.io_bound(report) is None
+
+
+def test_page_cache_share(bench, tmp_path):
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(1 << 20))
+    assert bench.cache_whole_file(str(path)) == 1.0
+    # tmpfs keeps its pages: only check that eviction answers with a share
+    assert 0.0 <= bench.evict(str(path)) <= 1.0
