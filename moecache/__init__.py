@@ -8,6 +8,7 @@
 _EXPORTS = {
     "attach": "moecache.live.activate",
     "experts_on_host": "moecache.live.placement",
+    "experts_from_file": "moecache.live.placement",
     "CacheConfig": "moecache.live.config",
     "ConfigError": "moecache.live.config",
     "RpcDevice": "moecache.live.rpc",

@@ -19,6 +19,15 @@ struct llama_moe_cache_layer_info {
 struct llama_moe_cache_params {
     int32_t n_slots;
     int32_t max_batch;
+    bool    in_ram;
+};
+
+/* llama_model_params.lazy_mode: the RAM tier needs the routed experts mapped, not loaded */
+enum llama_lazy_mode {
+    LLAMA_LAZY_MODE_OFF     = 0,
+    LLAMA_LAZY_MODE_AUTO    = 1,
+    LLAMA_LAZY_MODE_ON      = 2,
+    LLAMA_LAZY_MODE_EXPERTS = 3,
 };
 
 struct llama_moe_cache_counters {
@@ -62,6 +71,7 @@ int32_t llama_moe_cache_uploads_pending(struct llama_context * ctx);
 bool    llama_moe_cache_get_counters(struct llama_context * ctx, int32_t i, struct llama_moe_cache_counters * counters);
 
 const struct llama_model * llama_get_model(const struct llama_context * ctx);
+uint32_t llama_n_ubatch(const struct llama_context * ctx);
 int32_t llama_model_meta_val_str(const struct llama_model * model, const char * key, char * buf, size_t buf_size);
 
 /* testing only: exported by libllama but declared in its internal src/llama-moe-cache.h */

@@ -15,9 +15,8 @@ Configurations, each run a fresh process that loads the model, evaluates the pro
   stock, N MB       the file evicted from the page cache first (POSIX_FADV_DONTNEED, checked
                     with mincore); the process joins a new memory cgroup limited to N MB
                     (v1 memory.limit_in_bytes, or v2 memory.max) before the model loads
-  tier, ...         the same two with LLAMA_MOE_CACHE_RAM_MIB set (--ram-mib, default auto), the
-                    RAM tier of issue 21: only where the installed moecache accepts the variable;
-                    otherwise one line says so and no tier rows are reported
+  tier, ...         the same two with LLAMA_MOE_CACHE_RAM_MIB set (--ram-mib, default auto; 0:
+                    no tier rows): the RAM tier, the model loaded as that variable loads it
 Where no memory cgroup can be made (not root, no memory controller, --cgroup-root missing) the
 script says so and stops: it never reports an unlimited run as limited. The cgroups it makes
 (one per limited run, under --cgroup-root: default this process's own memory cgroup) are
@@ -136,11 +135,7 @@ def _bench(args) -> int:
     if not args.disk_only:
         root = args.cgroup_root or own_memory_cgroup()
         report["cgroup"] = probe_cgroup(root)  # raises CgroupUnavailable: stop before measuring anything
-        tier_problem = tier_unsupported(args.ram_mib) if args.ram_mib != "0" else None
-        if tier_problem:
-            print(f"tier: {tier_problem}: no tier rows", file=sys.stderr)
-            report["notes"].append(f"tier: {tier_problem}: no tier rows")
-        elif args.ram_mib == "0":
+        if args.ram_mib == "0":
             report["notes"].append("no tier rows (--ram-mib 0)")
     if not args.no_disk:
         report["disk"] = measure_disk(model, args.disk_mib * MIB, args.disk_threads)
@@ -149,7 +144,7 @@ def _bench(args) -> int:
         if ratio < LARGER_THAN_LIMIT:
             report["notes"].append(f"the model is {ratio:.2f}x the limit, under the {LARGER_THAN_LIMIT}x "
                                    "of a larger-than-RAM run")
-        report["rows"] = measure_configs(args, model, root, tier=args.ram_mib != "0" and not tier_problem,
+        report["rows"] = measure_configs(args, model, root, tier=args.ram_mib != "0",
                                          on_round=lambda rows: save(args, {**report, "rows": rows}))
         report["bound"] = io_bound(report)
     save(args, report)
@@ -351,22 +346,6 @@ def probe_cgroup(root: str) -> dict:
                                 + (" (not root?)" if e.errno in (13, 1) else "")) from None
     cgroup.remove()
     return {"version": cgroup.version, "limit_file": cgroup.limit_file}
-
-
-# --- the tier ----------------------------------------------------------------------------------
-
-def tier_unsupported(ram_mib: str) -> str | None:
-    """Why the installed moecache cannot run the RAM tier (None: it accepts the variable). The
-    library's own configuration decides: it rejects variables it does not know."""
-    from moecache.live.config import CacheConfig, ConfigError
-
-    try:
-        CacheConfig.from_env({TIER_VARIABLE: ram_mib})
-    except ConfigError as e:
-        if "is not a moecache variable" in str(e):
-            return f"the installed moecache does not support {TIER_VARIABLE}"
-        return f"{TIER_VARIABLE}={ram_mib} refused: {e}"
-    return None
 
 
 # --- the runs ----------------------------------------------------------------------------------

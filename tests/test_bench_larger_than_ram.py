@@ -1,5 +1,5 @@
 """scripts/bench_larger_than_ram.py without a memory cgroup: its flags, the refusal where no cgroup
-can be made, the tier's refusal while the installed moecache lacks it, and the report."""
+can be made, and the report."""
 
 from __future__ import annotations
 
@@ -65,24 +65,6 @@ def test_a_directory_without_a_memory_controller_is_refused(bench, tmp_path):
     with pytest.raises(bench.CgroupUnavailable, match="the new cgroup has no memory controller"):
         bench.probe_cgroup(str(tmp_path))
     assert list(tmp_path.iterdir()) == []
-
-
-def test_the_tier_is_refused_while_moecache_lacks_it(bench, monkeypatch):
-    from moecache.live import config
-
-    assert bench.tier_unsupported("auto") == "the installed moecache does not support LLAMA_MOE_CACHE_RAM_MIB"
-
-    # a library that knows the variable: supported, or its own refusal of the value
-    class WithTier:
-        @staticmethod
-        def from_env(environ):
-            if environ[bench.TIER_VARIABLE] == "7":
-                raise config.ConfigError("LLAMA_MOE_CACHE_RAM_MIB=7 is below one slot per layer")
-
-    monkeypatch.setattr(config, "CacheConfig", WithTier)
-    assert bench.tier_unsupported("auto") is None
-    assert bench.tier_unsupported("7") == ("LLAMA_MOE_CACHE_RAM_MIB=7 refused: "
-                                           "LLAMA_MOE_CACHE_RAM_MIB=7 is below one slot per layer")
 
 
 def test_a_run_with_a_moecache_error_is_not_ok(bench):

@@ -15,6 +15,7 @@ from .allocation import allocate
 from .cache import LiveCache
 from .config import CacheConfig, ConfigError
 from .probe import CacheUnavailable, model_file, probe, track_model_files
+from .ramtier import open_ram_tier
 
 log = logging.getLogger("moecache")
 
@@ -69,6 +70,14 @@ def _open_cache(ctx, config: CacheConfig, *, model_name: str, model_path: str | 
     if not config.enabled:
         raise ConfigError("LLAMA_MOE_CACHE_SLOTS is 0: the cache is off")
     config = _own_report_files(ctx, config)
+    if config.ram_tier:
+        try:
+            plan, layers = open_ram_tier(ctx, config)
+            return LiveCache(ctx, config, plan, layers, arch=native.model_metadata(ctx, "general.architecture") or "?",
+                             model_name=model_name)
+        except BaseException:
+            native.init(ctx, 0)
+            raise
     facts = probe(ctx, config, model_path)
     plan = sizing.plan_cache(config, facts, tensor_split)
     try:
@@ -168,5 +177,8 @@ def install() -> bool:
     track_model_files()  # sizing by memory reads the model's expert shapes from its file
     _context_callback = native.ffi.callback("llama_moe_cache_context_callback", on_context)
     lib.llama_moe_cache_set_context_callback(_context_callback, native.ffi.NULL)
-    placement.place_experts_on_host(repack=bool(config.repack))
+    if config.ram_tier:
+        placement.place_experts_in_file()
+    else:
+        placement.place_experts_on_host(repack=bool(config.repack))
     return True

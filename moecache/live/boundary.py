@@ -30,6 +30,11 @@ from ..core.engine import CacheEngine
 from . import native
 
 
+def file_changed() -> RuntimeError:
+    return RuntimeError("the model file changed since it was loaded: slot uploads (RAM tier: reads) stopped, "
+                        "every expert runs on the CPU (RAM tier: every decode fails)")
+
+
 class Observed(NamedTuple):
     """The selections of the ubatch before a boundary (a tuple: made at every step)."""
     ids: np.ndarray    # (n_layers, n_tokens * n_used), token by token; -1 where a layer ran fewer tokens
@@ -84,8 +89,7 @@ class Boundary:
         status = lib.llama_moe_cache_apply(self.ctx, *self._rows(plan.publish), *self._rows(plan.evict),
                                            *self._rows(plan.upload))
         if status == lib.LLAMA_MOE_CACHE_FILE_CHANGED:
-            raise RuntimeError("the model file changed since it was loaded: slot uploads stopped, "
-                               "every expert runs on the CPU")
+            raise file_changed()
         if status != lib.LLAMA_MOE_CACHE_OK:
             raise RuntimeError(f"libllama refused the plan of step {plan.step} (publish "
                                f"{plan.publish.tolist()}, evict {plan.evict.tolist()}, upload "
@@ -116,6 +120,10 @@ class Boundary:
             modelled = admissions(engine.handover, ids, engine.slot_expert)
         by_layer = admitted[np.argsort(admitted[:, 0], kind="stable")]
         if not np.array_equal(by_layer, modelled):
+            # an empty plan applies nothing; refused, it says why libllama stopped admitting
+            if self.lib.llama_moe_cache_apply(self.ctx, *self._rows(()), *self._rows(()), *self._rows(())) == \
+                    self.lib.LLAMA_MOE_CACHE_FILE_CHANGED:
+                raise file_changed()
             raise RuntimeError(f"libllama admitted {by_layer.tolist()}, the engine's model "
                                f"{modelled.tolist()}")
 

@@ -53,9 +53,10 @@ class LiveCache:
         atexit.register(self.close)
         for line in plan.lines():
             log.info("%s", line)
+        filled = ("the model file (RAM tier)" if config.ram_tier else
+                  "the model file (repacked host experts)" if layers[0].from_file else "host memory")
         log.info("moecache: policy %s, %d inserts/step, %s admission, slots filled from %s", config.policy,
-                 config.inserts, config.admission,
-                 "the model file (repacked host experts)" if layers[0].from_file else "host memory")
+                 self.engine.inserts, config.admission, filled)
 
     @property
     def trace(self):
@@ -172,8 +173,10 @@ def _engine(config: CacheConfig, layers: list[CachedLayer], slots: int, n_used: 
     n_expert = layers[0].n_expert
     if any(layer.n_expert != n_expert for layer in layers):
         raise CacheUnavailable("layers with different expert counts are not supported")
+    # the RAM tier reads every miss anyway: each may take a slot, if the policy says it is worth more
+    inserts = slots if config.ram_tier else config.inserts
     engine = CacheEngine(len(layers), n_expert, slots, make_policy(config.policy),
-                         inserts=config.inserts, admission=config.admission)
+                         inserts=inserts, admission=config.admission)
     if config.profile and os.path.exists(config.profile):
         try:
             profile = UsageProfile.load(config.profile, layers=[layer.il for layer in layers], n_expert=n_expert)

@@ -31,14 +31,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cache-mib", type=_mib_arg, default=None, metavar="N|auto",
                    help="size the cache by device memory instead: N MiB over all devices, or auto (their free "
                         "memory less LLAMA_MOE_CACHE_RESERVE_MIB)")
+    p.add_argument("--ram-mib", type=_mib_arg, default=None, metavar="N|auto",
+                   help="the RAM tier instead of a device cache: keep N MiB of experts in memory, read the "
+                        "others from the model file (for models larger than RAM)")
     p.add_argument("--inserts", type=int_arg(minimum=1), default=None, help="uploads per layer per step (default 2)")
     p.add_argument("--policy", default=None, help="cache policy (default: the shipped default)")
     p.add_argument("--no-chat", action="store_true", help="raw completion instead of the chat template")
     args = p.parse_args(argv)
     if args.no_chat and not args.prompt:
         p.error("argument -p/--prompt: empty, and --no-chat has no template: nothing to continue from")
-    if args.slots is not None and args.cache_mib is not None:
-        p.error("--slots and --cache-mib both size the cache: give one")
+    given = [flag for flag, size in (("--slots", args.slots), ("--cache-mib", args.cache_mib),
+                                     ("--ram-mib", args.ram_mib)) if size is not None]
+    if len(given) > 1:
+        p.error(f"{' and '.join(given)} {'both' if len(given) == 2 else 'all'} size the cache: give one")
     return args
 
 
@@ -69,12 +74,16 @@ def _run(args) -> int:
     from .config import CacheConfig
 
     # validate the cache settings before anything slow happens; a flag's size replaces the variables'
-    sizing = ({"mib": args.cache_mib, "slots": 0} if args.cache_mib is not None else
-              {"slots": args.slots, "mib": 0} if args.slots is not None else {})
+    sizing = ({"mib": args.cache_mib, "slots": 0, "ram_mib": 0} if args.cache_mib is not None else
+              {"slots": args.slots, "mib": 0, "ram_mib": 0} if args.slots is not None else
+              {"ram_mib": args.ram_mib, "slots": 0, "mib": 0} if args.ram_mib is not None else {})
     config = CacheConfig.from_env(inserts=args.inserts, policy=args.policy, **sizing)
     model = _model_file(args.model)
-    print(f"run.py: experts in host memory, the rest on the {_device()}", file=sys.stderr)
-    llm = _load(model, args, repack=bool(config.repack))
+    if config.ram_tier:
+        print("run.py: RAM tier: experts read from the model file as selected, the rest in memory", file=sys.stderr)
+    else:
+        print(f"run.py: experts in host memory, the rest on the {_device()}", file=sys.stderr)
+    llm = _load(model, args, config)
     n_expert = int(next((v for k, v in llm.metadata.items() if k.endswith(".expert_count")), 0))
     if n_expert == 0:
         raise ValueError(f"{model} is not a MoE model (no expert_count)")
@@ -115,15 +124,15 @@ def _device() -> str:
     return f"loopback RPC device {rpc.endpoint} (no GPU found: a CPU backend, exact but not faster)"
 
 
-def _load(model: str, args, *, repack: bool):
+def _load(model: str, args, config):
     import llama_cpp
 
-    from .placement import experts_on_host
+    from .placement import experts_from_file, experts_on_host
 
     # llama.cpp pads the context to a multiple of 256 while llama_cpp sizes its token buffer by
     # the request: ask for the padded size, or a prompt longer than -c breaks that buffer
     n_ctx = -(-args.ctx_size // 256) * 256
-    with experts_on_host(repack=repack):
+    with experts_from_file() if config.ram_tier else experts_on_host(repack=bool(config.repack)):
         return llama_cpp.Llama(model, n_gpu_layers=args.n_gpu_layers, n_ctx=n_ctx, seed=args.seed,
                                n_threads=args.threads, verbose=False)
 

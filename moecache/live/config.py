@@ -45,15 +45,23 @@ class CacheConfig:
                                    # speculative verification); larger ones are stock
     repack: int = 1                # 1: host experts repacked as stock --cpu-moe does (slots are
                                    # read from the model file); 0: plain buffers (copied from RAM)
+    ram_mib: int | str = 0         # the RAM tier, for models larger than RAM: the experts kept in
+                                   # host memory, in MiB over all layers, the others read from the
+                                   # model file when selected; "auto": what the process may use
+                                   # less what it holds (moecache.live.ramtier); 0 = off
 
     def __post_init__(self):
-        for name in ("slots", "mib"):  # an integer, or auto
+        for name in ("slots", "mib", "ram_mib"):  # an integer, or auto
             if getattr(self, name) != "auto":
                 object.__setattr__(self, name, _parse_int(ENV_PREFIX + name.upper(), getattr(self, name), 0,
                                                           C_INT_MAX if name == "slots" else None))
         if self.slots and self.mib and (self.slots, self.mib) != ("auto", "auto"):
             raise ConfigError(f"{ENV_PREFIX}SLOTS={self.slots} and {ENV_PREFIX}MIB={self.mib} both size "
                               f"the cache: set one")
+        if self.ram_mib and (self.slots or self.mib):
+            device = f"SLOTS={self.slots}" if self.slots else f"MIB={self.mib}"
+            raise ConfigError(f"{ENV_PREFIX}RAM_MIB={self.ram_mib} and {ENV_PREFIX}{device}: the RAM tier and "
+                              f"a device cache do not run together yet: set one")
         for name, minimum, maximum in (("reserve_mib", 0, None), ("inserts", 1, C_INT_MAX), ("debug", 0, None),
                                        ("wait", 0, 1), ("flush_steps", 0, None),
                                        ("max_batch", 1, MAX_BATCH), ("repack", 0, 1)):
@@ -92,17 +100,22 @@ class CacheConfig:
 
     @property
     def enabled(self) -> bool:
-        return self.slots != 0 or self.mib != 0
+        return self.slots != 0 or self.mib != 0 or self.ram_tier
+
+    @property
+    def ram_tier(self) -> bool:
+        """The cache keeps experts in host memory and reads the others from the model file."""
+        return self.ram_mib != 0
 
     @property
     def budget_mib(self) -> int | str | None:
         """The memory budget: MiB, "auto", or None when SLOTS=K sizes the cache."""
-        return "auto" if "auto" in (self.slots, self.mib) else (self.mib or None)
+        return "auto" if "auto" in (self.slots, self.mib, self.ram_mib) else (self.mib or self.ram_mib or None)
 
     @property
     def sized_by(self) -> str:
         """The setting that sizes the cache, as the user wrote it."""
-        name = "slots" if self.slots else "mib"
+        name = "slots" if self.slots else "ram_mib" if self.ram_mib else "mib"
         return f"{ENV_PREFIX}{name.upper()}={getattr(self, name)}"
 
     @classmethod

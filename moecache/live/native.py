@@ -36,13 +36,15 @@ def patch_version() -> str:
     return ffi.string(lib().llama_moe_cache_version()).decode()
 
 
-def init(ctx, slots: int, *, max_batch: int = 32) -> int:
+def init(ctx, slots: int, *, max_batch: int = 32, in_ram: bool = False) -> int:
     """llama_moe_cache_init: allocate `slots` empty slots per cached layer for ubatches of up to
-    max_batch tokens; the number of cached layers, 0 when none (libllama logs why). slots=0
-    releases the cache: the stock graph from the next decode on."""
+    max_batch tokens (in_ram: the RAM tier, which keeps `slots` experts per layer in host memory
+    and observes every ubatch); the number of cached layers, 0 when none (libllama logs why).
+    slots=0 releases the cache: the stock graph from the next decode on."""
     params = lib().llama_moe_cache_default_params()
     params.n_slots = slots
     params.max_batch = max_batch
+    params.in_ram = in_ram
     return lib().llama_moe_cache_init(as_context(ctx), params)
 
 

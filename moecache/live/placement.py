@@ -83,6 +83,42 @@ def place_experts_on_host(*, repack: bool = True):
     return stock
 
 
+def apply_from_file(params: llama_cpp_lib.llama_model_params) -> llama_cpp_lib.llama_model_params:
+    """The RAM tier's placement: the routed experts' weights stay mapped and unread (the tier reads
+    the ones it needs), everything else is read into memory up front (not mapped: memory pressure
+    cannot evict it) and placed as the caller asked."""
+    from .native import ffi
+    params.lazy_mode = ffi.integer_const("LLAMA_LAZY_MODE_EXPERTS")
+    params.load_mode = llama_cpp_lib.LLAMA_LOAD_MODE_NONE
+    params.use_extra_bufts = False
+    return params
+
+
+@contextlib.contextmanager
+def experts_from_file():
+    """Within this block, llama_cpp.Llama(...) loads models for the RAM tier (attach(ram_mib=...)):
+        with moecache.experts_from_file():
+            llm = llama_cpp.Llama(model_path)
+    """
+    stock = place_experts_in_file()
+    try:
+        yield
+    finally:
+        _set_loader(stock)
+
+
+def place_experts_in_file():
+    """From now on llama_cpp.Llama(...) loads models for the RAM tier (what LLAMA_MOE_CACHE_RAM_MIB
+    does). Returns the loader function it replaced."""
+    stock = llama_cpp_lib.llama_model_load_from_file
+
+    def load(path_model, params):
+        return stock(path_model, apply_from_file(params))
+
+    _set_loader(load)
+    return stock
+
+
 def _file_source(path_model) -> bool:
     path = os.fsdecode(path_model)
     if os.path.isfile(path) and os.access(path, os.R_OK):
