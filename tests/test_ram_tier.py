@@ -9,6 +9,7 @@ the budget (the tier's drops work)."""
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 
 import numpy as np
@@ -47,6 +48,18 @@ def mapped_rss(path: str) -> int:
 
 
 @pytest.fixture(scope="module")
+def tier_path(smol_path, tmp_path_factory):
+    """smol-moe, a file of its own: no other test's mapping holds its pages in memory (the tier
+    cannot release pages another mapping holds, and the residency checks below read this one's)."""
+    path = tmp_path_factory.mktemp("ram-tier") / "smol-moe.gguf"
+    with open(smol_path, "rb") as src, open(path, "wb") as dst:
+        shutil.copyfileobj(src, dst, 1 << 24)
+        dst.flush()
+        os.fsync(dst.fileno())  # clean pages: the tier's init can release them
+    return str(path)
+
+
+@pytest.fixture(scope="module")
 def smol_stock(smol_path):
     """Stock llama.cpp on the CPU: the file mapped, plain buffers, no cache."""
     with default_params("llama_model_default_params", use_extra_bufts=False):
@@ -58,9 +71,9 @@ def smol_stock(smol_path):
 
 
 @pytest.fixture(scope="module")
-def expert_bytes(smol_path):
+def expert_bytes(tier_path):
     """One expert of every layer, and the layer count, of the tier's smol model."""
-    llm = load_from_file(smol_path)
+    llm = load_from_file(tier_path)
     cache = attach(llm, ram_mib=1 << 20)
     n = sum(layer.expert_bytes for layer in cache.layers)
     n_layers, n_expert = len(cache.layers), cache.layers[0].n_expert
@@ -68,9 +81,9 @@ def expert_bytes(smol_path):
     return n, n_layers, n_expert
 
 
-def test_ram_tier_is_bit_identical_to_stock_and_counts_every_lookup(smol_path, smol_stock, expert_bytes):
+def test_ram_tier_is_bit_identical_to_stock_and_counts_every_lookup(tier_path, smol_stock, expert_bytes):
     per_k, n_layers, n_expert = expert_bytes
-    llm = load_from_file(smol_path)
+    llm = load_from_file(tier_path)
     cache = attach(llm, ram_mib=2 * per_k // MIB + 1, policy="lru", wait=1)
     assert cache.slots == 2 and cache.layers[0].device == "RAM"
     plans = record_plans(cache)
@@ -94,13 +107,13 @@ def test_ram_tier_is_bit_identical_to_stock_and_counts_every_lookup(smol_path, s
     # the experts not kept were dropped: the mapping holds about K experts per layer, far from all of them
     # (what a layer read for the last token without keeping it, dropped at the next boundary, is
     # under one expert of every layer)
-    resident = mapped_rss(smol_path)
+    resident = mapped_rss(tier_path)
     assert resident < (cache.slots + 1) * per_k + 4 * MIB < n_expert * per_k / 2, resident / MIB
 
 
-def test_ram_tier_keeps_every_expert_that_fits(smol_path, smol_stock, expert_bytes):
+def test_ram_tier_keeps_every_expert_that_fits(tier_path, smol_stock, expert_bytes):
     per_k, n_layers, n_expert = expert_bytes
-    llm = load_from_file(smol_path)
+    llm = load_from_file(tier_path)
     cache = attach(llm, ram_mib=n_expert * per_k // MIB + 64, wait=1)
     assert cache.slots == n_expert
     first = greedy(llm, PROMPT, N_TOKENS)
@@ -111,16 +124,15 @@ def test_ram_tier_keeps_every_expert_that_fits(smol_path, smol_stock, expert_byt
     assert misses > 0 and cache.stats()["totals"]["misses"] == misses
 
 
-def test_ram_tier_refusals(smol_path, expert_bytes):
-    per_k, _, _ = expert_bytes
-    llm = load_from_file(smol_path)
+def test_ram_tier_refusals(tier_path, expert_bytes):
+    llm = load_from_file(tier_path)
     with pytest.raises(CacheUnavailable, match=r"RAM_MIB=1: 1 MiB keep fewer than one expert per layer"):
         attach(llm, ram_mib=1)
     assert native.lib().llama_moe_cache_n_layers(native.as_context(llm._ctx.ctx)) == 0  # stock again
     llm.close()
     # experts read into memory: dropping their pages would lose them, so no tier
     with default_params("llama_model_default_params", use_extra_bufts=False):
-        loaded = llama_cpp.Llama(smol_path, n_gpu_layers=0, n_ctx=512, use_mmap=False, verbose=False)
+        loaded = llama_cpp.Llama(tier_path, n_gpu_layers=0, n_ctx=512, use_mmap=False, verbose=False)
     with pytest.raises(CacheUnavailable, match="no MoE layer has its experts mapped from the model file"):
         attach(loaded, ram_mib=1000)
     loaded.close()
