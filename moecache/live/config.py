@@ -109,8 +109,8 @@ class CacheConfig:
 
     @property
     def budget_mib(self) -> int | str | None:
-        """The memory budget: MiB, "auto", or None when SLOTS=K sizes the cache."""
-        return "auto" if "auto" in (self.slots, self.mib, self.ram_mib) else (self.mib or self.ram_mib or None)
+        """The device memory budget: MiB, "auto", or None when SLOTS=K sizes the cache."""
+        return "auto" if "auto" in (self.slots, self.mib) else (self.mib or None)
 
     @property
     def sized_by(self) -> str:
