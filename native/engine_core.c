@@ -290,8 +290,10 @@ int mc_handover(mc_engine *g, const double *priority, double *worth, int32_t *vi
             victim_worth[l * K + j] = r->category == 0 ? -INFINITY
                                     : r->category == 1 ? priority[l * K + r->slot] : INFINITY;
         }
-        for (int64_t e = 0; e < E; e++)
-            if (g->assigned[l * E + e] >= 0) worth[l * E + e] = -INFINITY;
+        for (int64_t s = 0; s < K; s++) {  /* the experts assigned a slot: resident or on their way */
+            const int32_t held = g->slot_expert[l * K + s];
+            if (held >= 0) worth[l * E + held] = -INFINITY;
+        }
     }
     return 0;
 }
@@ -305,4 +307,57 @@ void mc_slot_keys(const mc_engine *g, int64_t *keys) {
             const int32_t held = g->slot_expert[l * K + s];
             keys[l * K + s] = l * E + (held > 0 ? held : 0);
         }
+}
+
+/* Eager admission's rule (moecache/core/admission.py states it): the uploads libllama's
+ * observers start during a graph that selects ids (L, n), under a boundary's handover and the
+ * slot contents it was computed from (slot_expert (L, K), -1 empty). Writes (layer, expert,
+ * slot) rows to jobs (at most L * min(n, K)) in the order they start: layer by layer, router
+ * rank within a layer. mark: E bytes of scratch, all zero before and after. Returns the
+ * number of rows, or -1 - i when ids[i] is outside [-1, E). */
+int64_t mc_admit(const mc_handover_table *h, const void *ids, int wide, int64_t n,
+                 const int32_t *slot_expert, uint8_t *mark, int32_t *jobs) {
+    enum { SELECTED = 1, HELD = 2, SEEN = 4 };
+    const int64_t L = h->n_layers, K = h->n_slots, E = h->n_expert;
+    int64_t n_jobs = 0;
+    for (int64_t l = 0; l < L; l++) {
+        const int32_t *victims = h->victims + l * K, *held = slot_expert + l * K;
+        const double *victim_worth = h->victim_worth + l * K, *worth = h->worth + l * E;
+        for (int64_t j = 0; j < n; j++) {
+            const int64_t e = id_at(ids, wide, l * n + j);
+            if (e < -1 || e >= E) {
+                for (int64_t i = 0; i < j; i++) {
+                    const int64_t seen = id_at(ids, wide, l * n + i);
+                    if (seen >= 0) mark[seen] = 0;
+                }
+                return -1 - (l * n + j);
+            }
+            if (e >= 0) mark[e] = SELECTED;
+        }
+        for (int64_t s = 0; s < K; s++)
+            if (held[s] >= 0) mark[held[s]] |= HELD;
+        int64_t next = 0, started = 0;
+        for (int64_t j = 0; j < n && started < h->budget[l]; j++) {
+            const int64_t e = id_at(ids, wide, l * n + j);
+            if (e < 0 || (mark[e] & (HELD | SEEN))) continue;
+            mark[e] |= SEEN;
+            /* the running graph reads the slots of the experts it selects: skip those victims */
+            while (next < K && (victims[next] < 0 ||
+                                (held[victims[next]] >= 0 && (mark[held[victims[next]]] & SELECTED))))
+                next++;
+            if (next == K) break;
+            if (worth[e] > victim_worth[next]) {
+                int32_t *job = jobs + 3 * n_jobs++;
+                job[0] = (int32_t) l, job[1] = (int32_t) e, job[2] = victims[next];
+                next++, started++;
+            }
+        }
+        for (int64_t j = 0; j < n; j++) {
+            const int64_t e = id_at(ids, wide, l * n + j);
+            if (e >= 0) mark[e] = 0;
+        }
+        for (int64_t s = 0; s < K; s++)
+            if (held[s] >= 0) mark[held[s]] = 0;
+    }
+    return n_jobs;
 }

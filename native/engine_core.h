@@ -83,3 +83,14 @@ typedef struct { int32_t category; double key; int32_t slot; } mc_ranked;
 int mc_handover(mc_engine *g, const double *priority, double *worth, int32_t *victims,
                 double *victim_worth, mc_ranked *scratch);
 void mc_slot_keys(const mc_engine *g, int64_t *keys);
+
+/* A boundary's handover (moecache.core.admission.Handover) as mc_admit reads it. */
+typedef struct {
+    int64_t n_layers, n_slots, n_expert;
+    const int32_t *victims;     /* (L, K) slots in eviction order, -1 padded */
+    const double *victim_worth; /* (L, K) */
+    const double *worth;        /* (L, E) */
+    const int64_t *budget;      /* (L) */
+} mc_handover_table;
+int64_t mc_admit(const mc_handover_table *h, const void *ids, int wide, int64_t n,
+                 const int32_t *slot_expert, uint8_t *mark, int32_t *jobs);

@@ -1,16 +1,17 @@
 """Replay at the scale of real recordings: wall time, peak RSS and lookups/s of whole commands.
 
     python scripts/bench_replay_scale.py [--tokens 200000] [--slots 16] [--policy default]
-                                         [--admission boundary] [--before REV]
+                                         [--admission eager|boundary] [--before REV]
 
 Generates a synthetic route_trace CSV of --tokens decode tokens of a 48-layer, 128-expert,
 top-8 model (synthetic_routing through TraceWriter, as LLAMA_MOE_CACHE_TRACE writes it) in a
 temporary folder, deleted at the end, then runs each command in its own process and reads its
 wall time, CPU time (user + system: what other work on the machine does not inflate) and peak
 RSS (os.wait4's ru_maxrss; this script stays small, so the figure is the command's own): the replay of the CSV at K=--slots with one policy, --convert to the binary
-form, and the replay of the binary form. --before REV also runs the replay of the CSV with the
-code of REV (git archive of this checkout's history, its C core built there), e.g. 578d740,
-the reader before it streamed. lookups/s divides the replay's lookups by the whole command's
+form, and the replay of the binary form, with the replay's own admission unless --admission
+names one. --before REV also runs both replays with the code of REV (git archive of this
+checkout's history, its C core built there), e.g. 578d740, the reader before it streamed (which
+reads no binary form: its row says so). lookups/s divides the replay's lookups by the whole command's
 wall time, reading included. The replays must count the same hits (exit 1 otherwise).
 """
 
@@ -23,6 +24,7 @@ import time
 from pathlib import Path
 
 import moecache
+from moecache.core.admission import ADMISSIONS
 from moecache.util import OneLineParser, int_arg
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,7 +50,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int_arg(minimum=1), default=200_000)
     ap.add_argument("--slots", type=int_arg(minimum=1, maximum=EXPERTS), default=16)
     ap.add_argument("--policy", default="default", help="the one policy replayed")
-    ap.add_argument("--admission", choices=("boundary", "eager"), default="boundary")
+    ap.add_argument("--admission", choices=ADMISSIONS,
+                    help="the replays' admission timing (default: the replay's, the live cache's)")
     ap.add_argument("--before", metavar="REV", help="also replay the CSV with the code of this revision")
     return ap.run(bench, argv)
 
@@ -63,12 +66,14 @@ def bench(args):
                     tmp, "generating the trace")
         print(f"{args.tokens} tokens x {LAYERS} layers x top-{TOP_K} of {EXPERTS} experts: "
               f"{trace.stat().st_size / 2**30:.2f} GiB of CSV, generated in {time.perf_counter() - started:.0f} s")
-        replay = ["--slots", str(args.slots), "--policies", args.policy, "--admission", args.admission,
-                  "--csv", "result.csv"]
-        runs = [(f"before ({args.before})", [trace.name, *replay], before)] if before else []
-        runs += [("CSV", [trace.name, *replay], PACKAGE_ROOT),
-                 ("convert", [trace.name, "--convert", converted.name], PACKAGE_ROOT),
-                 ("binary", [converted.name, *replay], PACKAGE_ROOT)]
+        replay = ["--slots", str(args.slots), "--policies", args.policy, "--csv", "result.csv"]
+        replay += ["--admission", args.admission] if args.admission else []
+        runs = [("CSV", [trace.name, *replay], PACKAGE_ROOT),
+                ("convert", [trace.name, "--convert", converted.name], PACKAGE_ROOT),
+                ("binary", [converted.name, *replay], PACKAGE_ROOT)]
+        if before:  # after the conversion, which the binary replay needs
+            runs[1:1] = [(f"CSV before ({args.before})", [trace.name, *replay], before)]
+            runs.append((f"binary before ({args.before})", [converted.name, *replay], before))
         rows = [measure(label, argv, tmp, code) for label, argv, code in runs]
         print_table(rows)
     hits = {row["hits"] for row in rows if row["hits"] is not None}

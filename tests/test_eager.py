@@ -98,6 +98,48 @@ def test_no_upload_ever_targets_a_slot_the_running_graph_reads():
         assert (np.bincount(jobs[:, 0], minlength=L) <= h.budget).all()
 
 
+def plain_admissions(h, ids, slot_expert):
+    """admissions' rule as the module docstring writes it, one layer and one id at a time."""
+    jobs = []
+    for layer, row in enumerate(ids.tolist()):
+        victims = [v for v in h.victims[layer].tolist()
+                   if v >= 0 and not (slot_expert[layer, v] >= 0 and slot_expert[layer, v] in row)]
+        worths = [h.victim_worth[layer, at] for at, v in enumerate(h.victims[layer].tolist())
+                  if v >= 0 and not (slot_expert[layer, v] >= 0 and slot_expert[layer, v] in row)]
+        nxt = started = 0
+        for e in dict.fromkeys(e for e in row if e >= 0):
+            if e in slot_expert[layer].tolist():
+                continue
+            if started == h.budget[layer] or nxt == len(victims):
+                break
+            if h.worth[layer, e] > worths[nxt]:
+                jobs.append([layer, e, victims[nxt]])
+                nxt += 1
+                started += 1
+    return jobs
+
+
+def test_the_native_rule_is_the_rule_written_out_plainly():
+    rng = np.random.default_rng(1)
+    for _ in range(500):
+        L, K, E, n = 3, int(rng.integers(1, 6)), 10, int(rng.integers(1, 9))
+        slot_expert = np.stack([rng.choice(np.arange(-1, E), K, replace=False) for _ in range(L)])
+        free = slot_expert < 0
+        evictable = ~free & (rng.random((L, K)) < 0.8)
+        worth = rng.choice([-INF, 0.0, 1.0, 2.0, INF], (L, E))
+        priority = rng.choice([-INF, 0.5, 1.0, 1.5, INF], (L, K))
+        h = build_handover(free, evictable, priority, worth, int(rng.integers(0, 5)))
+        ids = rng.integers(-1, E, (L, n)).astype(rng.choice([np.int32, np.int64]))
+        assert admissions(h, ids, slot_expert).tolist() == plain_admissions(h, ids, slot_expert)
+
+
+def test_an_id_out_of_range_is_refused_in_one_line():
+    h = handover([[0, 1]], [[-INF, -INF]], np.full((1, 4), INF))
+    with pytest.raises(ValueError, match=r"expert ids must be in \[-1, 4\), got 4"):
+        admissions(h, np.array([[1, 4]]), np.array([[-1, -1]]))
+    assert admissions(h, np.array([[1, 3]]), np.array([[-1, -1]])).tolist() == [[0, 1, 0], [0, 3, 1]]
+
+
 # --- the engine's eager timing ------------------------------------------------------------
 
 class ReferenceEagerLru:

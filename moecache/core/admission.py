@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .bookkeeping import admit
+
 ADMISSIONS = ("boundary", "eager")  # a miss is uploaded at the next boundary, or during its graph
 
 
@@ -76,45 +78,9 @@ def admissions(handover: Handover, ids: np.ndarray, slot_expert: np.ndarray) -> 
     """The uploads C starts during a graph that selects `ids` ((L, n) int, router-rank order,
     -1 = none), given the handover of its boundary and the slot contents it was computed
     from (slot_expert (L, K), -1 empty). Returns (n_admitted, 3) rows of (layer, expert, slot)
-    in the order C starts them (layer by layer, rank order within a layer)."""
-    ids = np.asarray(ids)
-    L, n = ids.shape
-    E = handover.worth.shape[1]
-    rows = np.arange(L)[:, None]
-    col = np.where(ids >= 0, ids, E)                       # -1 lands in a spare column
-    selected = np.zeros((L, E + 1), dtype=bool)
-    selected[rows, col] = True
-    selected[:, E] = False
-    # candidates: the first selection of an expert that misses (not held, not on its way)
-    in_slot = np.zeros((L, E + 1), dtype=bool)
-    in_slot[rows, np.where(slot_expert >= 0, slot_expert, E)] = True
-    candidate = (ids >= 0) & ~in_slot[rows, col]
-    ordered = np.sort(col, axis=1)
-    if n > 1 and (ordered[:, 1:] == ordered[:, :-1]).any():  # a multi-token step repeats ids
-        candidate &= ~((ids[:, :, None] == ids[:, None, :]) & np.tri(n, k=-1, dtype=bool)).any(axis=2)
-    # the running graph reads the slots of the experts it selects: those victims are skipped
-    victims = handover.victims
-    held = slot_expert[rows, victims]
-    usable = (victims >= 0) & ~selected[rows, np.where((victims >= 0) & (held >= 0), held, E)]
-    usable_row, usable_at = np.nonzero(usable)             # row-major: each row's in list order
-    first_usable = np.searchsorted(usable_row, np.arange(L))
-    limit = np.minimum(np.bincount(usable_row, minlength=L), handover.budget)
-    worth = handover.worth[rows, np.maximum(ids, 0)]
-
-    started = np.zeros(L, dtype=np.int64)
-    go = np.zeros((L, n), dtype=bool)
-    victim_at = np.zeros((L, n), dtype=np.int64)           # the list position each one took
-    for j in range(n):
-        can = candidate[:, j] & (started < limit)
-        at = usable_at[np.minimum(first_usable + started, max(usable_at.size - 1, 0))] if usable_at.size \
-            else np.zeros(L, dtype=np.int64)
-        go[:, j] = can & (worth[:, j] > handover.victim_worth[rows[:, 0], at])
-        victim_at[:, j] = at
-        started += go[:, j]
-    layer, rank = np.nonzero(go)                           # layer by layer, rank order within
-    jobs = np.empty((layer.size, 3), dtype=np.int32)
-    jobs[:, 0], jobs[:, 1], jobs[:, 2] = layer, ids[layer, rank], victims[layer, victim_at[layer, rank]]
-    return jobs
+    in the order C starts them (layer by layer, rank order within a layer). The rule runs in
+    native/engine_core.c (mc_admit), as libllama runs it: in numpy it cost half a replay."""
+    return admit(handover, ids, slot_expert)
 
 
 class EagerAdmission:

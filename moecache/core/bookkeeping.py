@@ -174,3 +174,26 @@ class Bookkeeping:
         lib.mc_handover(self._core, _f64(priority), _f64(worth), _i32(victims), _f64(victim_worth),
                         self._ranked)
         return victims, victim_worth
+
+
+def admit(handover, ids: np.ndarray, slot_expert: np.ndarray) -> np.ndarray:
+    """moecache.core.admission.admissions in C (mc_admit): the (n, 3) int32 job rows."""
+    L, K = handover.victims.shape
+    E = handover.worth.shape[1]
+    ids = np.asarray(ids)
+    if ids.ndim != 2 or ids.shape[0] != L or ids.dtype.kind not in "iu":
+        raise ValueError(f"ids must be an integer array ({L}, n), got {ids.dtype} {ids.shape}")
+    ids = native_ids(ids, E)
+    arrays = (np.ascontiguousarray(handover.victims, dtype=np.int32),
+              np.ascontiguousarray(handover.victim_worth, dtype=np.float64),
+              np.ascontiguousarray(handover.worth, dtype=np.float64),
+              np.ascontiguousarray(handover.budget, dtype=np.int64))
+    table = ffi.new("mc_handover_table *", (L, K, E, _i32(arrays[0]), _f64(arrays[1]), _f64(arrays[2]),
+                                            _i64(arrays[3])))
+    slots = np.ascontiguousarray(slot_expert, dtype=np.int32)
+    jobs = np.empty((L * min(ids.shape[1], K), 3), dtype=np.int32)
+    n = lib.mc_admit(table, ffi.from_buffer(ids), ids.itemsize == 8, ids.shape[1], _i32(slots),
+                     ffi.new("uint8_t[]", E), _i32(jobs))
+    if n < 0:
+        raise ValueError(f"expert ids must be in [-1, {E}), got {ids.flat[-1 - n]}")
+    return jobs[:n]

@@ -134,7 +134,7 @@ class WorkTally:
         self.expert_bytes = [int(b) for b in expert_bytes]
         self.dense_bytes = [0] * len(self.expert_bytes) if dense_bytes is None else [int(b) for b in dense_bytes]
         self.passes: Counter = Counter()  # (layer, hits, lane, cpu) -> layer passes
-        self.async_bytes = 0
+        self.async_uploads = np.zeros(len(self.expert_bytes), dtype=np.int64)  # per layer
 
     def add(self, layer: int, hits: int, lane: int, cpu: int) -> None:
         self.passes[(layer, hits, lane, cpu)] += 1
@@ -146,7 +146,11 @@ class WorkTally:
 
     def add_async(self, counts) -> None:
         """Asynchronous uploads: (L,) counts."""
-        self.async_bytes += sum(n * size for n, size in zip(np.asarray(counts).tolist(), self.expert_bytes))
+        self.async_uploads += counts
+
+    @property
+    def async_bytes(self) -> int:
+        return sum(n * size for n, size in zip(self.async_uploads.tolist(), self.expert_bytes))
 
     def as_stock(self) -> "WorkTally":
         """The same layer passes run by stock --cpu-moe: every selected expert on the CPU."""
