@@ -201,6 +201,7 @@ def test_cli_prints_the_tier_beside_stock_mmap(capsys):
     (["--ram-mib", "900"], "--ram-mib needs --disk-gbps"),
     (["--disk-gbps", "1"], "--disk-gbps time the --ram-mib models: give --ram-mib too"),
     (["--ram-mib", "20", "--disk-gbps", "1"], "--ram-mib 20 keeps fewer than one expert per layer, which takes 20.2 MiB"),
+    (["--ram-mib", "900", "--disk-gbps", "1", "--plot", "p.png"], "--plot draws the cache models' hit rates by size"),
 ])
 def test_cli_bad_ram_flags_are_one_line(capsys, args, message):
     assert cli(SYNTH, *args) == 2

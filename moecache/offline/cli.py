@@ -182,6 +182,8 @@ def check_args(args) -> None:
     _check_ram_args(args)
     if args.slots is None:
         args.slots = [] if args.budget_mib or args.ram_mib else [8, 16, 32, 64]
+    if args.plot and not (args.slots or args.budget_mib):
+        raise ValueError("--plot draws the cache models' hit rates by size: give --slots or --budget-mib")
     # A name runs in every requested model that has it; one that no requested model has is
     # rejected, never tabulated under a policy that did not run.
     models = ([("--slots", policy_names(PER_LAYER) + policy_names(UPSTREAM))] if args.slots else []) + \

@@ -31,8 +31,8 @@ ASSUMED: the kernel's mmap_miss counter never turns read-around off (it does aft
 faults than page-cache hits; a window of many pages that later accesses find keeps it low),
 fault-around (which maps pages already cached) changes no counts here, and pages are 4 KiB
 (large folios, reclaimed whole, are not modelled). Counters, comparable with
-the RAM tier's: hits and misses count the experts a ubatch read, a miss when one of its pages
-faulted; faults the synchronous reads (a thread waits for each), uploads the pages read into the
+the engine's: hits and misses count lookups (a token's selection of an expert; a ubatch reads
+each selected expert once), a miss when one of the expert's pages faulted; faults the synchronous reads (a thread waits for each), uploads the pages read into the
 cache (upload_bytes their bytes, sync and readahead alike), lookup_bytes the experts' bytes the
 CPU read.
 """
@@ -97,8 +97,10 @@ class _Log:
         """The n oldest live entries (fewer when the log holds fewer; live(pages, stamps): a mask)
         taken off: their pages and their positions, for give_back."""
         pages, positions = [], []
+        window = 2 * n + 64  # grows while stale entries fill it
         while n > 0 and self.head < self.end:
-            stop = min(self.end, self.head + max(2 * n, 4096))
+            stop = min(self.end, self.head + window)
+            window *= 2
             found = self.head + np.flatnonzero(live(self.pages[self.head:stop], self.stamps[self.head:stop]))[:n]
             self.head = int(found[-1]) + 1 if found.size == n else stop
             pages.append(self.pages[found])
@@ -146,15 +148,15 @@ class PageCache:
         layout, count = self.layout, self.counters
         read = np.zeros(len(ids), dtype=np.int64)
         for layer, row in enumerate(ids):
-            experts = np.unique(row[row >= 0]).tolist()
-            read[layer] = len(experts)
-            count["lookup_bytes"] += len(experts) * layout.expert_bytes[layer]
-            faulted = np.zeros(len(experts), dtype=bool)
+            experts, uses = np.unique(row[row >= 0], return_counts=True)
+            read[layer] = experts.size
+            count["lookup_bytes"] += experts.size * layout.expert_bytes[layer]
+            faulted = np.zeros(experts.size, dtype=bool)
             for part in range(PARTS):
-                for i, expert in enumerate(experts):
+                for i, expert in enumerate(experts.tolist()):
                     faulted[i] |= self._read_range(*layout.pages(layer, part, expert))
-            count["misses"] += int(faulted.sum())
-            count["hits"] += len(experts) - int(faulted.sum())
+            count["misses"] += int(uses[faulted].sum())
+            count["hits"] += int(uses[~faulted].sum())
         return read
 
     def _read_range(self, first: int, end: int) -> bool:
@@ -292,10 +294,10 @@ class TwoListPageCache(PageCache):
         gib = self.capacity * PAGE >> 30
         self._ratio = math.isqrt(10 * gib) if gib else 1
 
-    def _move(self, pages, to) -> None:
-        """Pages onto a list's new end (from another list, or new)."""
-        for where in (self.INACTIVE, self.ACTIVE):
-            self._sizes[where] -= int((self._list[pages] == where).sum())
+    def _move(self, pages, source, to) -> None:
+        """Pages of one list (source; 0: new) onto a list's new end."""
+        if source:
+            self._sizes[source] -= pages.size
         self._list[pages] = to
         self._sizes[to] += pages.size
         self._logs[to].append(pages, self._stamped(pages))
@@ -303,7 +305,7 @@ class TwoListPageCache(PageCache):
     def _insert(self, pages):
         self._refaulted |= bool(self._evicted[pages].any())
         self._evicted[pages] = self._accessed[pages] = self._referenced[pages] = False
-        self._move(pages, self.INACTIVE)
+        self._move(pages, 0, self.INACTIVE)
 
     def _touch(self, first, end):
         self._accessed[first:end] = True
@@ -314,7 +316,7 @@ class TwoListPageCache(PageCache):
     def _deactivate(self, n: int) -> None:
         pages, _ = self._logs[self.ACTIVE].take(n, self._live(self.ACTIVE))
         self._accessed[pages] = False
-        self._move(pages, self.INACTIVE)
+        self._move(pages, self.ACTIVE, self.INACTIVE)
 
     def _reclaim(self, n):
         active, inactive = self._sizes[self.ACTIVE], self._sizes[self.INACTIVE]
@@ -326,7 +328,7 @@ class TwoListPageCache(PageCache):
             if not self._sizes[self.INACTIVE]:
                 self._deactivate(n)
             log = self._logs[self.INACTIVE]
-            pages, positions = log.take(n, self._live(self.INACTIVE))
+            pages, positions = log.take(4 * n + 64, self._live(self.INACTIVE))  # some will be kept
             if not pages.size:
                 raise AssertionError(f"the page cache counts {n} pages more than its lists hold")
             drop = ~self._accessed[pages]
@@ -340,8 +342,8 @@ class TwoListPageCache(PageCache):
             rotate = kept[~self._referenced[kept]]
             self._accessed[kept] = False
             self._referenced[rotate] = True
-            self._move(rotate, self.INACTIVE)
-            self._move(activate, self.ACTIVE)
+            self._move(rotate, self.INACTIVE, self.INACTIVE)
+            self._move(activate, self.INACTIVE, self.ACTIVE)
             gone = pages[drop]
             self._list[gone] = 0
             self._sizes[self.INACTIVE] -= gone.size
