@@ -7,7 +7,7 @@ through moecache.offline.replay.simulate (the models are described there).
                               [--hardware pcie4-x16] [--host-gbps G] [--link-gbps G]
                               [--dram-gbps G] [--device-gbps G] [--ids-trip-us U] [--join-us U]
                               [--planner] [--csv FILE] [--plot PNG]
-    python -m moecache.replay TRACE --ram-mib 932[,1349] --disk-gbps G [--disk-read-us U]
+    python -m moecache.replay TRACE --ram-mib 932[,1351] --disk-gbps G [--disk-read-us U]
                               [--read-ahead-kb KB] [--host-gbps G] [--policies default]
     python -m moecache.replay TRACE --convert OUT
 
@@ -105,10 +105,10 @@ def admission_list_arg(text):
 
 
 _budgets_arg.__name__, _inserts_arg.__name__ = "budget list", "inserts"
-DISK_READ_US = 40.0  # ASSUMED: a 4 KiB read at queue depth 1 (measured 40 us on the benchmarks' virtual disk)
-READ_AHEAD_KB = 128  # the kernel's default read_ahead_kb (VM_READAHEAD_PAGES)
 _gbps_arg.__name__, admission_list_arg.__name__, _us_arg.__name__ = "bandwidth", "admission list", "latency"
 RATE_FLAGS = ("host_gbps", "link_gbps", "dram_gbps", "device_gbps", "ids_trip_us", "join_us")
+DISK_READ_US = 40.0  # ASSUMED: a 4 KiB read at queue depth 1 (measured 40 us on the benchmarks' virtual disk)
+READ_AHEAD_KB = 128  # the kernel's default read_ahead_kb (VM_READAHEAD_PAGES)
 
 
 def parser() -> OneLineParser:
