@@ -19,6 +19,13 @@ def slots_for_budget(bytes_of, budget: int, n_expert: int) -> int:
     return low
 
 
+def ram_slots(expert_bytes, n_expert: int, budget: int) -> int:
+    """The RAM tier's K (LLAMA_MOE_CACHE_RAM_MIB): the most experts per layer whose bytes over all
+    layers fit `budget`, at most n_expert; 0 below one per layer."""
+    per_k = sum(int(b) for b in expert_bytes)
+    return slots_for_budget(lambda k: k * per_k, budget, n_expert)
+
+
 def layers_by_size(expert_bytes) -> dict[int, list[int]]:
     """The layers of each expert size (in bytes), in layer order: a bank's, or a group's, layers."""
     members: dict[int, list[int]] = {}

@@ -40,7 +40,7 @@ class LiveCache:
         self.device_bytes = plan.bytes
         self.engine = _engine(config, layers, self.slots, self.n_used)
         self._trace = TraceRecorder(config.trace, model_name=model_name, arch=arch, layers=layers,
-                                    n_used=self.n_used) if config.trace else None
+                                    n_used=self.n_used, ram_tier=config.ram_tier) if config.trace else None
         self.boundary = Boundary(ctx, self.engine, n_layers=len(layers), n_used=self.n_used, wait=bool(config.wait))
         self.counts = StepCounts()
         self.failed = None

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from ..core.banks import ram_slots
 from . import native
 from .probe import CachedLayer, CacheUnavailable, cached_layers
 from .sizing import MIB, CachePlan, DevicePlan
@@ -53,7 +54,8 @@ def open_ram_tier(ctx, config) -> tuple[RamPlan, list[CachedLayer]]:
 
 def plan_ram(config, layers: list[CachedLayer], n_ubatch: int) -> RamPlan:
     """K for the budget of config.ram_mib; raises CacheUnavailable below one expert per layer."""
-    per_k = sum(layer.expert_bytes for layer in layers)  # one more expert kept in every layer
+    expert_bytes = [layer.expert_bytes for layer in layers]
+    per_k = sum(expert_bytes)  # one more expert kept in every layer
     n_expert = min(layer.n_expert for layer in layers)
     plan = RamPlan(config.sized_by, n_layers=len(layers))
     if config.ram_mib == "auto":
@@ -65,7 +67,7 @@ def plan_ram(config, layers: list[CachedLayer], n_ubatch: int) -> RamPlan:
         budget = plan.limit - plan.held - plan.transient - plan.reserve_bytes
     else:
         budget = config.ram_mib * MIB
-    k = min(n_expert, max(0, budget) // per_k)
+    k = ram_slots(expert_bytes, n_expert, budget)  # the offline replay's rule too
     if k < 1:
         detail = "" if plan.limit is None else " (" + plan.lines()[1].removeprefix("moecache:   ") + ")"
         raise CacheUnavailable(f"{config.sized_by}: {max(0, budget) / MIB:.0f} MiB keep fewer than one expert per "

@@ -55,9 +55,13 @@ _DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)  # the disk's,
 class TraceRecorder:
     """The cache's routing as a route_trace v1 file: its step numbers count the tokens of both
     phases, and a prompt after decoding starts a new turn. A write that fails (e.g. a full disk)
-    stops the trace, logged, not the cache."""
+    stops the trace, logged, not the cache. The RAM tier (ram_tier) looks every ubatch up, a
+    prompt's too: its trace records a ubatch of more than one token as a prompt (libllama does
+    not tell the step which tokens asked for outputs), so that a replay tells its prompts from
+    its decode tokens (moecache.offline's RAM model feeds both to the engine alike)."""
 
-    def __init__(self, path: str, *, model_name: str, arch: str, layers: list[CachedLayer], n_used: int):
+    def __init__(self, path: str, *, model_name: str, arch: str, layers: list[CachedLayer], n_used: int,
+                 ram_tier: bool = False):
         try:
             self.writer = TraceWriter(
                 path, model=os.path.basename(model_name) or "model", arch=arch,
@@ -71,7 +75,7 @@ class TraceRecorder:
             self.writer = None
         except ValueError as e:
             raise ConfigError(f"LLAMA_MOE_CACHE_TRACE={path!r}: {e}") from None
-        self.path = path
+        self.path, self.ram_tier = path, ram_tier
         self._turn = 0
         self._tokens = 0
         self._phase = None
@@ -80,7 +84,8 @@ class TraceRecorder:
         """One boundary's selections and their hits; decode_steps: the steps before it."""
         if self.writer is None:
             return
-        phase = PREFILL if observed.prefill else DECODE
+        prompt = observed.prefill or (self.ram_tier and observed.n_tokens > 1)
+        phase = PREFILL if prompt else DECODE
         if phase == PREFILL and self._phase == DECODE:
             self._turn += 1
         self._phase = phase

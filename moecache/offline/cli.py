@@ -7,6 +7,8 @@ through moecache.offline.replay.simulate (the models are described there).
                               [--hardware pcie4-x16] [--host-gbps G] [--link-gbps G]
                               [--dram-gbps G] [--device-gbps G] [--ids-trip-us U] [--join-us U]
                               [--planner] [--csv FILE] [--plot PNG]
+    python -m moecache.replay TRACE --ram-mib 932[,1351] --disk-gbps G [--disk-read-us U]
+                              [--read-ahead-kb KB] [--host-gbps G] [--policies default]
     python -m moecache.replay TRACE --convert OUT
 
 --slots sizes the per-layer model (K per layer) and the upstream model (at the device bytes of
@@ -14,6 +16,15 @@ each K); --budget-mib sizes the global and the upstream models, and the per-laye
 the largest K whose slots fit it: K per layer plus one zero slot per bank of equal expert
 sizes, as LLAMA_MOE_CACHE_MIB sizes the live cache (moecache.live.sizing). A policy name runs
 in every requested model whose registry has it.
+
+--ram-mib models a model larger than RAM, on the CPU: the RAM tier (LLAMA_MOE_CACHE_RAM_MIB=N,
+moecache.live.ramtier) at the K whose experts fit N MiB over the layers, eager admission with
+INSERTS = K, every prompt ubatch looked up as the live tier does (the per-layer engine, prefill
+"lookup"), beside stock mmap's page cache of the same N MiB (moecache.offline.pagecache: LRU, and
+the kernel's two lists, over 4 KiB pages with mmap readahead at --read-ahead-kb). Each prints its
+decode hit rate, the bytes it reads from the file per decode token and MODELLED milliseconds per
+decode token (moecache.offline.cost.Disk) at --host-gbps (the CPU's rate over the experts, default
+--hardware's) and the disk's --disk-gbps and --disk-read-us.
 
 --convert writes the trace's compact binary form (moecache.core.binary_trace), which any
 replay reads in place of the CSV: mapped, not parsed, so a long recording replays in a
@@ -41,9 +52,9 @@ from ..core.profile import UsageProfile
 from ..core.traces import DECODE, PREFILL, read_trace
 from ..util import OneLineParser, Progress, atomic_write, int_arg, int_list_arg
 from .budget import BUDGET_POLICIES
-from .cost import DEFAULT_HARDWARE, HARDWARE, Hardware
-from .replay import (GLOBAL, MIB, MODELS, PER_LAYER, PREFILL_MODES, UPSTREAM, ReplayResult,
-                     per_layer_slots, policy_names, simulate)
+from .cost import DEFAULT_HARDWARE, HARDWARE, Disk
+from .replay import (GLOBAL, MIB, MODELS, PAGE_CACHE, PER_LAYER, PREFILL_MODES, UPSTREAM, ReplayResult,
+                     per_layer_slots, policy_names, ram_tier_slots, simulate)
 
 
 def _budgets_arg(text):
@@ -96,6 +107,8 @@ def admission_list_arg(text):
 _budgets_arg.__name__, _inserts_arg.__name__ = "budget list", "inserts"
 _gbps_arg.__name__, admission_list_arg.__name__, _us_arg.__name__ = "bandwidth", "admission list", "latency"
 RATE_FLAGS = ("host_gbps", "link_gbps", "dram_gbps", "device_gbps", "ids_trip_us", "join_us")
+DISK_READ_US = 40.0  # ASSUMED: a 4 KiB read at queue depth 1 (measured 40 us on the benchmarks' virtual disk)
+READ_AHEAD_KB = 128  # the kernel's default read_ahead_kb (VM_READAHEAD_PAGES)
 
 
 def parser() -> OneLineParser:
@@ -118,10 +131,21 @@ def parser() -> OneLineParser:
     ap.add_argument("--budget-mib", type=_budgets_arg, default=[],
                     help="byte budgets, comma separated: the global model's (BigMoeOnEdge), and the "
                          "per-layer model at the largest K that fits")
+    ap.add_argument("--ram-mib", type=_budgets_arg, default=[],
+                    help="RAM budgets in MiB, comma separated: the RAM tier (RAM_MIB's K, eager, INSERTS = K) "
+                         "and stock mmap's page cache, on the CPU, timed over --disk-gbps")
+    ap.add_argument("--disk-gbps", type=_gbps_arg, help="with --ram-mib: the disk's read rate for large requests, GB/s")
+    ap.add_argument("--disk-read-us", type=_us_arg,
+                    help=f"with --ram-mib: one read request's latency, us (default {DISK_READ_US:g}, ASSUMED: "
+                         f"a 4 KiB read at queue depth 1 on the benchmarks' disk)")
+    ap.add_argument("--read-ahead-kb", type=int_arg(minimum=0),
+                    help=f"with --ram-mib: the disk's read_ahead_kb (/sys/block/DEV/queue/read_ahead_kb; default "
+                         f"{READ_AHEAD_KB}, the kernel's), which llama.cpp's mapping doubles")
     ap.add_argument("--prefill", choices=PREFILL_MODES, default="warm",
                     help="per-layer model: each prompt ubatch as a prefill step that uploads its most "
                          "used experts, as the live cache does (warm, the default); no prefill (off); "
-                         "each turn's prompt as one batched observation (plain)")
+                         "each turn's prompt as one batched observation (plain); each prompt ubatch "
+                         "looked up as a decode step is (lookup: the RAM tier's, which --ram-mib uses)")
     ap.add_argument("--preload-profile", metavar="JSON",
                     help="per-layer model: warm start from a saved usage profile")
     ap.add_argument("--hardware", choices=list(HARDWARE), default=DEFAULT_HARDWARE,
@@ -155,13 +179,17 @@ def check_args(args) -> None:
     args.policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not args.policies:
         raise ValueError("--policies is empty")
+    _check_ram_args(args)
     if args.slots is None:
-        args.slots = [] if args.budget_mib else [8, 16, 32, 64]
+        args.slots = [] if args.budget_mib or args.ram_mib else [8, 16, 32, 64]
+    if args.plot and not (args.slots or args.budget_mib):
+        raise ValueError("--plot draws the cache models' hit rates by size: give --slots or --budget-mib")
     # A name runs in every requested model that has it; one that no requested model has is
     # rejected, never tabulated under a policy that did not run.
     models = ([("--slots", policy_names(PER_LAYER) + policy_names(UPSTREAM))] if args.slots else []) + \
              ([("--budget-mib", list(dict.fromkeys(policy_names(PER_LAYER) + policy_names(GLOBAL)
-                                                    + policy_names(UPSTREAM))))] if args.budget_mib else [])
+                                                    + policy_names(UPSTREAM))))] if args.budget_mib else []) + \
+             ([("--ram-mib", policy_names(PER_LAYER))] if args.ram_mib else [])
     unknown = [p for p in args.policies if not any(p in names for _, names in models)]
     if unknown:
         valid = "; ".join(f"{flag}: {', '.join(names)}" for flag, names in models)
@@ -178,6 +206,21 @@ def check_args(args) -> None:
             import matplotlib  # noqa: F401
         except ImportError:
             raise ValueError("--plot needs matplotlib (pip install matplotlib)") from None
+
+
+def _check_ram_args(args):
+    """--ram-mib and the disk's flags go together."""
+    disk_flags = [flag for flag, value in (("--disk-gbps", args.disk_gbps), ("--disk-read-us", args.disk_read_us),
+                                           ("--read-ahead-kb", args.read_ahead_kb)) if value is not None]
+    if not args.ram_mib:
+        if disk_flags:
+            raise ValueError(f"{', '.join(disk_flags)} time the --ram-mib models: give --ram-mib too")
+        return
+    if args.disk_gbps is None:
+        raise ValueError("--ram-mib needs --disk-gbps, the disk's read rate (GB/s) its reads are timed at")
+    args.disk = Disk(args.disk_gbps, DISK_READ_US if args.disk_read_us is None else args.disk_read_us)
+    if args.read_ahead_kb is None:
+        args.read_ahead_kb = READ_AHEAD_KB
 
 
 def _check_planner(args):
@@ -209,6 +252,7 @@ def load_inputs(args):
         raise ValueError(f"--slots {max(args.slots)} exceeds n_expert={trace.n_expert}")
     per_layer = any(p in policy_names(PER_LAYER) for p in args.policies)
     args.budget_slots = {b: per_layer_slots(trace, b) for b in args.budget_mib} if per_layer else {}
+    args.ram_slots = {b: ram_tier_slots(trace, b) for b in args.ram_mib}
     profile = None
     if args.preload_profile:
         profile = UsageProfile.load(args.preload_profile, layers=trace.layers.tolist(),
@@ -234,7 +278,12 @@ def run(args, trace, profile) -> list[ReplayResult]:
            [(UPSTREAM, p, equal(k), {}, {"slots": k}) for p in args.policies if p in policy_names(UPSTREAM)
             for k in args.slots] + \
            [(model, p, b, {}, {}) for model in (GLOBAL, UPSTREAM) for p in args.policies
-            if p in policy_names(model) for b in args.budget_mib]
+            if p in policy_names(model) for b in args.budget_mib] + \
+           [(PER_LAYER, p, args.ram_slots[b], {"inserts": args.ram_slots[b], "prefill": "lookup", "admission": a},
+             {"ram_mib": b}) for p in args.policies if p in policy_names(PER_LAYER)
+            for a in args.admission or [live_admission(POLICIES[resolve_policy(p)])] for b in args.ram_mib] + \
+           [(PAGE_CACHE, p, b, {"read_ahead_kb": args.read_ahead_kb}, {"ram_mib": b})
+            for p in policy_names(PAGE_CACHE) for b in args.ram_mib]
     results = []
     with Progress(len(runs)) as progress:
         for model, policy, size, options, against in runs:
@@ -261,12 +310,13 @@ def print_tables(args, trace, results) -> None:
           f"top-{trace.n_expert_used}; {n_prefill} prefill + {n_decode} decode tokens; one token's "
           f"working set {trace.working_set_bytes() / MIB:.0f} MiB")
     hardware = args.hardware
-    stock = next((r.stock_ms(hardware) for r in results if r.stock_ms(hardware) is not None), None)
+    stock = next((r.stock_ms(hardware) for r in results
+                  if r.ram_mib is None and r.stock_ms(hardware) is not None), None)
     if stock is not None:
         print(f"ms/tok: MODELLED milliseconds per decode token (moecache.offline.cost), {hardware.describe()}; "
               f"stock --cpu-moe {stock:.2f}")
-    for model in MODELS:
-        rows = [r for r in results if r.model == model]
+    for model in (PER_LAYER, GLOBAL, UPSTREAM):
+        rows = [r for r in results if r.model == model and r.ram_mib is None]
         if not rows:
             continue
         if model == PER_LAYER:
@@ -302,19 +352,49 @@ def print_tables(args, trace, results) -> None:
                   + f"{_ms(r.modelled_ms(hardware)):>8}{r.lookups_per_s / 1e6:>11.2f}")
 
 
+def print_ram_table(args, trace, results) -> None:
+    """The --ram-mib runs: the RAM tier and stock mmap's page cache, timed on the CPU over the disk."""
+    rows = [r for r in results if r.ram_mib is not None]
+    if not rows:
+        return
+    host = args.hardware.rates.host_gbps
+    print(f"\nlarger than RAM, CPU only: the RAM tier (LLAMA_MOE_CACHE_RAM_MIB: K experts per layer kept, eager "
+          f"admission, INSERTS = K, prompts looked up) and stock mmap's page cache (4 KiB pages, read_ahead_kb "
+          f"{args.read_ahead_kb}, doubled by llama.cpp's mapping)\n"
+          f"ms/tok: MODELLED = (computed bytes / host + waits x read latency + bytes read / disk) per decode token "
+          f"(moecache.offline.cost.Disk): host {host:.2f} GB/s, {args.disk.describe()}; hit%: decode lookups whose "
+          f"expert was in memory (mmap: read without a page fault)")
+    print(f"{'model':<12}{'policy':<16}{'admission':>10}{'RAM MiB':>9}{'K':>5}{'hit% dec':>10}{'MB read/tok':>13}"
+          f"{'waits/tok':>11}{'ms/tok':>10}{'tok/s':>8}")
+    for r in rows:
+        read, waits = r.disk_reads()
+        ms = r.disk_ms(host, args.disk)
+        tier = r.model == PER_LAYER
+        print(f"{'RAM tier' if tier else 'mmap':<12}{r.policy:<16}{r.admission or '-':>10}{r.ram_mib:>9g}"
+              f"{r.slots if tier else '-':>5}{_pct(r.hit_rate):>10}"
+              f"{'-' if not r.decode_steps else format(read / r.decode_steps / 1e6, '.1f'):>13}"
+              f"{'-' if not r.decode_steps else format(waits / r.decode_steps, '.1f'):>11}"
+              f"{_ms(ms):>10}{'-' if not ms else format(1e3 / ms, '.2f'):>8}")
+
+
+def modelled_ms(args, r) -> float | None:
+    """A run's MODELLED ms per decode token: on the CPU over the disk (--ram-mib), else on --hardware."""
+    return r.modelled_ms(args.hardware) if r.ram_mib is None else r.disk_ms(args.hardware.rates.host_gbps, args.disk)
+
+
 CSV_COLUMNS = ("model", "policy", "slots", "budget_mib", "inserts", "admission", "decode_steps",
                "hits", "misses", "uploads", "upload_bytes", "hit_rate", "hits_all", "misses_all",
                "hit_rate_all", "upload_bytes_per_token", "modelled_ms_per_token", "seconds", "prefill",
-               "prefill_upload_bytes")
+               "prefill_upload_bytes", "ram_mib", "disk_read_bytes_per_token")
 
 
-def write_csv(path, results, hardware: Hardware) -> None:
+def write_csv(path, results, args) -> None:
     """One row per run; rates are fractions, empty where a run had no lookups; the modelled
-    milliseconds per decode token are on `hardware`."""
-    atomic_write(path, lambda tmp: _write_rows(tmp, results, hardware))
+    milliseconds per decode token are on --hardware, or (--ram-mib) on the CPU over the disk."""
+    atomic_write(path, lambda tmp: _write_rows(tmp, results, args))
 
 
-def _write_rows(path, results, hardware):
+def _write_rows(path, results, args):
     with open(path, "w", encoding="utf-8", newline="") as f:
         writer = csv.DictWriter(f, CSV_COLUMNS)
         writer.writeheader()
@@ -329,9 +409,11 @@ def _write_rows(path, results, hardware):
                 "hit_rate_all": None if r.hit_rate_all is None else f"{r.hit_rate_all:.6f}",
                 "upload_bytes_per_token": None if r.upload_bytes_per_token is None
                 else f"{r.upload_bytes_per_token:.0f}",
-                "modelled_ms_per_token": _ms(r.modelled_ms(hardware)).replace("-", ""),
+                "modelled_ms_per_token": _ms(modelled_ms(args, r)).replace("-", ""),
                 "seconds": f"{r.seconds:.4f}", "prefill": r.prefill,
-                "prefill_upload_bytes": r.totals_all.get("prefill_upload_bytes") if r.model == PER_LAYER else None})
+                "prefill_upload_bytes": r.totals_all.get("prefill_upload_bytes") if r.model == PER_LAYER else None,
+                "ram_mib": r.ram_mib, "disk_read_bytes_per_token": None if r.ram_mib is None or not r.decode_steps
+                else f"{r.disk_reads()[0] / r.decode_steps:.0f}"})
 
 
 def plot(path, trace, results) -> None:
@@ -339,6 +421,7 @@ def plot(path, trace, results) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    results = [r for r in results if r.ram_mib is None]  # the --ram-mib runs are a table's
     models = [m for m in MODELS if any(r.model == m for r in results)]
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
     for ax, model in zip(axes[0], models):
@@ -385,8 +468,9 @@ def replay(args) -> None:
     trace, profile = load_inputs(args)
     results = run(args, trace, profile)
     print_tables(args, trace, results)
+    print_ram_table(args, trace, results)
     outputs = [(flag, path, write) for flag, path, write in (
-        ("--csv", args.csv, lambda p: write_csv(p, results, args.hardware)),
+        ("--csv", args.csv, lambda p: write_csv(p, results, args)),
         ("--plot", args.plot, lambda p: plot(p, trace, results))) if path]
     if outputs:
         print()

@@ -17,6 +17,18 @@ a token is
 averaged over the run's decode tokens (the uploads are background work: they fit where the
 link and host memory have room, over the run, not token by token).
 
+Models larger than RAM (the RAM tier and stock mmap's page cache, CPU only) are timed by `Disk`:
+a token is
+
+    (computed bytes / host  +  waits x read_us  +  read bytes / disk) / tokens
+
+every selected expert and each layer's dense bytes computed on the CPU at the host rate, each
+read a layer waits for costing one request's latency (the tier issues a layer's misses at once
+at queue depth: one wait per layer with misses; a page fault waits alone: one per fault), and
+every byte read from the file (readahead and boundary uploads included) at the disk's rate for
+large requests. Nothing overlaps: the CPU waits for its reads (the tier reads before the layer
+computes, a fault stops the thread), the readahead's and the uploads' bytes hold the one disk.
+
 Hardware classes (HARDWARE): named Rates with the sources of each figure; every efficiency
 (the share of a peak rate a kernel or a copy reaches) is an ASSUMPTION, stated once below and
 applied the same way to every class, until scripts/gpu_check.sh measures them.
@@ -24,6 +36,7 @@ applied the same way to every class, until scripts/gpu_check.sh measures them.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, replace
 
@@ -95,6 +108,28 @@ class Hardware:
         return max(layers, link, host) / tokens
 
 
+@dataclass(frozen=True)
+class Disk:
+    """The disk a model larger than RAM is read from: its rate for large requests (GB/s) and the
+    latency of one request (us; a 4 KiB read at queue depth 1 takes about that)."""
+
+    gbps: float
+    read_us: float
+
+    def __post_init__(self):
+        if not (math.isfinite(self.gbps) and self.gbps > 0 and math.isfinite(self.read_us) and self.read_us >= 0):
+            raise ValueError(f"a disk needs a finite rate > 0 and a latency >= 0, got {self.gbps} GB/s, "
+                             f"{self.read_us} us")
+
+    def describe(self) -> str:
+        return f"disk {self.gbps:g} GB/s, {self.read_us:g} us a request"
+
+    def token_ms(self, host_gbps: float, compute_bytes: float, read_bytes: float, waits: int, tokens: int) -> float:
+        """Modelled milliseconds per token (module docstring)."""
+        return (compute_bytes / (host_gbps * 1e6) + waits * self.read_us / 1e3
+                + read_bytes / (self.gbps * 1e6)) / tokens
+
+
 # Synchronisation latencies: ASSUMPTIONS until measured (scripts/gpu_check.sh, issue 22): the
 # ids' trip is a device-to-host copy of a few hundred bytes and a stream synchronisation (CUDA
 # launch plus a PCIe round trip, about 10 us on a direct x16 link) and the host thread waking
@@ -135,6 +170,7 @@ class WorkTally:
         self.dense_bytes = [0] * len(self.expert_bytes) if dense_bytes is None else [int(b) for b in dense_bytes]
         self.passes: Counter = Counter()  # (layer, hits, lane, cpu) -> layer passes
         self.async_uploads = np.zeros(len(self.expert_bytes), dtype=np.int64)  # per layer
+        self.boundary_uploads = np.zeros(len(self.expert_bytes), dtype=np.int64)  # of those, issued at a boundary
 
     def add(self, layer: int, hits: int, lane: int, cpu: int) -> None:
         self.passes[(layer, hits, lane, cpu)] += 1
@@ -148,9 +184,26 @@ class WorkTally:
         """Asynchronous uploads: (L,) counts."""
         self.async_uploads += counts
 
+    def add_boundary_uploads(self, counts) -> None:
+        """Uploads issued at a boundary: (L,) counts (the RAM tier reads each from the file)."""
+        self.boundary_uploads += counts
+
     @property
     def async_bytes(self) -> int:
-        return sum(n * size for n, size in zip(self.async_uploads.tolist(), self.expert_bytes))
+        return self._bytes(self.async_uploads)
+
+    @property
+    def boundary_upload_bytes(self) -> int:
+        return self._bytes(self.boundary_uploads)
+
+    def _bytes(self, counts) -> int:
+        """(L,) expert counts in bytes (exact: Python integers)."""
+        return sum(n * size for n, size in zip(counts.tolist(), self.expert_bytes))
+
+    def compute_bytes(self) -> int:
+        """The bytes every layer pass computes: its selected experts and its dense weights."""
+        return sum(passes * ((hits + lane + cpu) * self.expert_bytes[layer] + self.dense_bytes[layer])
+                   for (layer, hits, lane, cpu), passes in self.passes.items())
 
     def as_stock(self) -> "WorkTally":
         """The same layer passes run by stock --cpu-moe: every selected expert on the CPU."""

@@ -19,6 +19,13 @@ per-layer (size: K slots per layer): our live cache. It runs moecache.core.engin
 upstream (policy "upstream", size: a budget in MiB): upstream llama.cpp's own cache
     (moecache.offline.upstream), prompts in ubatches of 512 tokens, then one ubatch per decode
     token.
+page-cache (policies "lru", "two-list"; size: a budget in MiB): stock mmap's page cache of a
+    model larger than RAM (moecache.offline.pagecache): the file's 4 KiB pages under LRU or the
+    kernel's two lists, with its mmap readahead (read_ahead_kb), every ubatch read through the
+    mapping; the reference beside the
+    RAM tier's model, which is the per-layer model sized by RAM_MIB's rule (ram_slots), eager
+    admission with INSERTS = K and prefill "lookup" (every prompt ubatch looked up and its
+    misses read, as the live tier runs it).
 global (size: a budget in MiB): BigMoeOnEdge's route-replay model (moecache.offline.budget).
     One cache over (layer, expert) entries budgeted in bytes (expert sizes from the preamble),
     immediate admission, no insert limit; batches are one per layer for a turn's whole
@@ -29,9 +36,9 @@ global (size: a budget in MiB): BigMoeOnEdge's route-replay model (moecache.offl
 Rates are fractions (hit_rate 0.578), as in engine.stats() and the live stats, computed by
 moecache.core.model.hit_rate. ReplayResult also gives MODELLED milliseconds per decode token
 (moecache.offline.cost) on any hardware class, of the run and of stock --cpu-moe on its
-routing. With miss_plan (Rates; per-layer, eager admission) the engine plans each graph's
-misses at those rates (moecache.core.missplan): the lane and paying uploads, as the live
-planner will.
+routing, and (disk_ms) of the RAM tier's and the page cache's runs on the CPU over a disk. With
+miss_plan (Rates; per-layer, eager admission) the engine plans each graph's misses at those
+rates (moecache.core.missplan): the lane and paying uploads, as the live planner will.
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..core.banks import equal_bytes, slots_for_budget
+from ..core.banks import equal_bytes, ram_slots, slots_for_budget
 from ..core.engine import CacheEngine
 from ..core.model import hit_rate
 from ..core.policies import POLICIES, Policy, make_policy, resolve_policy
@@ -51,13 +58,15 @@ from ..core.profile import UsageProfile
 from ..core.traces import DECODE, RouteTrace, require_memory
 from . import steps
 from .budget import BUDGET_POLICIES, BudgetPolicy, ByteBudgetCache, make_budget_policy
-from ..core.missplan import OUR_LAYOUT, UPSTREAM_LAYOUT, MissPlanner, Rates
-from .cost import Hardware, WorkTally
-from .steps import GLOBAL, PER_LAYER, PREFILL_MODES, UPSTREAM
+from ..core.missplan import OUR_LAYOUT, STOCK_LAYOUT, UPSTREAM_LAYOUT, MissPlanner, Rates
+from .cost import Disk, Hardware, WorkTally
+from .pagecache import PAGE_POLICIES, ExpertLayout
+from .steps import GLOBAL, PAGE_CACHE, PER_LAYER, PREFILL_MODES, UPSTREAM
 from .upstream import UpstreamCache
 
 MIB = 1 << 20
-MODELS = {PER_LAYER: POLICIES, GLOBAL: BUDGET_POLICIES, UPSTREAM: {"upstream": UpstreamCache}}
+MODELS = {PER_LAYER: POLICIES, GLOBAL: BUDGET_POLICIES, UPSTREAM: {"upstream": UpstreamCache},
+          PAGE_CACHE: PAGE_POLICIES}
 ENGINE_BYTES_PER_ENTRY = 48  # the engine's and a policy's (layer, expert) tables, per entry
 
 
@@ -76,7 +85,7 @@ class ReplayResult:
     model: str
     policy: str
     slots: int | None           # per-layer K (upstream: the K whose device bytes it was given)
-    budget_mib: float | None    # global and upstream budget; per-layer: the budget its K fits
+    budget_mib: float | None    # global, upstream and page-cache budget; per-layer: the budget its K fits
     inserts: int | None         # per-layer; None: unlimited (and for the other models)
     decode_steps: int
     totals: dict
@@ -87,6 +96,7 @@ class ReplayResult:
     prefill: str | None = None              # per-layer: PREFILL_MODES
     turns: int = 0
     work: WorkTally | None = None           # decode layer passes (global: None)
+    ram_mib: float | None = None            # the RAM tier's and the page cache's budget (set by the caller)
 
     @property
     def hit_rate(self) -> float | None:
@@ -120,6 +130,26 @@ class ReplayResult:
             return None
         return hardware.token_ms(self.work, self.decode_steps)
 
+    def disk_reads(self) -> tuple[int, int]:
+        """(bytes read from the model file, reads a layer waited for) in the decode tokens, of a
+        RAM tier run (per-layer: every miss read, each layer's misses at once, and every
+        upload issued at a boundary, a read too) or a page-cache run (its pages read, a wait
+        per fault)."""
+        if self.model == PAGE_CACHE:
+            return self.totals["upload_bytes"], self.totals["faults"]
+        if self.model != PER_LAYER:
+            raise ValueError(f"the {self.model} model reads nothing from a disk")
+        waits = sum(passes for (_, _, lane, cpu), passes in self.work.passes.items() if lane + cpu)
+        return self.totals["miss_bytes"] + self.work.boundary_upload_bytes, waits
+
+    def disk_ms(self, host_gbps: float, disk: Disk) -> float | None:
+        """MODELLED milliseconds per decode token of a RAM tier or page-cache run, every expert
+        computed on the CPU at host_gbps, its reads from `disk` (cost.Disk); None without decode
+        tokens."""
+        if not self.decode_steps:
+            return None
+        return disk.token_ms(host_gbps, self.work.compute_bytes(), *self.disk_reads(), self.decode_steps)
+
     def stock_ms(self, hardware: Hardware) -> float | None:
         """MODELLED milliseconds per decode token of llama.cpp's stock --cpu-moe on the same
         routing (every selected expert on the CPU)."""
@@ -131,11 +161,13 @@ class ReplayResult:
 def simulate(trace: RouteTrace, model: str, policy, size=None, *, inserts: int | None = 2,
              admission: str = "boundary", prefill: str | None = None,
              profile: UsageProfile | None = None, seed: int = 0, step_times: bool = False,
-             before_step=None, miss_plan: Rates | None = None) -> ReplayResult:
+             before_step=None, miss_plan: Rates | None = None, read_ahead_kb: int | None = None) -> ReplayResult:
     """Replay `trace` (RouteTrace.from_routing makes one of bare routing) through one model.
 
-    model: "per-layer" (size: K slots per layer), "global" (size: the budget in MiB) or
-    "upstream" (policy "upstream"; size: the budget in MiB, equal_bytes() for a K's).
+    model: "per-layer" (size: K slots per layer), "global" (size: the budget in MiB),
+    "upstream" (policy "upstream"; size: the budget in MiB, equal_bytes() for a K's) or
+    "page-cache" (policy "lru" or "two-list"; size: the budget in MiB; read_ahead_kb: the
+    device's).
     policy: a name of that model's registry ("default": DEFAULT_POLICY), a policy object of
     it, or (per-layer) a prepared CacheEngine not stepped yet, which brings its own size,
     inserts, admission and warm start. inserts, admission (admission.ADMISSIONS), prefill
@@ -144,6 +176,8 @@ def simulate(trace: RouteTrace, model: str, policy, size=None, *, inserts: int |
     misses at them, moecache.core.missplan; eager admission): per-layer only. seed: the random
     policies'. step_times: keep each step's duration; before_step: called before each step (a
     benchmark evicting the CPU caches)."""
+    if read_ahead_kb is not None and model != PAGE_CACHE:
+        raise ValueError("read_ahead_kb is a page-cache model option")
     if model == PER_LAYER:
         prefill = "warm" if prefill is None else prefill
         if prefill not in PREFILL_MODES:
@@ -159,6 +193,18 @@ def simulate(trace: RouteTrace, model: str, policy, size=None, *, inserts: int |
             _tally_plan(work, cache.step(ids))
         # (prefill step, decode step): a warm prompt is a prefill step, a plain one an observation
         step = (functools.partial(cache.step, prefill=True) if prefill == "warm" else cache.step, decode_step)
+    elif model == PAGE_CACHE:
+        if prefill not in (None, "lookup") or profile is not None or admission != "boundary" or miss_plan is not None:
+            raise ValueError("the page-cache model reads every ubatch through the mapping: it takes no prefill, "
+                             "profile, admission or miss_plan")
+        cache, label = _page_cache(trace, policy, size, read_ahead_kb)
+        work = WorkTally(STOCK_LAYOUT, trace.expert_bytes, trace.dense_bytes)
+        zeros = np.zeros(trace.layers.size, dtype=np.int64)
+
+        def decode_step(ids):
+            work.add_layers(zeros, zeros, cache.step(ids))
+        step, segments, totals = (cache.step, decode_step), steps.segments(trace, PER_LAYER, "lookup"), cache.totals
+        slots, inserts, budget, admission, prefill = None, None, size, None, "lookup"
     elif model in (GLOBAL, UPSTREAM):
         if prefill is not None or profile is not None or admission != "boundary" or miss_plan is not None:
             raise ValueError("prefill, profile, admission and miss_plan are per-layer model options")
@@ -191,6 +237,7 @@ def _tally_plan(work: WorkTally, plan) -> None:
     work.add_layers(plan.hits, lane, plan.misses - lane)
     uploads = np.bincount(plan.admitted[:, 0], minlength=L) + np.bincount(plan.upload[:, 0], minlength=L)
     work.add_async(uploads - (0 if plan.lane_kept is None else plan.lane_kept))
+    work.add_boundary_uploads(np.bincount(plan.upload[:, 0], minlength=L))
 
 
 def _drive(step_of, totals, segments, step_times, before_step):
@@ -289,6 +336,24 @@ def _upstream_cache(trace, policy, budget_mib):
                          f"{', '.join(MODELS[UPSTREAM])}")
     return UpstreamCache(trace.expert_bytes, trace.n_expert, trace.n_expert_used,
                          _budget_bytes(UPSTREAM, budget_mib)), policy
+
+
+def _page_cache(trace, policy, budget_mib, read_ahead_kb):
+    if policy not in MODELS[PAGE_CACHE]:
+        raise ValueError(f"unknown policy {policy!r} for the page-cache model; valid: {', '.join(MODELS[PAGE_CACHE])}")
+    if isinstance(read_ahead_kb, bool) or not isinstance(read_ahead_kb, (int, np.integer)) or read_ahead_kb < 0:
+        raise ValueError(f"the page-cache model needs read_ahead_kb, an integer >= 0, got {read_ahead_kb!r}")
+    return PAGE_POLICIES[policy](ExpertLayout(trace.expert_bytes, trace.n_expert),
+                                 _budget_bytes(PAGE_CACHE, budget_mib), int(read_ahead_kb)), policy
+
+
+def ram_tier_slots(trace: RouteTrace, ram_mib: float) -> int:
+    """The RAM tier's K at RAM_MIB=ram_mib (moecache.live.ramtier's rule, banks.ram_slots)."""
+    k = ram_slots(trace.expert_bytes, trace.n_expert, int(ram_mib * MIB))
+    if k == 0:
+        raise ValueError(f"--ram-mib {ram_mib:g} keeps fewer than one expert per layer, which takes "
+                         f"{int(trace.expert_bytes.sum()) / MIB:.1f} MiB")
+    return k
 
 
 def per_layer_slots(trace: RouteTrace, budget_mib: float) -> int:

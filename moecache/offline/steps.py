@@ -25,8 +25,8 @@ from ..core.policies import NextUse
 from ..core.traces import DECODE, PREFILL, WINDOW_STEPS, RouteTrace
 from .upstream import DEFAULT_UBATCH
 
-PER_LAYER, GLOBAL, UPSTREAM = "per-layer", "global", "upstream"
-PREFILL_MODES = ("warm", "off", "plain")  # the per-layer model's prompts (moecache.offline.replay)
+PER_LAYER, GLOBAL, UPSTREAM, PAGE_CACHE = "per-layer", "global", "upstream", "page-cache"
+PREFILL_MODES = ("warm", "off", "plain", "lookup")  # the per-layer model's prompts (moecache.offline.replay)
 
 _prepared: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # trace -> {key: NextUse}
 
@@ -115,12 +115,12 @@ def _observations(trace, prefill):
     """The per-layer model's steps: (n_layers, n) ids, what the live cache would observe, in
     order. The decode tokens of one recorded batch (a multi-token ubatch) are one observation;
     a turn's prompt is one ("plain"), or one per recorded batch, else per ubatch of
-    DEFAULT_UBATCH tokens, as llama.cpp splits it ("warm"), or none ("off")."""
+    DEFAULT_UBATCH tokens, as llama.cpp splits it ("warm", "lookup"), or none ("off")."""
     for prompt, decode in _phases(trace):
         if prefill == "plain" and prompt.size:
             yield False, [_together(trace.ids[prompt])]
             trace.drop_pages()
-        elif prefill == "warm" and prompt.size:
+        elif prefill in ("warm", "lookup") and prompt.size:
             batch = trace.batch[prompt]
             if (batch < 0).all():
                 batch = np.arange(prompt.size) // DEFAULT_UBATCH

@@ -1,0 +1,210 @@
+"""The offline model of a model larger than RAM (python -m moecache.replay --ram-mib): the RAM tier
+replayed through the engine must count what the live tier counted, stock mmap's page cache must
+read the pages a hand count says, and the flags' bad values are one line."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import N_THREADS, PROMPT, TRACES
+
+from moecache.core.banks import ram_slots
+from moecache.core.traces import PREFILL, RouteTrace, read_trace
+from moecache.offline.cli import main
+from moecache.offline.cost import Disk
+from moecache.offline.pagecache import PAGE, ExpertLayout, LruPageCache, TwoListPageCache
+from moecache.offline.replay import MIB, PAGE_CACHE, PER_LAYER, ram_tier_slots, simulate
+
+SYNTH = TRACES / "synth-qwen3-30b-a3b-L8.ram-tier.route.csv"
+PROG = "python -m moecache.replay"
+
+
+def cli(*args):
+    """main() in this process; the exit status, also when argparse exits."""
+    try:
+        return main([str(a) for a in args])
+    except SystemExit as e:
+        return e.code
+
+
+def ram_tier_replay(trace, ram_mib, policy="default"):
+    """The RAM tier as --ram-mib replays it: RAM_MIB's K, eager admission, INSERTS = K, prompts looked up."""
+    k = ram_tier_slots(trace, ram_mib)
+    return simulate(trace, PER_LAYER, policy, k, inserts=k, admission="eager", prefill="lookup")
+
+
+LIVE_COUNTS = ("hits", "misses", "uploads", "evictions")
+
+
+def test_the_shipped_tier_trace_replays_to_the_live_tiers_counts():
+    """traces/synth-qwen3-30b-a3b-L8.ram-tier.route.csv was recorded by the live tier
+    (LLAMA_MOE_CACHE_RAM_MIB=932, WAIT=1, the default policy) on the 8-layer synthetic
+    qwen3-30b-a3b, whose stats printed these totals."""
+    trace = read_trace(str(SYNTH))
+    assert trace.phase[0] == PREFILL and int((trace.phase == PREFILL).sum()) == 73  # the prompt, one ubatch
+    run = ram_tier_replay(trace, 932)
+    assert run.slots == 46
+    assert {name: run.totals_all[name] for name in LIVE_COUNTS} == \
+        {"hits": 801, "misses": 4255, "uploads": 489, "evictions": 128}
+
+
+def test_a_live_tier_trace_replays_to_the_same_counts(smol_path, tmp_path):
+    """Record the live tier's routing on smol-moe, replay it: every counter the same."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from moecache.live.activate import attach
+    from moecache.live.decode import greedy
+    from moecache.live.placement import experts_from_file
+
+    with experts_from_file():
+        llm = llama_cpp.Llama(smol_path, n_gpu_layers=0, n_ctx=512, n_threads=N_THREADS,
+                              n_threads_batch=N_THREADS, verbose=False)
+    path = tmp_path / "tier.csv"
+    cache = attach(llm, ram_mib=100, trace=str(path), wait=1)
+    greedy(llm, PROMPT, 32)
+    live = cache.stats()
+    llm.close()
+    assert 0 < live["totals"]["hits"] < live["totals"]["misses"] + live["totals"]["hits"]
+    trace = read_trace(str(path))
+    assert trace.phase[0] == PREFILL  # the prompt's ubatch, looked up by the tier, recorded as a prompt
+    run = ram_tier_replay(trace, 100)
+    assert run.slots == cache.slots < trace.n_expert
+    assert {name: run.totals_all[name] for name in LIVE_COUNTS} == \
+        {name: live["totals"][name] for name in LIVE_COUNTS}
+
+
+def test_ram_slots_is_the_live_tiers_rule():
+    assert ram_slots([2654208] * 8, 128, 932 * MIB) == 46   # the plan the live tier printed: 931.5 MiB
+    assert ram_slots([2654208] * 8, 128, 931 * MIB) == 45
+    assert ram_slots([2654208] * 8, 128, 8 * 2654208 - 1) == 0
+    assert ram_slots([10, 20], 4, 10**9) == 4              # never more than a layer has
+
+
+# --- stock mmap's page cache, counted by hand ------------------------------------------------
+# One MoE layer of 4 experts whose parts (gate, up, down) are 2 pages each: the file's pages are
+# gate 0-7 (expert e: 2e, 2e+1), up 8-15, down 16-23.
+
+def layout():
+    return ExpertLayout([3 * 2 * PAGE], 4)
+
+
+def cached(cache):
+    return set(np.flatnonzero(cache._stamp).tolist())
+
+
+def test_layout_puts_each_experts_slice_where_its_tensor_has_it():
+    lay = layout()
+    assert lay.file_bytes == 24 * PAGE
+    assert [lay.pages(0, part, 1) for part in range(3)] == [(2, 4), (10, 12), (18, 20)]
+
+
+def test_page_cache_without_readahead_faults_every_page_and_lru_thrashes():
+    cache = LruPageCache(layout(), 4 * PAGE, 0)
+    cache.step([[0]])  # pages 0, 1, 8, 9, 16, 17 fault one by one; 16 and 17 push out 0 and 1
+    assert cache.totals() == {"hits": 0, "misses": 1, "uploads": 6, "upload_bytes": 6 * PAGE, "faults": 6,
+                              "lookup_bytes": 6 * PAGE, "evictions": 2}
+    assert cached(cache) == {8, 9, 16, 17}
+    cache.step([[0]])  # each page read pushes out the one needed next: all six fault again
+    assert cache.counters["faults"] == 12 and cache.counters["misses"] == 2
+    assert cached(cache) == {8, 9, 16, 17}
+    roomy = LruPageCache(layout(), 6 * PAGE, 0)
+    roomy.step([[0]])
+    roomy.step([[0]])
+    assert roomy.counters["faults"] == 6 and roomy.counters["hits"] == 1
+
+
+def test_page_cache_readahead_reads_around_the_fault_and_streams_on_its_mark():
+    """read_ahead_kb 8 is doubled to 16 KiB: 4 pages. A fault on page p reads [p-2, p+2) and marks
+    p+1; touching the mark reads the 4 pages from the first one missing after it, marking that."""
+    cache = LruPageCache(layout(), 100 * PAGE, 8)
+    assert cache.ra_pages == 4
+    cache.step([[1]])
+    # gate 2: fault, [0, 4) read, 3 marked; 3: mark, [4, 8) read, 4 marked; up 10: fault, [8, 12),
+    # 11 marked; 11: [12, 16), 12 marked; down 18: fault, [16, 20); 19: [20, 24), 20 marked
+    assert cache.counters["faults"] == 3 and cache.counters["uploads"] == 24 and cache.counters["misses"] == 1
+    assert np.flatnonzero(cache._marked).tolist() == [4, 12, 20]
+    cache.step([[0]])  # all cached, no mark touched
+    assert cache.counters["uploads"] == 24 and cache.counters["hits"] == 1
+    cache.step([[2]])  # touches the marks 4, 12, 20: nothing after them is missing, nothing read
+    assert cache.counters["uploads"] == 24 and cache.counters["hits"] == 2 and not cache._marked.any()
+
+
+def test_two_lists_drop_an_unused_page_before_a_used_one():
+    """The kernel's two lists: a page the CPU read gets a second pass of the inactive list; a
+    readahead page nobody read goes first (pure LRU drops the oldest, read or not)."""
+    lay = ExpertLayout([3 * PAGE], 4)  # parts of one page: gate e at page e, up at 4 + e, down at 8 + e
+    # read_ahead_kb 4, doubled: a fault on p reads [p - 1, p + 1). Expert 0 faults on 0 (reads 0, 1),
+    # 4 (reads 3, 4), 8 (reads 7, 8): 6 pages in a cache of 4, 2 dropped
+    for cls, kept in ((LruPageCache, {3, 4, 7, 8}), (TwoListPageCache, {0, 4, 7, 8})):
+        cache = cls(lay, 4 * PAGE, 4)
+        cache.step([[0]])
+        assert cache.counters["faults"] == 3 and cache.counters["uploads"] == 6
+        assert cache.counters["evictions"] == 2 and cached(cache) == kept, cls.name
+
+
+def test_two_lists_activate_a_page_used_at_two_scans():
+    lay = ExpertLayout([3 * PAGE], 4)
+    cache = TwoListPageCache(lay, 3 * PAGE, 0)
+    cache.step([[0]])  # pages 0, 4, 8: the cache is full
+    # page 1: the scan passes 0, 4, 8 and 1 (each read once: rotated, referenced), then drops 0;
+    # page 5 drops 4, page 9 drops 8
+    cache.step([[1]])
+    assert cached(cache) == {1, 5, 9} and cache._referenced[[1, 5, 9]].tolist() == [True, False, False]
+    cache.step([[1]])
+    # page 2: page 1, read at this scan and the one before, is activated; 5, 9 and 2 rotate, 5 is
+    # dropped; page 6 drops 9, page 10 drops 2
+    cache.step([[2]])
+    assert cache._list[1] == TwoListPageCache.ACTIVE and cached(cache) == {1, 6, 10}
+    assert cache.counters["evictions"] == 6
+
+
+# --- the time model and the command line ---------------------------------------------------------
+
+def test_disk_time_is_compute_waits_and_bytes():
+    disk = Disk(gbps=1.0, read_us=50)
+    # 2e6 bytes at 2 GB/s: 1 ms; 4 waits of 50 us: 0.2 ms; 3e6 bytes at 1 GB/s: 3 ms; over 2 tokens
+    assert disk.token_ms(2.0, 2e6, 3e6, 4, 2) == pytest.approx((1 + 0.2 + 3) / 2)
+    run = ram_tier_replay(read_trace(str(SYNTH)), 932)
+    read, waits = run.disk_reads()
+    assert read == run.totals["misses"] * 2654208  # eager, no prefetch: every read is a miss
+    assert run.disk_ms(5.26, Disk(0.95, 40)) == pytest.approx(
+        (run.totals["lookup_bytes"] / 5.26e6 + waits * 0.04 + read / 0.95e6) / run.decode_steps)
+
+
+def test_page_cache_runs_through_the_one_driver():
+    trace = RouteTrace.from_routing(np.array([[[0, 1]], [[0, 1]], [[2, 3]]]), 4, expert_bytes=[3 * PAGE])
+    run = simulate(trace, PAGE_CACHE, "lru", 1.0, read_ahead_kb=0)
+    assert (run.totals["hits"], run.totals["misses"], run.totals["faults"]) == (2, 4, 12)
+    assert run.disk_reads() == (12 * PAGE, 12)
+    with pytest.raises(ValueError, match="read_ahead_kb is a page-cache model option"):
+        simulate(trace, PER_LAYER, "lru", 2, read_ahead_kb=128)
+    with pytest.raises(ValueError, match="unknown policy 'clock' for the page-cache model; valid: lru, two-list"):
+        simulate(trace, PAGE_CACHE, "clock", 1.0, read_ahead_kb=0)
+
+
+def test_cli_prints_the_tier_beside_stock_mmap(capsys):
+    assert main([str(SYNTH), "--ram-mib", "932", "--disk-gbps", "0.95", "--read-ahead-kb", "8192",
+                 "--host-gbps", "5.26", "--policies", "default"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.startswith(("RAM tier", "mmap"))]
+    assert [row[:2] for row in rows] == [["RAM", "tier"], ["mmap", "lru"], ["mmap", "two-list"]]
+    assert rows[0][-6:] == ["46", "83.4", "28.1", "6.3", "62.16", "16.09"]
+    assert "per-layer cache" not in out  # --ram-mib alone runs no device model
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--ram-mib", "0", "--disk-gbps", "1"], "argument --ram-mib: '0': budgets must be finite numbers > 0"),
+    (["--ram-mib", "-5", "--disk-gbps", "1"], "argument --ram-mib: '-5': budgets must be finite numbers > 0"),
+    (["--ram-mib", "900", "--disk-gbps", "-1"], "argument --disk-gbps: '-1': a bandwidth must be a finite number"),
+    (["--ram-mib", "900", "--disk-gbps", "0"], "argument --disk-gbps: '0': a bandwidth must be a finite number"),
+    (["--ram-mib", "900", "--disk-gbps", "1", "--disk-read-us", "-1"], "argument --disk-read-us: '-1': a latency"),
+    (["--ram-mib", "900", "--disk-gbps", "1", "--read-ahead-kb", "-8"], "argument --read-ahead-kb: -8 must be >= 0"),
+    (["--ram-mib", "900"], "--ram-mib needs --disk-gbps"),
+    (["--disk-gbps", "1"], "--disk-gbps time the --ram-mib models: give --ram-mib too"),
+    (["--ram-mib", "20", "--disk-gbps", "1"], "--ram-mib 20 keeps fewer than one expert per layer, which takes 20.2 MiB"),
+    (["--ram-mib", "900", "--disk-gbps", "1", "--plot", "p.png"], "--plot draws the cache models' hit rates by size"),
+])
+def test_cli_bad_ram_flags_are_one_line(capsys, args, message):
+    assert cli(SYNTH, *args) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(f"{PROG}: error: {message}"), err
+    assert err.count("\n") == 1
