@@ -143,8 +143,8 @@ class LiveCache:
                 f"step {s['step_us_mean'] or 0:.0f} us mean, upload wait {s['upload_wait_us'] / 1e3:.1f} ms")
         if self.below:
             ram = s["ram_tier"]
-            line += (f"; RAM tier: hit rate {_rate(ram)} of the device's misses, {ram['totals']['misses']} "
-                     f"read from the file")
+            line += (f"; RAM tier: hit rate {_rate(ram)} of the lookups the device did not serve, "
+                     f"{ram['totals']['misses']} misses")
         return line
 
     def close(self):
