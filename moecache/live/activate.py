@@ -56,7 +56,8 @@ def attach(target, *, config: CacheConfig | None = None, **overrides) -> LiveCac
     ctx = native.as_context(context_of(target))
     existing = next((c for c in reversed(_caches) if c.ctx == ctx and not c.detached), None)
     # a context freed and another allocated at its address has no native cache yet
-    if existing is not None and existing.config == config and native.lib().llama_moe_cache_n_layers(ctx, existing.tier) > 0:
+    if existing is not None and existing.config == config and \
+            native.lib().llama_moe_cache_n_layers(ctx, existing.tier) > 0:
         return existing  # e.g. attached already by LLAMA_MOE_CACHE_SLOTS
     path = getattr(target, "model_path", None) or model_file(ctx)
     name = path or native.model_metadata(ctx, "general.name") or "model"
@@ -73,6 +74,8 @@ def _open_cache(ctx, config: CacheConfig, *, model_name: str, model_path: str | 
         raise ConfigError("LLAMA_MOE_CACHE_SLOTS is 0: the cache is off")
     config = _own_report_files(ctx, config)
     try:
+        # the new cache replaces what the context had, in both tiers (with their step callbacks)
+        _release(ctx)
         ram = open_ram_tier(ctx, config) if config.ram_tier else None
         if not config.device_cache:
             plan, layers = ram
@@ -87,10 +90,14 @@ def _open_cache(ctx, config: CacheConfig, *, model_name: str, model_path: str | 
                                   above=plan.slots)
         return LiveCache(ctx, config, plan, layers, arch=facts.arch, model_name=model_name, below=below)
     except BaseException:
-        # release the slots of both tiers: stock, not an idle split
-        native.init(ctx, 0)
-        native.init(ctx, 0, in_ram=True)
+        _release(ctx)  # stock, not an idle split
         raise
+
+
+def _release(ctx) -> None:
+    """Release the caches of both tiers of ctx."""
+    native.init(ctx, 0)
+    native.init(ctx, 0, in_ram=True)
 
 
 def _own_report_files(ctx, config: CacheConfig) -> CacheConfig:

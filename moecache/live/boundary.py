@@ -122,7 +122,8 @@ class Boundary:
         by_layer = admitted[np.argsort(admitted[:, 0], kind="stable")]
         if not np.array_equal(by_layer, modelled):
             # an empty plan applies nothing; refused, it says why libllama stopped admitting
-            if self.lib.llama_moe_cache_apply(self.ctx, self.tier, *self._rows(()), *self._rows(()), *self._rows(())) == \
+            nothing = self._rows(())
+            if self.lib.llama_moe_cache_apply(self.ctx, self.tier, *nothing, *nothing, *nothing) == \
                     self.lib.LLAMA_MOE_CACHE_FILE_CHANGED:
                 raise file_changed()
             raise RuntimeError(f"libllama admitted {by_layer.tolist()}, the engine's model "

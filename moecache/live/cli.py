@@ -79,7 +79,8 @@ def _run(args) -> int:
     config = CacheConfig.from_env(inserts=args.inserts, policy=args.policy, **sizing)
     model = _model_file(args.model)
     if config.ram_tier:
-        print("run.py: RAM tier: experts read from the model file as selected, the rest in memory", file=sys.stderr)
+        rest = "" if config.device_cache else ", the rest in memory"
+        print(f"run.py: RAM tier: experts read from the model file as selected{rest}", file=sys.stderr)
     if config.device_cache or not config.ram_tier:
         print(f"run.py: experts in host memory, the rest on the {_device()}", file=sys.stderr)
     llm = _load(model, args, config)
