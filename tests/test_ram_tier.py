@@ -274,14 +274,20 @@ def test_both_tiers_are_bit_identical_to_stock_and_count_every_lookup_once(tier_
     llm.close()
 
 
-def test_both_tiers_refuse_together(rpc_device, tier_path):
-    """A RAM budget below one expert per layer: neither tier stays (stock again)."""
+def test_both_tiers_refuse_and_are_replaced_together(rpc_device, tier_path):
+    """A RAM budget below one expert per layer: neither tier stays (stock again). A new cache
+    replaces both tiers: the RAM tier alone leaves no device cache calling a replaced cache."""
     llm = load(tier_path, from_file=True)
     with pytest.raises(CacheUnavailable, match=r"RAM_MIB=1: 1 MiB keep fewer than one expert per layer"):
         attach(llm, slots=2, ram_mib=1)
-    ctx = native.as_context(llm.ctx)
-    assert native.lib().llama_moe_cache_n_layers(ctx, native.DEVICE) == 0
-    assert native.lib().llama_moe_cache_n_layers(ctx, native.RAM) == 0
+    ctx, lib = native.as_context(llm.ctx), native.lib()
+    assert lib.llama_moe_cache_n_layers(ctx, native.DEVICE) == lib.llama_moe_cache_n_layers(ctx, native.RAM) == 0
+    attach(llm, slots=2)
+    assert lib.llama_moe_cache_n_layers(ctx, native.DEVICE) > 0
+    cache = attach(llm, ram_mib=1 << 20)
+    assert lib.llama_moe_cache_n_layers(ctx, native.DEVICE) == 0 < lib.llama_moe_cache_n_layers(ctx, native.RAM)
+    greedy(llm, PROMPT, 4)
+    assert cache.stats()["decode_steps"] == 4 and cache.failed is None  # the RAM tier observes the prompt too
     llm.close()
 
 
