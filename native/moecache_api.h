@@ -44,19 +44,23 @@ typedef void (*llama_moe_cache_context_callback)(struct llama_context * ctx, voi
 const char * llama_moe_cache_version(void);
 void    llama_moe_cache_set_context_callback(llama_moe_cache_context_callback cb, void * user_data);
 struct llama_moe_cache_params llama_moe_cache_default_params(void);
+enum llama_moe_cache_tier {
+    LLAMA_MOE_CACHE_TIER_DEVICE = 0,
+    LLAMA_MOE_CACHE_TIER_RAM    = 1,
+};
 int32_t llama_moe_cache_init(struct llama_context * ctx, struct llama_moe_cache_params params);
-int32_t llama_moe_cache_n_layers(const struct llama_context * ctx);
-bool    llama_moe_cache_layer_info(const struct llama_context * ctx, int32_t i, struct llama_moe_cache_layer_info * info);
-size_t  llama_moe_cache_device_bytes(const struct llama_context * ctx);
-void    llama_moe_cache_set_step_callback(struct llama_context * ctx, llama_moe_cache_step_callback cb, void * user_data);
-const int32_t * llama_moe_cache_observed(struct llama_context * ctx, int32_t * n_cols, int32_t * stride);
-const int32_t * llama_moe_cache_observed_stock(struct llama_context * ctx, int32_t * n_cols, int32_t * stride);
+int32_t llama_moe_cache_n_layers(const struct llama_context * ctx, enum llama_moe_cache_tier tier);
+bool    llama_moe_cache_layer_info(const struct llama_context * ctx, enum llama_moe_cache_tier tier, int32_t i, struct llama_moe_cache_layer_info * info);
+size_t  llama_moe_cache_device_bytes(const struct llama_context * ctx, enum llama_moe_cache_tier tier);
+void    llama_moe_cache_set_step_callback(struct llama_context * ctx, enum llama_moe_cache_tier tier, llama_moe_cache_step_callback cb, void * user_data);
+const int32_t * llama_moe_cache_observed(struct llama_context * ctx, enum llama_moe_cache_tier tier, int32_t * n_cols, int32_t * stride);
+const int32_t * llama_moe_cache_observed_stock(struct llama_context * ctx, enum llama_moe_cache_tier tier, int32_t * n_cols, int32_t * stride);
 enum llama_moe_cache_status {
     LLAMA_MOE_CACHE_OK           =  0,
     LLAMA_MOE_CACHE_BAD_ROW      = -1,
     LLAMA_MOE_CACHE_FILE_CHANGED = -2,
 };
-int32_t llama_moe_cache_apply(struct llama_context * ctx, const int32_t * publish, int32_t n_publish,
+int32_t llama_moe_cache_apply(struct llama_context * ctx, enum llama_moe_cache_tier tier, const int32_t * publish, int32_t n_publish,
                               const int32_t * evict, int32_t n_evict, const int32_t * upload, int32_t n_upload);
 struct llama_moe_cache_handover {
     const int32_t * victims;
@@ -64,11 +68,11 @@ struct llama_moe_cache_handover {
     const double  * worth;
     const int32_t * budget;
 };
-int32_t llama_moe_cache_hand_over(struct llama_context * ctx, const struct llama_moe_cache_handover * handover);
-const int32_t * llama_moe_cache_admitted(struct llama_context * ctx, int32_t * n_rows);
-int64_t llama_moe_cache_wait_uploads(struct llama_context * ctx);
-int32_t llama_moe_cache_uploads_pending(struct llama_context * ctx);
-bool    llama_moe_cache_get_counters(struct llama_context * ctx, int32_t i, struct llama_moe_cache_counters * counters);
+int32_t llama_moe_cache_hand_over(struct llama_context * ctx, enum llama_moe_cache_tier tier, const struct llama_moe_cache_handover * handover);
+const int32_t * llama_moe_cache_admitted(struct llama_context * ctx, enum llama_moe_cache_tier tier, int32_t * n_rows);
+int64_t llama_moe_cache_wait_uploads(struct llama_context * ctx, enum llama_moe_cache_tier tier);
+int32_t llama_moe_cache_uploads_pending(struct llama_context * ctx, enum llama_moe_cache_tier tier);
+bool    llama_moe_cache_get_counters(struct llama_context * ctx, enum llama_moe_cache_tier tier, int32_t i, struct llama_moe_cache_counters * counters);
 
 const struct llama_model * llama_get_model(const struct llama_context * ctx);
 uint32_t llama_n_ubatch(const struct llama_context * ctx);

@@ -54,15 +54,16 @@ def tiny_path():
     return str(tiny_moe(n_layer=2, n_expert=8))
 
 
-def load(path, *, n_gpu_layers=-1, experts_on_host=True, repack=False, n_ctx=512, verbose=False,
+def load(path, *, n_gpu_layers=-1, experts_on_host=True, repack=False, from_file=False, n_ctx=512, verbose=False,
          **llama_kwargs):
     import llama_cpp
 
+    from moecache.live.placement import experts_from_file
     from moecache.live.placement import experts_on_host as host_experts
 
-    # experts on host, or everything where n_gpu_layers puts it without repacking (the RPC
-    # server does not repack)
-    placement = (host_experts(repack=repack) if experts_on_host
+    # experts on host (from_file: mapped and unread, for the RAM tier), or everything where
+    # n_gpu_layers puts it without repacking (the RPC server does not repack)
+    placement = (experts_from_file() if from_file else host_experts(repack=repack) if experts_on_host
                  else default_params("llama_model_default_params", use_extra_bufts=repack))
     with placement:
         llm = llama_cpp.Llama(path, n_gpu_layers=n_gpu_layers, n_ctx=n_ctx, n_threads=N_THREADS,

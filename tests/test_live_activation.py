@@ -23,7 +23,7 @@ UNMODIFIED_PROGRAM = """
     out = llm.create_completion("The three primary colors are", max_tokens=24, temperature=0.0)
     print("TEXT=" + repr(out["choices"][0]["text"]))
     import llama_cpp, moecache.live.native as native
-    print("LAYERS=%d" % native.lib().llama_moe_cache_n_layers(native.as_context(llm.ctx)))
+    print("LAYERS=%d" % native.lib().llama_moe_cache_n_layers(native.as_context(llm.ctx), native.DEVICE))
 """
 
 

@@ -72,7 +72,7 @@ def test_a_bad_profile_releases_the_cache(tmp_path, rpc_device, tiny_path, conte
     with pytest.raises(ConfigError) as err:
         attach(llm, slots=2, profile=str(profile))
     assert str(err.value).startswith("LLAMA_MOE_CACHE_PROFILE: ") and message in str(err.value)
-    assert native.lib().llama_moe_cache_n_layers(native.as_context(llm.ctx)) == 0
+    assert native.lib().llama_moe_cache_n_layers(native.as_context(llm.ctx), native.DEVICE) == 0
 
 
 def test_a_refused_plan_freezes_the_cache_and_decoding_stays_exact(rpc_device, tiny_path):
@@ -105,7 +105,7 @@ def test_device_allocation_failure_keeps_decode_stock(rpc_device, tiny_path):
     llm = load(tiny_path)
     ctx = native.as_context(llm.ctx)
     assert native.init(ctx, 1 << 30) == 0  # far beyond the device
-    assert native.lib().llama_moe_cache_n_layers(ctx) == 0
+    assert native.lib().llama_moe_cache_n_layers(ctx, native.DEVICE) == 0
     tokens, logits = greedy(llm, PROMPT, 16)
     assert tokens == stock[0] and np.array_equal(logits, stock[1])
 
@@ -129,6 +129,6 @@ def test_a_model_without_a_device_is_refused_and_stock(capfd, rpc_device, tiny_p
         logger.setLevel(level)
     lines = [line for line in capfd.readouterr().err.splitlines() if "expert cache disabled" in line]
     assert len(lines) == 1 and "router on a device" in lines[0], lines
-    assert native.lib().llama_moe_cache_n_layers(native.as_context(llm.ctx)) == 0
+    assert native.lib().llama_moe_cache_n_layers(native.as_context(llm.ctx), native.DEVICE) == 0
     tokens, logits = greedy(llm, PROMPT, 16)
     assert tokens == stock[0] and np.array_equal(logits, stock[1])

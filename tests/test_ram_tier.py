@@ -4,7 +4,8 @@ the model file when selected, dropped after use.
 Both runs compute on the CPU with the same plain kernels over the same bytes (the tier changes
 where the bytes come from, not which ones), so the logits must be bit-identical to stock mmap's;
 the engine and libllama must count every lookup, and the model file's mapping must stay within
-the budget (the tier's drops work)."""
+the budget (the tier's drops work). Under a device cache on the loopback RPC device (both tiers)
+the same holds against stock with the experts in host memory and the rest on the device."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import N_THREADS, PROMPT, REPO, default_params, greedy, record_plans, run_python
+from conftest import N_THREADS, PROMPT, REPO, default_params, greedy, load, record_plans, run_python
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
@@ -32,6 +33,12 @@ def load_from_file(path):
     with experts_from_file():
         return llama_cpp.Llama(path, n_gpu_layers=0, n_ctx=512, n_threads=N_THREADS, n_threads_batch=N_THREADS,
                                verbose=False)
+
+
+def bytes_read() -> int:
+    """Bytes this process has passed through read calls (rchar of /proc/self/io)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
 
 
 def mapped_rss(path: str) -> int:
@@ -128,7 +135,7 @@ def test_ram_tier_refusals(tier_path, expert_bytes):
     llm = load_from_file(tier_path)
     with pytest.raises(CacheUnavailable, match=r"RAM_MIB=1: 1 MiB keep fewer than one expert per layer"):
         attach(llm, ram_mib=1)
-    assert native.lib().llama_moe_cache_n_layers(native.as_context(llm._ctx.ctx)) == 0  # stock again
+    assert native.lib().llama_moe_cache_n_layers(native.as_context(llm._ctx.ctx), native.RAM) == 0  # stock again
     llm.close()
     # experts read into memory: dropping their pages would lose them, so no tier
     with default_params("llama_model_default_params", use_extra_bufts=False):
@@ -136,8 +143,6 @@ def test_ram_tier_refusals(tier_path, expert_bytes):
     with pytest.raises(CacheUnavailable, match="no MoE layer has its experts mapped from the model file"):
         attach(loaded, ram_mib=1000)
     loaded.close()
-    with pytest.raises(ConfigError, match="RAM_MIB=100 and LLAMA_MOE_CACHE_SLOTS=4: the RAM tier and a device"):
-        CacheConfig(ram_mib=100, slots=4)
     with pytest.raises(ConfigError, match="LLAMA_MOE_CACHE_RAM_MIB"):
         CacheConfig.from_env({"LLAMA_MOE_CACHE_RAM_MIB": "lots"})
 
@@ -167,17 +172,24 @@ def test_run_py_ram_mib(smol_path):
 
 
 @pytest.mark.parametrize("change", ["rewritten in place", "truncated"])
-def test_ram_tier_stops_decoding_when_the_model_file_changes(tmp_path, change, caplog):
+@pytest.mark.parametrize("device", [False, True], ids=["alone", "under a device cache"])
+def test_ram_tier_stops_decoding_when_the_model_file_changes(tmp_path, change, device, request):
     """A file rewritten under a running tier (same size, its mtime restored) or cut short: the next
     decode fails with one logged line and every later one too; never a crash (a read past a cut
-    mapping is a SIGBUS) or an output computed from other bytes."""
+    mapping is a SIGBUS) or an output computed from other bytes. Under a device cache too (its
+    uploads read the same file)."""
     from moecache.models import tiny_moe
 
     path = tmp_path / "model.gguf"
     path.write_bytes(tiny_moe(n_layer=2, n_expert=8, n_embd=128).read_bytes())
-    llm = load_from_file(str(path))
-    cache = attach(llm, ram_mib=1, wait=1)  # fewer experts kept than a layer has: reads go on
-    assert 0 < cache.slots < cache.layers[0].n_expert
+    if device:
+        request.getfixturevalue("rpc_device")
+        llm = load(str(path), from_file=True)
+        tier = attach(llm, slots=1, ram_mib=1, wait=1).below
+    else:
+        llm = load_from_file(str(path))
+        tier = attach(llm, ram_mib=1, wait=1)
+    assert 0 < tier.slots < tier.layers[0].n_expert  # fewer experts kept than a layer has: reads go on
     llm.eval(llm.tokenize(PROMPT))
     size, stat = path.stat().st_size, path.stat()
     with open(path, "r+b") as f:
@@ -193,4 +205,119 @@ def test_ram_tier_stops_decoding_when_the_model_file_changes(tmp_path, change, c
     for _ in range(2):  # the failure stays
         with pytest.raises(RuntimeError, match="llama_decode returned -3"):
             llm.eval([llm.token_eos()])
-    assert "the model file changed" in cache.failed
+    assert "the model file changed" in tier.failed
+
+
+# --- both tiers: a device cache over the RAM tier ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smol_stock_rpc(rpc_device, smol_path):
+    """Stock llama.cpp with the experts in host memory (mapped, plain buffers) and the rest on the
+    RPC device, no cache (smol_path: not the tier's file, whose residency is measured)."""
+    llm = load(smol_path)
+    run = greedy(llm, PROMPT, N_TOKENS)
+    llm.close()
+    return run
+
+
+@pytest.mark.parametrize("admission", ["eager", "boundary"])
+def test_both_tiers_are_bit_identical_to_stock_and_count_every_lookup_once(tier_path, smol_stock_rpc,
+                                                                            expert_bytes, admission):
+    per_k, n_layers, n_expert = expert_bytes
+    llm = load(tier_path, from_file=True)
+    cache = attach(llm, slots=2, ram_mib=4 * per_k // MIB + 1, policy="lru", wait=1, admission=admission)
+    ram = cache.below
+    assert (cache.slots, ram.slots) == (2, 4) and cache.slots < ram.slots < n_expert
+    assert ram.layers[0].device == "RAM" and cache.layers[0].device != "RAM"
+    assert [layer.il for layer in ram.layers] == [layer.il for layer in cache.layers]
+    assert cache.layers[0].from_file  # the device's uploads read the file, not the mapping
+    device_plans, ram_plans = record_plans(cache), record_plans(ram)
+    read_before = bytes_read()
+    tokens, logits = greedy(llm, PROMPT, N_TOKENS)
+    read = bytes_read() - read_before
+
+    assert tokens == smol_stock_rpc[0]
+    assert np.array_equal(logits, smol_stock_rpc[1]), f"max |diff| {np.abs(logits - smol_stock_rpc[1]).max()}"
+
+    # every boundary steps both tiers, the device first: the RAM tier saw the prompt (the stock
+    # graph, its observer) and, in each decode step, exactly the device's misses (-1 where it hit)
+    assert len(device_plans) == len(ram_plans)
+    observed = [(d, r) for d, r in zip(device_plans, ram_plans) if d.hit_mask is not None]
+    assert observed[0][0].prefill and not observed[0][1].prefill
+    for d, r in observed[1:]:
+        assert np.array_equal(r.observed, np.where(d.hit_mask, -1, d.observed))
+    stats = cache.stats()
+    assert stats["ram_tier"] == ram.stats() and stats["ram_tier"]["tier"] == "RAM"
+    k, n_prompt = cache.n_used, len(llm.tokenize(PROMPT))
+    decode_lookups = k * n_layers * (N_TOKENS - 1)
+    prompt_lookups = k * (n_layers * n_prompt - n_prompt + 1)  # the last layer runs the output only
+    device, below = stats["totals"], stats["ram_tier"]["totals"]
+    assert device["hits"] + device["misses"] == decode_lookups
+    assert below["hits"] + below["misses"] == device["misses"] + prompt_lookups
+    assert 0 < device["hits"] and 0 < below["hits"] and 0 < below["misses"]  # each tier serves some
+    # libllama's observers agree, plus the graph not observed yet
+    dev_native, ram_native = cache.native_counters(), ram.native_counters()
+    assert sum(c["hits"] + c["misses"] for c in dev_native) == decode_lookups + n_layers * k
+    for d, r in zip(dev_native, ram_native):
+        assert r["hits"] + r["misses"] >= d["misses"]  # and the prompt's
+    assert sum(r["hits"] + r["misses"] - d["misses"] for d, r in zip(dev_native, ram_native)) == prompt_lookups
+    uploaded, ram_read = (sum(c["upload_bytes"] for c in counters) for counters in (dev_native, ram_native))
+    assert uploaded > 0 and ram_read > 0
+
+    # the device's uploads read the model file (read calls, which /proc/self/io counts, the page
+    # cache's hits too), not the mapping; what is mapped is the RAM tier's slots (and under one
+    # expert per layer read for the last token)
+    assert read >= uploaded + ram_read, (read, uploaded, ram_read)
+    resident = mapped_rss(tier_path)
+    assert resident < (ram.slots + 1) * per_k + 4 * MIB < (ram.slots + cache.slots) * per_k, resident / MIB
+    llm.close()
+
+
+def test_both_tiers_refuse_and_are_replaced_together(rpc_device, tier_path):
+    """A RAM budget below one expert per layer: neither tier stays (stock again). A new cache
+    replaces both tiers: the RAM tier alone leaves no device cache calling a replaced cache."""
+    llm = load(tier_path, from_file=True)
+    with pytest.raises(CacheUnavailable, match=r"RAM_MIB=1: 1 MiB keep fewer than one expert per layer"):
+        attach(llm, slots=2, ram_mib=1)
+    ctx, lib = native.as_context(llm.ctx), native.lib()
+    assert lib.llama_moe_cache_n_layers(ctx, native.DEVICE) == lib.llama_moe_cache_n_layers(ctx, native.RAM) == 0
+    attach(llm, slots=2)
+    assert lib.llama_moe_cache_n_layers(ctx, native.DEVICE) > 0
+    cache = attach(llm, ram_mib=1 << 20)
+    assert lib.llama_moe_cache_n_layers(ctx, native.DEVICE) == 0 < lib.llama_moe_cache_n_layers(ctx, native.RAM)
+    greedy(llm, PROMPT, 4)
+    assert cache.stats()["decode_steps"] == 4 and cache.failed is None  # the RAM tier observes the prompt too
+    llm.close()
+
+
+def test_zero_code_both_tiers_size_themselves(smol_path):
+    run = run_python(f"""
+        from moecache.live.rpc import RpcDevice
+        device = RpcDevice(threads=1)
+        import llama_cpp
+        llm = llama_cpp.Llama({smol_path!r}, n_gpu_layers=-1, n_ctx=512, verbose=False)
+        print(llm.create_completion("The three primary colors are", max_tokens=16, temperature=0)["choices"][0]["text"])
+        from moecache.live.activate import live_caches
+        cache = live_caches()[0]
+        stats = cache.stats()
+        print("TIERS", cache.slots, cache.below.slots, stats["ram_tier"]["tier"],
+              stats["totals"]["hits"] + stats["totals"]["misses"] > 0,
+              stats["ram_tier"]["totals"]["hits"] + stats["ram_tier"]["totals"]["misses"] > 0)
+        llm.close()
+    """, {"LLAMA_MOE_CACHE_SLOTS": "2", "LLAMA_MOE_CACHE_RAM_MIB": "auto", "LLAMA_MOE_CACHE_DEBUG": "1"})
+    assert run.returncode == 0, run.stderr
+    assert "RAM tier" in run.stderr and "may be used" in run.stderr and "the device did not serve" in run.stderr, \
+        run.stderr
+    tiers = next(line for line in run.stdout.splitlines() if line.startswith("TIERS")).split()
+    assert tiers[1] == "2" and int(tiers[2]) >= 1 and tiers[3:] == ["RAM", "True", "True"], tiers
+
+
+def test_run_py_ram_mib_with_slots(smol_path):
+    import subprocess
+
+    run = subprocess.run([sys.executable, os.path.join(REPO, "run.py"), "-m", smol_path, "--ram-mib", "200",
+                          "--slots", "2", "-n", "8", "--no-chat"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "RAM tier" in run.stderr and "loopback RPC device" in run.stderr, run.stderr
+    assert "layers x 2 slots" in run.stderr and "the device did not serve" in run.stderr, run.stderr

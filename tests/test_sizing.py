@@ -382,7 +382,7 @@ def test_a_budget_without_the_model_file_is_one_line_and_releases_the_trial(rpc_
         attach(llm.ctx, mib=4)  # a bare context: no Llama to say which file it came from
     assert str(err.value) == ("LLAMA_MOE_CACHE_MIB=4: sizing by memory needs the model's GGUF file: "
                               "attach a llama_cpp.Llama")
-    assert native.lib().llama_moe_cache_n_layers(native.as_context(llm.ctx)) == 0
+    assert native.lib().llama_moe_cache_n_layers(native.as_context(llm.ctx), native.DEVICE) == 0
 
 
 @pytest.mark.parametrize("settings,trial", [({"slots": 3}, []), ({"mib": "auto", "reserve_mib": 0}, [1, 0])])

@@ -56,7 +56,8 @@ def attach(target, *, config: CacheConfig | None = None, **overrides) -> LiveCac
     ctx = native.as_context(context_of(target))
     existing = next((c for c in reversed(_caches) if c.ctx == ctx and not c.detached), None)
     # a context freed and another allocated at its address has no native cache yet
-    if existing is not None and existing.config == config and native.lib().llama_moe_cache_n_layers(ctx) > 0:
+    if existing is not None and existing.config == config and \
+            native.lib().llama_moe_cache_n_layers(ctx, existing.tier) > 0:
         return existing  # e.g. attached already by LLAMA_MOE_CACHE_SLOTS
     path = getattr(target, "model_path", None) or model_file(ctx)
     name = path or native.model_metadata(ctx, "general.name") or "model"
@@ -66,28 +67,37 @@ def attach(target, *, config: CacheConfig | None = None, **overrides) -> LiveCac
 
 def _open_cache(ctx, config: CacheConfig, *, model_name: str, model_path: str | None,
                 tensor_split=None) -> LiveCache:
-    """Probe the model, plan the cache (K), allocate it once, then the cache on it."""
+    """Probe the model, plan the cache (K), allocate it once, then the cache on it. With both
+    tiers the RAM tier is planned first (its budget leaves out nothing the device holds), then
+    the device cache over it."""
     if not config.enabled:
         raise ConfigError("LLAMA_MOE_CACHE_SLOTS is 0: the cache is off")
     config = _own_report_files(ctx, config)
-    if config.ram_tier:
-        try:
-            plan, layers = open_ram_tier(ctx, config)
-            return LiveCache(ctx, config, plan, layers, arch=native.model_metadata(ctx, "general.architecture") or "?",
-                             model_name=model_name)
-        except BaseException:
-            native.init(ctx, 0)
-            raise
-    facts = probe(ctx, config, model_path)
-    plan = sizing.plan_cache(config, facts, tensor_split)
     try:
+        # the new cache replaces what the context had, in both tiers (with their step callbacks)
+        _release(ctx)
+        ram = open_ram_tier(ctx, config) if config.ram_tier else None
+        if not config.device_cache:
+            plan, layers = ram
+            return LiveCache(ctx, config, plan, layers, arch=native.model_metadata(ctx, "general.architecture") or "?",
+                             model_name=model_name, tier=native.RAM)
+        facts = probe(ctx, config, model_path)
+        plan = sizing.plan_cache(config, facts, tensor_split)
         plan, layers = allocate(ctx, config, plan, facts)
         if not layers:
             raise CacheUnavailable(plan.reason)
-        return LiveCache(ctx, config, plan, layers, arch=facts.arch, model_name=model_name)
+        below = ram and LiveCache(ctx, config, *ram, arch=facts.arch, model_name=model_name, tier=native.RAM,
+                                  above=plan.slots)
+        return LiveCache(ctx, config, plan, layers, arch=facts.arch, model_name=model_name, below=below)
     except BaseException:
-        native.init(ctx, 0)  # release the slots: stock, not an idle split
+        _release(ctx)  # stock, not an idle split
         raise
+
+
+def _release(ctx) -> None:
+    """Release the caches of both tiers of ctx."""
+    native.init(ctx, 0)
+    native.init(ctx, 0, in_ram=True)
 
 
 def _own_report_files(ctx, config: CacheConfig) -> CacheConfig:

@@ -62,7 +62,7 @@ def _allocated(ctx, plan: CachePlan, facts: ModelFacts):
         sizer = slot_bytes(facts, devices)
     except ValueError:  # SLOTS=K needs no sizes: without them some figures stay unknown
         sizer = None
-    allocated = int(native.lib().llama_moe_cache_device_bytes(ctx))
+    allocated = int(native.lib().llama_moe_cache_device_bytes(ctx, native.DEVICE))
     devices = [_allocated_device(d, plan.slots, sizer, allocated if len(devices) == 1 else None, facts)
                for d in devices]
     experts_cached = len(layers) * plan.slots / sizer.model_experts if sizer else None

@@ -44,11 +44,12 @@ class Observed(NamedTuple):
 
 
 class Boundary:
-    """A cache's boundaries: the engine's steps, fed from and applied to libllama's buffers."""
+    """A cache's boundaries: the engine's steps, fed from and applied to libllama's buffers (of the
+    context's cache of one tier)."""
 
-    def __init__(self, ctx, engine: CacheEngine, *, n_layers: int, n_used: int, wait: bool):
+    def __init__(self, ctx, engine: CacheEngine, *, n_layers: int, n_used: int, wait: bool, tier=native.DEVICE):
         self.lib, self.ffi = native.lib(), native.ffi
-        self.ctx, self.engine = ctx, engine
+        self.ctx, self.engine, self.tier = ctx, engine, tier
         self.n_layers, self.n_used, self.wait = n_layers, n_used, wait
         self.wait_us = 0        # spent waiting for uploads (wait)
         self._observed = {}     # stock (bool) -> libllama's observed ids, mapped once
@@ -78,15 +79,15 @@ class Boundary:
         """How many of the uploads due are complete; None: all (waited for). An upload is due
         one step after it started: it had a whole token to finish."""
         if self.wait:
-            self.wait_us += self.lib.llama_moe_cache_wait_uploads(self.ctx)
+            self.wait_us += self.lib.llama_moe_cache_wait_uploads(self.ctx, self.tier)
             return None
         # the worker completes uploads in order: the first ones due are the ready ones
         started = self.engine.uploads_due + len(admitted if admitted is not None else ())
-        return started - self.lib.llama_moe_cache_uploads_pending(self.ctx)
+        return started - self.lib.llama_moe_cache_uploads_pending(self.ctx, self.tier)
 
     def _apply(self, plan) -> None:
         lib = self.lib
-        status = lib.llama_moe_cache_apply(self.ctx, *self._rows(plan.publish), *self._rows(plan.evict),
+        status = lib.llama_moe_cache_apply(self.ctx, self.tier, *self._rows(plan.publish), *self._rows(plan.evict),
                                            *self._rows(plan.upload))
         if status == lib.LLAMA_MOE_CACHE_FILE_CHANGED:
             raise file_changed()
@@ -101,7 +102,7 @@ class Boundary:
     def admitted(self) -> np.ndarray:
         """(n, 3) int32 rows (layer, expert, slot) of the uploads libllama's observers started
         during the last cached graph, in the order they started."""
-        ptr = self.lib.llama_moe_cache_admitted(self.ctx, self._shape)
+        ptr = self.lib.llama_moe_cache_admitted(self.ctx, self.tier, self._shape)
         n = self._shape[0]
         if n == 0:
             return np.empty((0, 3), dtype=np.int32)
@@ -121,7 +122,8 @@ class Boundary:
         by_layer = admitted[np.argsort(admitted[:, 0], kind="stable")]
         if not np.array_equal(by_layer, modelled):
             # an empty plan applies nothing; refused, it says why libllama stopped admitting
-            if self.lib.llama_moe_cache_apply(self.ctx, *self._rows(()), *self._rows(()), *self._rows(())) == \
+            nothing = self._rows(())
+            if self.lib.llama_moe_cache_apply(self.ctx, self.tier, *nothing, *nothing, *nothing) == \
                     self.lib.LLAMA_MOE_CACHE_FILE_CHANGED:
                 raise file_changed()
             raise RuntimeError(f"libllama admitted {by_layer.tolist()}, the engine's model "
@@ -139,7 +141,7 @@ class Boundary:
             h.budget = budget
         h.victims, h.victim_worth = cast("int32_t[]", arrays[0]), cast("double[]", arrays[1])
         h.worth = cast("double[]", arrays[2])
-        return self.lib.llama_moe_cache_hand_over(self.ctx, h)
+        return self.lib.llama_moe_cache_hand_over(self.ctx, self.tier, h)
 
     def _rows(self, jobs):
         """A job table as (pointer, row count) for libllama: (n, 3) int32, C order."""
@@ -152,7 +154,7 @@ class Boundary:
         stock: the stock graph), token by token (-1 where a layer ran fewer tokens), or None."""
         shape = self._shape
         read = self.lib.llama_moe_cache_observed_stock if stock else self.lib.llama_moe_cache_observed
-        ptr = read(self.ctx, shape, shape + 1)
+        ptr = read(self.ctx, self.tier, shape, shape + 1)
         if ptr == self.ffi.NULL:
             return None
         if stock not in self._observed:  # the buffer lives as long as the cache: map it once

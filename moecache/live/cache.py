@@ -2,11 +2,13 @@
 
 A LiveCache is made on slots already allocated (moecache.live.activate: probe, plan, allocate)
 and composes the engine, the decode-step boundary that libllama calls before every ubatch
-(moecache.live.boundary) and what it reports (moecache.live.reports)."""
+(moecache.live.boundary) and what it reports (moecache.live.reports). A context with both tiers
+has two: the device cache's, which reports for both, and the RAM tier's under it."""
 
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import sys
@@ -30,18 +32,26 @@ class LiveCache:
     its context is freed (or at exit)."""
 
     def __init__(self, ctx, config: CacheConfig, plan: CachePlan, layers: list[CachedLayer], *, arch: str,
-                 model_name: str = "model"):
-        """The cache of ctx on its allocated slots (plan, layers: as allocated)."""
+                 model_name: str = "model", tier=native.DEVICE, below: "LiveCache | None" = None,
+                 above: int | None = None):
+        """The cache of ctx's tier on its allocated slots (plan, layers: as allocated). below: the
+        RAM tier's cache under this device cache; above: the slots per layer of the device cache
+        over this RAM tier (it warms up with the profile's experts after the device's, and reports
+        through the device cache: stats, trace and profile are the device cache's)."""
         self.config, self.plan, self.layers = config, plan, layers
+        self.tier, self.below, self.above = tier, below, above
         self.lib, self.ffi = native.lib(), native.ffi
         self.ctx = ctx
         self.slots = plan.slots
         self.n_used = max(layer.n_expert_used for layer in layers)
         self.device_bytes = plan.bytes
-        self.engine = _engine(config, layers, self.slots, self.n_used)
+        self.engine = _engine(config, layers, self.slots, self.n_used, ram=tier == native.RAM, above=above or 0)
+        if above is not None:
+            config = dataclasses.replace(config, stats=None, trace=None, profile=None, debug=0)
         self._trace = TraceRecorder(config.trace, model_name=model_name, arch=arch, layers=layers,
-                                    n_used=self.n_used, ram_tier=config.ram_tier) if config.trace else None
-        self.boundary = Boundary(ctx, self.engine, n_layers=len(layers), n_used=self.n_used, wait=bool(config.wait))
+                                    n_used=self.n_used, ram_tier=tier == native.RAM) if config.trace else None
+        self.boundary = Boundary(ctx, self.engine, n_layers=len(layers), n_used=self.n_used, wait=bool(config.wait),
+                                 tier=tier)
         self.counts = StepCounts()
         self.failed = None
         self.reports = Reports(config, self.engine, stats=self.stats, layers=[layer.il for layer in layers],
@@ -49,12 +59,12 @@ class LiveCache:
         self._closed = False
         self.detached = False
         self._callback = self.ffi.callback("llama_moe_cache_step_callback", self._on_step)
-        self.lib.llama_moe_cache_set_step_callback(ctx, self._callback, self.ffi.NULL)
+        self.lib.llama_moe_cache_set_step_callback(ctx, tier, self._callback, self.ffi.NULL)
         atexit.register(self.close)
         for line in plan.lines():
             log.info("%s", line)
-        filled = ("the model file (RAM tier)" if config.ram_tier else
-                  "the model file (repacked host experts)" if layers[0].from_file else "host memory")
+        filled = ("the model file (RAM tier)" if tier == native.RAM else
+                  "the model file" if layers[0].from_file else "host memory")
         log.info("moecache: policy %s, %d inserts/step, %s admission, slots filled from %s", config.policy,
                  self.engine.inserts, config.admission, filled)
 
@@ -72,7 +82,7 @@ class LiveCache:
             t0 = time.perf_counter_ns()
             self._step()
             self.counts.timed(time.perf_counter_ns() - t0)
-            if self.config.debug and self.counts.steps % self.config.debug == 0:
+            if self.config.debug and self.above is None and self.counts.steps % self.config.debug == 0:
                 print(self.summary(), file=sys.stderr)
         except Exception as e:  # the graph must go on: freeze the cache as it is (still exact)
             self.failed = f"{type(e).__name__}: {e}"
@@ -87,7 +97,7 @@ class LiveCache:
             self._trace.record(observed, self.counts.decode_steps)
         self.counts.add(observed)
         flush = self.config.flush_steps
-        if not observed.prefill and flush and self.counts.decode_steps % flush == 0:
+        if not observed.prefill and flush and self.above is None and self.counts.decode_steps % flush == 0:
             self.reports.flush_in_background()
 
     def admitted(self):
@@ -101,6 +111,7 @@ class LiveCache:
         engine = self.engine.stats([layer.expert_bytes for layer in self.layers])
         counters, counts = engine["layers"], self.counts
         return {
+            "tier": "RAM" if self.tier == native.RAM else "device",
             "slots": self.slots,
             "inserts": self.config.inserts,
             "policy": self.config.policy,
@@ -120,14 +131,21 @@ class LiveCache:
             "layers": [{"layer": layer.il, **{name: counters[name][i] for name in COUNTERS}}
                        for i, layer in enumerate(self.layers)],
             "plan": self.plan.to_json(),
+            # the RAM tier under this device cache: its lookups are this cache's misses (a file
+            # read is its miss)
+            **({"ram_tier": self.below.stats()} if self.below else {}),
         }
 
     def summary(self) -> str:
         s = self.stats()
-        rate = "n/a" if s["hit_rate"] is None else f"{100 * s['hit_rate']:.1f}%"
-        return (f"moecache: {s['decode_steps']} decode steps ({s['decode_tokens']} tokens), hit rate {rate}, "
+        line = (f"moecache: {s['decode_steps']} decode steps ({s['decode_tokens']} tokens), hit rate {_rate(s)}, "
                 f"{s['totals']['uploads']} uploads ({s['totals']['late']} late), {s['totals']['evictions']} evictions, "
                 f"step {s['step_us_mean'] or 0:.0f} us mean, upload wait {s['upload_wait_us'] / 1e3:.1f} ms")
+        if self.below:
+            ram = s["ram_tier"]
+            line += (f"; RAM tier: hit rate {_rate(ram)} of the lookups the device did not serve, "
+                     f"{ram['totals']['misses']} misses")
+        return line
 
     def close(self):
         """Write stats, trace and profile (once: when the context is freed, else at exit). The
@@ -135,7 +153,9 @@ class LiveCache:
         if self._closed:
             return
         self._closed = True
-        if self.config.debug:
+        if self.below:
+            self.below.close()
+        if self.config.debug and self.above is None:
             print(self.summary(), file=sys.stderr)
         self.reports.close()
 
@@ -149,6 +169,8 @@ class LiveCache:
         self.detached = True
         self._closed = True
         atexit.unregister(self.close)
+        if self.below:
+            self.below.detach()
 
     def release(self):
         """Its context is being freed: report now, and let go of this cache."""
@@ -162,19 +184,25 @@ class LiveCache:
         out = []
         c = self.ffi.new("struct llama_moe_cache_counters *")
         for i in range(len(self.layers)):
-            self.lib.llama_moe_cache_get_counters(self.ctx, i, c)
+            self.lib.llama_moe_cache_get_counters(self.ctx, self.tier, i, c)
             out.append({"hits": c.hits, "misses": c.misses, "uploads": c.uploads,
                         "upload_bytes": c.upload_bytes})
         return out
 
 
-def _engine(config: CacheConfig, layers: list[CachedLayer], slots: int, n_used: int) -> CacheEngine:
-    """The engine of the cached layers, warm started from the usage profile when there is one."""
+def _rate(stats: dict) -> str:
+    return "n/a" if stats["hit_rate"] is None else f"{100 * stats['hit_rate']:.1f}%"
+
+
+def _engine(config: CacheConfig, layers: list[CachedLayer], slots: int, n_used: int, *, ram: bool,
+            above: int) -> CacheEngine:
+    """The engine of the cached layers, warm started from the usage profile when there is one
+    (with the experts after the `above` most used: those a device cache above holds)."""
     n_expert = layers[0].n_expert
     if any(layer.n_expert != n_expert for layer in layers):
         raise CacheUnavailable("layers with different expert counts are not supported")
     # the RAM tier reads every miss anyway: each may take a slot, if the policy says it is worth more
-    inserts = slots if config.ram_tier else config.inserts
+    inserts = slots if ram else config.inserts
     engine = CacheEngine(len(layers), n_expert, slots, make_policy(config.policy),
                          inserts=inserts, admission=config.admission)
     if config.profile and os.path.exists(config.profile):
@@ -182,5 +210,5 @@ def _engine(config: CacheConfig, layers: list[CachedLayer], slots: int, n_used: 
             profile = UsageProfile.load(config.profile, layers=[layer.il for layer in layers], n_expert=n_expert)
         except ProfileError as e:
             raise ConfigError(f"LLAMA_MOE_CACHE_PROFILE: {e}") from None
-        engine.preload(profile.top(slots), rates=profile.rates(n_used))
+        engine.preload([top[above:] for top in profile.top(above + slots)], rates=profile.rates(n_used))
     return engine

@@ -32,18 +32,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="size the cache by device memory instead: N MiB over all devices, or auto (their free "
                         "memory less LLAMA_MOE_CACHE_RESERVE_MIB)")
     p.add_argument("--ram-mib", type=_mib_arg, default=None, metavar="N|auto",
-                   help="the RAM tier instead of a device cache: keep N MiB of experts in memory, read the "
-                        "others from the model file (for models larger than RAM)")
+                   help="the RAM tier: keep N MiB of experts in memory, read the others from the model file "
+                        "(for models larger than RAM); with --slots or --cache-mib it serves the device cache's "
+                        "CPU half")
     p.add_argument("--inserts", type=int_arg(minimum=1), default=None, help="uploads per layer per step (default 2)")
     p.add_argument("--policy", default=None, help="cache policy (default: the shipped default)")
     p.add_argument("--no-chat", action="store_true", help="raw completion instead of the chat template")
     args = p.parse_args(argv)
     if args.no_chat and not args.prompt:
         p.error("argument -p/--prompt: empty, and --no-chat has no template: nothing to continue from")
-    given = [flag for flag, size in (("--slots", args.slots), ("--cache-mib", args.cache_mib),
-                                     ("--ram-mib", args.ram_mib)) if size is not None]
-    if len(given) > 1:
-        p.error(f"{' and '.join(given)} {'both' if len(given) == 2 else 'all'} size the cache: give one")
+    if args.slots is not None and args.cache_mib is not None:
+        p.error("--slots and --cache-mib both size the cache: give one")
     return args
 
 
@@ -73,15 +72,16 @@ def main(argv=None) -> int:
 def _run(args) -> int:
     from .config import CacheConfig
 
-    # validate the cache settings before anything slow happens; a flag's size replaces the variables'
-    sizing = ({"mib": args.cache_mib, "slots": 0, "ram_mib": 0} if args.cache_mib is not None else
-              {"slots": args.slots, "mib": 0, "ram_mib": 0} if args.slots is not None else
-              {"ram_mib": args.ram_mib, "slots": 0, "mib": 0} if args.ram_mib is not None else {})
+    # validate the cache settings before anything slow happens; the flags' sizes replace the variables'
+    given = {"mib": args.cache_mib, "slots": args.slots, "ram_mib": args.ram_mib}
+    sizing = {} if all(size is None for size in given.values()) else \
+        {name: 0 if size is None else size for name, size in given.items()}
     config = CacheConfig.from_env(inserts=args.inserts, policy=args.policy, **sizing)
     model = _model_file(args.model)
     if config.ram_tier:
-        print("run.py: RAM tier: experts read from the model file as selected, the rest in memory", file=sys.stderr)
-    else:
+        rest = "" if config.device_cache else ", the rest in memory"
+        print(f"run.py: RAM tier: experts read from the model file as selected{rest}", file=sys.stderr)
+    if config.device_cache or not config.ram_tier:
         print(f"run.py: experts in host memory, the rest on the {_device()}", file=sys.stderr)
     llm = _load(model, args, config)
     n_expert = int(next((v for k, v in llm.metadata.items() if k.endswith(".expert_count")), 0))
@@ -90,8 +90,9 @@ def _run(args) -> int:
     if not sizing and not config.enabled:  # no size given: a quarter of the experts
         config = dataclasses.replace(config, slots=max(1, n_expert // 4))
     cache = _attach_or_stock(llm, config) if config.enabled else None
-    for line in cache.plan.lines() if cache else []:
-        print(line, file=sys.stderr)
+    for tier in (cache, cache.below) if cache else ():
+        for line in tier.plan.lines() if tier else ():
+            print(line, file=sys.stderr)
 
     n_tokens, decode = _generate(llm, args)
     print(f"run.py: {n_tokens} pieces, decode {decode}", file=sys.stderr)

@@ -48,7 +48,8 @@ class CacheConfig:
     ram_mib: int | str = 0         # the RAM tier, for models larger than RAM: the experts kept in
                                    # host memory, in MiB over all layers, the others read from the
                                    # model file when selected; "auto": what the process may use
-                                   # less what it holds (moecache.live.ramtier); 0 = off
+                                   # less what it holds (moecache.live.ramtier); 0 = off. With
+                                   # SLOTS or MIB too, it serves the CPU half of the device cache
 
     def __post_init__(self):
         for name in ("slots", "mib", "ram_mib"):  # an integer, or auto
@@ -58,10 +59,6 @@ class CacheConfig:
         if self.slots and self.mib and (self.slots, self.mib) != ("auto", "auto"):
             raise ConfigError(f"{ENV_PREFIX}SLOTS={self.slots} and {ENV_PREFIX}MIB={self.mib} both size "
                               f"the cache: set one")
-        if self.ram_mib and (self.slots or self.mib):
-            device = f"SLOTS={self.slots}" if self.slots else f"MIB={self.mib}"
-            raise ConfigError(f"{ENV_PREFIX}RAM_MIB={self.ram_mib} and {ENV_PREFIX}{device}: the RAM tier and "
-                              f"a device cache do not run together yet: set one")
         for name, minimum, maximum in (("reserve_mib", 0, None), ("inserts", 1, C_INT_MAX), ("debug", 0, None),
                                        ("wait", 0, 1), ("flush_steps", 0, None),
                                        ("max_batch", 1, MAX_BATCH), ("repack", 0, 1)):
@@ -100,7 +97,12 @@ class CacheConfig:
 
     @property
     def enabled(self) -> bool:
-        return self.slots != 0 or self.mib != 0 or self.ram_tier
+        return self.device_cache or self.ram_tier
+
+    @property
+    def device_cache(self) -> bool:
+        """Slots on the device (SLOTS or MIB)."""
+        return self.slots != 0 or self.mib != 0
 
     @property
     def ram_tier(self) -> bool:
@@ -114,8 +116,8 @@ class CacheConfig:
 
     @property
     def sized_by(self) -> str:
-        """The setting that sizes the cache, as the user wrote it."""
-        name = "slots" if self.slots else "ram_mib" if self.ram_mib else "mib"
+        """The setting that sizes the cache (the device cache's, with both tiers), as the user wrote it."""
+        name = "slots" if self.slots else "mib" if self.mib else "ram_mib"
         return f"{ENV_PREFIX}{name.upper()}={getattr(self, name)}"
 
     @classmethod

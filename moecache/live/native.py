@@ -9,6 +9,10 @@ from .._native import ffi
 # the patch series (patches/) this package was built with, as llama_moe_cache_version() reports it
 PATCH_VERSION = str(ffi.integer_const("LLAMA_MOE_CACHE_VERSION"))
 
+# a context's two caches, as the C API names them: slots on a device, and the RAM tier
+DEVICE = ffi.integer_const("LLAMA_MOE_CACHE_TIER_DEVICE")
+RAM = ffi.integer_const("LLAMA_MOE_CACHE_TIER_RAM")
+
 
 class NotPatchedError(RuntimeError):
     """The loaded libllama is not the moecache-patched build this package needs."""
@@ -40,7 +44,8 @@ def init(ctx, slots: int, *, max_batch: int = 32, in_ram: bool = False) -> int:
     """llama_moe_cache_init: allocate `slots` empty slots per cached layer for ubatches of up to
     max_batch tokens (in_ram: the RAM tier, which keeps `slots` experts per layer in host memory
     and observes every ubatch); the number of cached layers, 0 when none (libllama logs why).
-    slots=0 releases the cache: the stock graph from the next decode on."""
+    slots=0 releases the cache: the stock graph from the next decode on. Each tier has its own
+    cache: this one replaces (or releases) only the cache of its tier."""
     params = lib().llama_moe_cache_default_params()
     params.n_slots = slots
     params.max_batch = max_batch

@@ -84,13 +84,14 @@ def place_experts_on_host(*, repack: bool = True):
 
 
 def apply_from_file(params: llama_cpp_lib.llama_model_params) -> llama_cpp_lib.llama_model_params:
-    """The RAM tier's placement: the routed experts' weights stay mapped and unread (the tier reads
-    the ones it needs), everything else is read into memory up front (not mapped: memory pressure
-    cannot evict it) and placed as the caller asked."""
+    """The RAM tier's placement: the experts in host memory in plain buffers (as apply, for a device
+    cache over the tier), their weights mapped and unread (the tier reads the ones it needs),
+    everything else read into memory up front (not mapped: memory pressure cannot evict it) and
+    placed as the caller asked."""
     from .native import ffi
+    apply(params, repack=False)
     params.lazy_mode = ffi.integer_const("LLAMA_LAZY_MODE_EXPERTS")
     params.load_mode = llama_cpp_lib.LLAMA_LOAD_MODE_NONE
-    params.use_extra_bufts = False
     return params
 
 

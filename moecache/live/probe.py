@@ -33,17 +33,18 @@ class CachedLayer:
     n_expert: int
     n_expert_used: int
     expert_bytes: int   # one expert's banked tensors (weights, biases, scales)
-    from_file: bool     # its slots are read from the model file (repacked host experts)
+    from_file: bool     # its slots are read from the model file (repacked, or mapped and unread)
     device: str         # the buffer type holding its slots
 
 
-def cached_layers(ctx) -> list[CachedLayer]:
-    """The layers of ctx's allocated cache, in libllama's order (none when it has no cache)."""
+def cached_layers(ctx, tier=native.DEVICE) -> list[CachedLayer]:
+    """The layers of ctx's allocated cache of the tier, in libllama's order (none when it has no
+    cache)."""
     lib, ffi = native.lib(), native.ffi
     info = ffi.new("struct llama_moe_cache_layer_info *")
     layers = []
-    for i in range(lib.llama_moe_cache_n_layers(ctx)):
-        if not lib.llama_moe_cache_layer_info(ctx, i, info):
+    for i in range(lib.llama_moe_cache_n_layers(ctx, tier)):
+        if not lib.llama_moe_cache_layer_info(ctx, tier, i, info):
             raise CacheUnavailable(f"no info for cached layer {i}")
         layers.append(CachedLayer(info.il, info.n_expert, info.n_expert_used, int(info.expert_bytes),
                                   bool(info.from_file), ffi.string(info.device).decode(errors="replace")))

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from ..core.banks import ram_slots
 from . import native
+from .config import ENV_PREFIX
 from .probe import CachedLayer, CacheUnavailable, cached_layers
 from .sizing import MIB, CachePlan, DevicePlan
 
@@ -45,11 +46,11 @@ def open_ram_tier(ctx, config) -> tuple[RamPlan, list[CachedLayer]]:
     if native.init(ctx, 1, in_ram=True) <= 0:
         raise CacheUnavailable("no MoE layer has its experts mapped from the model file: load the model with "
                                "moecache.experts_from_file() (LLAMA_MOE_CACHE_RAM_MIB does it for Llama)")
-    layers = cached_layers(ctx)
+    layers = cached_layers(ctx, native.RAM)
     plan = plan_ram(config, layers, int(native.lib().llama_n_ubatch(ctx)))
     if native.init(ctx, plan.slots, in_ram=True) <= 0:
         raise CacheUnavailable(f"{plan.sized_by}: libllama refused {plan.slots} experts per layer (its log says why)")
-    return plan, cached_layers(ctx)
+    return plan, cached_layers(ctx, native.RAM)
 
 
 def plan_ram(config, layers: list[CachedLayer], n_ubatch: int) -> RamPlan:
@@ -57,7 +58,7 @@ def plan_ram(config, layers: list[CachedLayer], n_ubatch: int) -> RamPlan:
     expert_bytes = [layer.expert_bytes for layer in layers]
     per_k = sum(expert_bytes)  # one more expert kept in every layer
     n_expert = min(layer.n_expert for layer in layers)
-    plan = RamPlan(config.sized_by, n_layers=len(layers))
+    plan = RamPlan(f"{ENV_PREFIX}RAM_MIB={config.ram_mib}", n_layers=len(layers))
     if config.ram_mib == "auto":
         plan.limit, plan.limit_source = memory_limit()
         plan.held = resident_bytes()
@@ -70,7 +71,7 @@ def plan_ram(config, layers: list[CachedLayer], n_ubatch: int) -> RamPlan:
     k = ram_slots(expert_bytes, n_expert, budget)  # the offline replay's rule too
     if k < 1:
         detail = "" if plan.limit is None else " (" + plan.lines()[1].removeprefix("moecache:   ") + ")"
-        raise CacheUnavailable(f"{config.sized_by}: {max(0, budget) / MIB:.0f} MiB keep fewer than one expert per "
+        raise CacheUnavailable(f"{plan.sized_by}: {max(0, budget) / MIB:.0f} MiB keep fewer than one expert per "
                                f"layer, which takes {per_k / MIB:.1f} MiB{detail}")
     plan.slots, plan.bytes, plan.experts_cached = k, k * per_k, k / n_expert
     plan.devices = [DevicePlan("RAM", [layer.il for layer in layers], budget=budget, slots=k, bytes=k * per_k,
