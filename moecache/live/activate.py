@@ -16,6 +16,7 @@ from .cache import LiveCache
 from .config import CacheConfig, ConfigError
 from .probe import CacheUnavailable, model_file, probe, track_model_files
 from .ramtier import open_ram_tier
+from .rates import planner_rates
 
 log = logging.getLogger("moecache")
 
@@ -84,7 +85,8 @@ def _open_cache(ctx, config: CacheConfig, *, model_name: str, model_path: str | 
         plan, layers = allocate(ctx, config, plan, facts)
         if not layers:
             raise CacheUnavailable(plan.reason)
-        return LiveCache(ctx, config, plan, layers, arch=facts.arch, model_name=model_name)
+        planner = planner_rates(config, layers, model_path) if config.planner else None
+        return LiveCache(ctx, config, plan, layers, arch=facts.arch, model_name=model_name, planner=planner)
     except BaseException:
         native.init(ctx, 0)  # release the slots: stock, not an idle split
         raise

@@ -12,7 +12,7 @@ import os
 import sys
 import time
 
-from ..util import OneLineParser, int_arg
+from ..util import OneLineParser, gbps_arg, int_arg
 
 GGML_MAX_N_THREADS = 512  # ggml.h: more threads overrun ggml's per-thread arrays (a segfault)
 
@@ -36,6 +36,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "others from the model file (for models larger than RAM)")
     p.add_argument("--inserts", type=int_arg(minimum=1), default=None, help="uploads per layer per step (default 2)")
     p.add_argument("--policy", default=None, help="cache policy (default: the shipped default)")
+    p.add_argument("--planner", type=int_arg(minimum=0, maximum=1), default=None, metavar="0|1",
+                   help="1: the miss planner, an eager upload only when it pays back its link time "
+                        "(LLAMA_MOE_CACHE_PLANNER; default 0)")
+    p.add_argument("--link-gbps", type=gbps_arg, default=None,
+                   help="the planner's host-to-device rate, GB/s (default: measured at attach)")
+    p.add_argument("--host-gbps", type=gbps_arg, default=None,
+                   help="the planner's host memory read rate, GB/s (default: measured at attach)")
     p.add_argument("--no-chat", action="store_true", help="raw completion instead of the chat template")
     args = p.parse_args(argv)
     if args.no_chat and not args.prompt:
@@ -77,7 +84,8 @@ def _run(args) -> int:
     sizing = ({"mib": args.cache_mib, "slots": 0, "ram_mib": 0} if args.cache_mib is not None else
               {"slots": args.slots, "mib": 0, "ram_mib": 0} if args.slots is not None else
               {"ram_mib": args.ram_mib, "slots": 0, "mib": 0} if args.ram_mib is not None else {})
-    config = CacheConfig.from_env(inserts=args.inserts, policy=args.policy, **sizing)
+    config = CacheConfig.from_env(inserts=args.inserts, policy=args.policy, planner=args.planner,
+                                  link_gbps=args.link_gbps, host_gbps=args.host_gbps, **sizing)
     model = _model_file(args.model)
     if config.ram_tier:
         print("run.py: RAM tier: experts read from the model file as selected, the rest in memory", file=sys.stderr)
@@ -90,7 +98,7 @@ def _run(args) -> int:
     if not sizing and not config.enabled:  # no size given: a quarter of the experts
         config = dataclasses.replace(config, slots=max(1, n_expert // 4))
     cache = _attach_or_stock(llm, config) if config.enabled else None
-    for line in cache.plan.lines() if cache else []:
+    for line in cache.lines() if cache else []:
         print(line, file=sys.stderr)
 
     n_tokens, decode = _generate(llm, args)
