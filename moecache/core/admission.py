@@ -131,12 +131,12 @@ class EagerAdmission:
                 self.handover = self._miss_planner.shaped(self.handover, self._use_worth)
         return self.handover
 
-    def declined(self, ids: np.ndarray) -> np.ndarray | None:
+    def declined(self, ids: np.ndarray, admitted: np.ndarray) -> np.ndarray | None:
         """Per layer, the uploads the graph that selected `ids` would have started under the
-        policy's own handover, less those the lane-less planner's margin left (both modelled,
-        from the same slots); None without such a planner."""
+        policy's own handover (modelled, from the same slots), less those it started under the
+        shaped one (`admitted`); None without a lane-less planner."""
         if self._unshaped is None:
             return None
-        L, slots = len(self.handover.budget), self._state.slot_expert
-        return np.bincount(admissions(self._unshaped, ids, slots)[:, 0], minlength=L) - \
-            np.bincount(admissions(self.handover, ids, slots)[:, 0], minlength=L)
+        L = len(self.handover.budget)
+        return np.bincount(admissions(self._unshaped, ids, self._state.slot_expert)[:, 0], minlength=L) - \
+            np.bincount(admitted[:, 0], minlength=L)

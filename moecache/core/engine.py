@@ -296,7 +296,7 @@ class CacheEngine(CacheModel):
         if self._eager is None or self._eager.handover is None:
             return NO_JOBS, NO_JOBS
         admitted = self._eager.admitted(ids, reported, hit_mask)
-        declined = self._eager.declined(ids)
+        declined = self._eager.declined(ids, admitted)
         if declined is not None:
             self.counters["declined"] += declined
         if not admitted.size:

@@ -74,10 +74,11 @@ class PlannerRates:
 def planner_rates(config: CacheConfig, layers: list[CachedLayer], model_path: str | None) -> PlannerRates:
     """The planner's rates for a cache of these layers: config's, or measured (module docstring)."""
     layer = layers[0]
-    data = None if config.link_gbps and config.host_gbps else _layer_bytes(model_path, layer, HOST_READ_BYTES)
-    what = f"layer {layer.il}'s experts" if data is not None else "no model file: a buffer of one expert's size"
-    if data is None:
-        data = np.zeros(layer.expert_bytes, dtype=np.uint8)
+    data, what = None, f"layer {layer.il}'s experts"
+    if not (config.link_gbps and config.host_gbps):
+        data = _layer_bytes(model_path, layer, HOST_READ_BYTES)
+        if data is None:
+            data, what = np.zeros(layer.expert_bytes, dtype=np.uint8), "no model file: a buffer of one expert's size"
     if config.link_gbps:
         link, link_source = config.link_gbps, f"{ENV_PREFIX}LINK_GBPS"
     else:
@@ -111,7 +112,7 @@ def _layer_bytes(path: str | None, layer: CachedLayer, limit: int) -> np.ndarray
                                        shape=(min(int(tensor.n_bytes), limit - total),))
                     chunks.append(np.array(mapped))
                     total += chunks[-1].size
-    except (OSError, ValueError):
+    except Exception:  # noqa: BLE001 - gguf-py may not read what llama.cpp did (a newer type)
         return None
     return np.concatenate(chunks) if chunks else None
 
