@@ -74,7 +74,7 @@ def test_bench_decode_saves_after_every_configuration(tmp_path, tiny_path, monke
     monkeypatch.setattr(ggml, "has_gpu", lambda: True)  # no RPC server: measure is replaced too
     measured = []
 
-    def fake_measure(args, name, slots, progress, mib=None):
+    def fake_measure(args, name, slots, progress, mib=None, planner=False):
         measured.append(name)
         row = {"config": name, "slots": slots, "status": "ok", "tok_s_runs": [10.0 * len(measured)],
                "tok_s_median": 10.0 * len(measured), "tok_s_min": 10.0 * len(measured),
