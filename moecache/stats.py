@@ -13,6 +13,7 @@ from .util import OneLineParser, int_arg
 
 PROG = "python -m moecache.stats"
 COLUMNS = ("hits", "misses", "uploads", "evictions", "late", "prefill_uploads")
+PLANNER_COLUMNS = ("declined",)  # with the miss planner (LLAMA_MOE_CACHE_PLANNER=1)
 
 
 def load(path: str) -> dict:
@@ -40,14 +41,22 @@ def table(stats: dict) -> str:
                f"admission {stats.get('admission')}, {stats.get('device_bytes', 0) / (1 << 20):.1f} MiB; "
                f"{stats.get('decode_steps', 0)} decode steps ({stats.get('decode_tokens', 0)} tokens), "
                f"hit rate {_rate(stats['totals'])}, step {stats.get('step_us_mean') or 0:.0f} us mean")
+    planner = stats.get("planner")
     if stats.get("failed"):
         summary += f"; FAILED: {stats['failed']}"
-    names = [c.replace("_", " ") for c in COLUMNS]
+    if planner:
+        summary += (f"\nmiss planner: link {planner['link_gbps']:.3g} GB/s ({planner['link_source']}), host "
+                    f"{planner['host_gbps']:.3g} GB/s ({planner['host_source']}), dram {planner['dram_gbps']:.3g} "
+                    f"GB/s ({planner['hardware']}'s): an upload pays back {planner['payback_uses']:.2f} uses; "
+                    f"{(stats.get('link_bytes_per_token') or 0) / (1 << 20):.2f} MiB uploaded per decode token; "
+                    f"every miss on the CPU (no copy-on-miss lane yet), every upload asynchronous")
+    columns = COLUMNS + (PLANNER_COLUMNS if planner else ())
+    names = [c.replace("_", " ") for c in columns]
     widths = [max(9, len(name) + 2) for name in names]
     header = f"{'layer':>6}{'hit rate':>10}" + "".join(f"{n:>{w}}" for n, w in zip(names, widths))
 
     def row(label, counts):
-        return f"{label:>6}{_rate(counts):>10}" + "".join(f"{counts.get(c, 0):>{w}}" for c, w in zip(COLUMNS, widths))
+        return f"{label:>6}{_rate(counts):>10}" + "".join(f"{counts.get(c, 0):>{w}}" for c, w in zip(columns, widths))
 
     rows = [row(layer.get("layer", "?"), layer) for layer in stats["layers"]]
     return "\n".join([summary, header, *rows, row("all", stats["totals"])])

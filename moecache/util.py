@@ -4,6 +4,7 @@ atomic file writer and the progress display."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import sys
@@ -12,7 +13,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 __all__ = ["IntegerError", "OneLineParser", "Progress", "atomic_write", "int_arg", "int_list_arg",
-           "one_line", "parse_int", "parse_int_list"]
+           "gbps_arg", "one_line", "parse_gbps", "parse_int", "parse_int_list"]
 
 
 def one_line(message) -> str:
@@ -73,6 +74,40 @@ def parse_int_list(text: str, name: str, *, minimum: int | None = None,
     if not isinstance(text, str) or not text.strip(","):
         raise IntegerError(name, f"{text!r} is not a comma-separated list of integers")
     return [parse_int(part, name, minimum=minimum, maximum=maximum) for part in text.split(",")]
+
+
+def _gbps(value) -> tuple[float | None, str | None]:
+    """(value as a rate in GB/s, None), or (None, '<value> <problem>')."""
+    try:
+        number = float(value) if isinstance(value, str) or (not isinstance(value, bool) and
+                                                             isinstance(value, (int, float))) else None
+    except ValueError:
+        number = None
+    if number is None:
+        return None, f"{_shown(value)} is not a number"
+    if not (math.isfinite(number) and number > 0):
+        return None, f"{_shown(value)} must be a finite number of GB/s > 0"
+    return number, None
+
+
+def parse_gbps(value, name: str) -> float:
+    """A rate in GB/s: a finite number > 0, as text (decimal, as float() reads it) or a number.
+    Raises ValueError '<name>=<value> <problem>'."""
+    number, problem = _gbps(value)
+    if problem:
+        raise ValueError(f"{name}={problem}")
+    return number
+
+
+def gbps_arg(text: str) -> float:
+    """An argparse type: parse_gbps; argparse names the flag in the error."""
+    number, problem = _gbps(text)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return number
+
+
+gbps_arg.__name__ = "GB/s"
 
 
 def int_arg(minimum: int | None = None, maximum: int | None = None) -> Callable[[str], int]:

@@ -3,7 +3,7 @@
 
     python scripts/bench_decode.py -m MODEL [-p PROMPT] [-n 32] [-r 3] [-t THREADS] [-ngl -1]
         [--slots 0,8,16,32,64] [--mib 1024,4096] [--policy default] [--inserts 2]
-        [--plain] [--all-device] [--md FILE] [--json FILE] [--png FILE]
+        [--plain] [--all-device] [--planner] [--md FILE] [--json FILE] [--png FILE]
 
 Configurations, each in a freshly loaded model (the previous one freed first):
   stock         experts in host memory, the rest on the device, no cache: llama.cpp's
@@ -13,6 +13,9 @@ Configurations, each in a freshly loaded model (the previous one freed first):
                 values above the model's expert count are skipped with a note)
   MiB=n         the same with the cache sized by device memory (--mib, largest first): the
                 largest K whose slots fit n MiB over all devices (LLAMA_MOE_CACHE_MIB=n)
+  planner K=k   (--planner) after each K=k, the same cache with the miss planner on
+                (LLAMA_MOE_CACHE_PLANNER=1: an eager upload only when it pays back its link
+                time), its link and host rates measured at attach and printed in the notes
   all-device    (--all-device) n_gpu_layers=-1 without overrides, everything on the device;
                 "did not fit" when loading fails
 --plain loads the host experts of stock and cache rows alike in plain buffers
@@ -70,6 +73,8 @@ def parser() -> OneLineParser:
     p.add_argument("--plain", action="store_true",
                    help="host experts in plain buffers, not repacked (stock and cache rows alike)")
     p.add_argument("--all-device", action="store_true", help="also measure everything on the device")
+    p.add_argument("--planner", action="store_true",
+                   help="after each K=k, the same cache with the miss planner on (its rates measured at attach)")
     p.add_argument("--md", metavar="FILE", help="write the markdown table here")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON here")
     p.add_argument("--png", metavar="FILE", help="plot tok/s and hit rate against K (needs matplotlib)")
@@ -141,7 +146,8 @@ def run(args, on_row=None) -> dict:
 
     configs = [("stock", 0)]
     # largest cache first: it is the row that matters most if a time limit stops the run
-    configs += [(f"K={k}", k) for k in sorted(args.slots, reverse=True) if k > 0]
+    configs += [(f"{planner}K={k}", k) for k in sorted(args.slots, reverse=True) if k > 0
+                for planner in ("", "planner ")[:1 + args.planner]]
     budgets = {f"MiB={n}": n for n in sorted(args.mib, reverse=True)}  # sized at attach
     configs += [(name, 0) for name in budgets]
     if args.all_device:
@@ -167,8 +173,11 @@ def run(args, on_row=None) -> dict:
             notes.append(f"K={slots} skipped: the model has {n_expert} experts per layer")
             progress.advance(f"{name} skipped", 1 + args.repetitions)
             continue
-        row, info = measure(args, name, slots, progress, mib=budgets.get(name))
+        row, info = measure(args, name, slots, progress, mib=budgets.get(name),
+                            planner=name.startswith("planner "))
         rows.append(row)
+        if row.get("planner"):
+            notes.append(f"{name}: {row['planner']}")
         if info:
             n_expert = n_expert or info["n_expert"]
             prompt_tokens = prompt_tokens or info["prompt_tokens"]
@@ -199,9 +208,9 @@ def _report(args, device, rows, notes, n_expert, prompt_tokens) -> dict:
     }
 
 
-def measure(args, name, slots, progress, mib=None):
+def measure(args, name, slots, progress, mib=None, planner=False):
     """One configuration: load, warm up, time; returns (row, model info or None). A cache of
-    `slots` per layer, or of the largest K that `mib` MiB hold."""
+    `slots` per layer, or of the largest K that `mib` MiB hold; planner: with the miss planner on."""
     import llama_cpp
 
     from moecache.live.activate import attach
@@ -241,13 +250,14 @@ def measure(args, name, slots, progress, mib=None):
         if slots or mib:
             try:
                 cache = attach(llm, **({"mib": mib} if mib else {"slots": slots}), inserts=args.inserts,
-                               policy=args.policy)
+                               policy=args.policy, **({"planner": 1} if planner else {}))
             except (CacheUnavailable, ConfigError) as e:  # ConfigError: a budget below one slot per layer
                 row["status"] = f"no cache: {e}"
                 progress.advance(f"{name} no cache", 1 + args.repetitions)
                 return row, info
             row["slots"], row["device_bytes"] = cache.slots, cache.device_bytes
             row["cache_device"] = cache.layers[0].device
+            row["planner"] = cache.planner.line() if cache.planner else None  # its rates, as attach printed them
 
         greedy(llm, prompt, args.n_predict)  # warm-up: untimed
         progress.advance(f"{name} warm-up")

@@ -1,11 +1,14 @@
 """Time CacheEngine.step() on synthetic decode routing with locality.
 
     python scripts/bench_step.py [--layers 48 --experts 128 --top-k 8 --slots 64 --inserts 2
-                                  --policy lru --admission boundary --steps 2000 --evict-mib 0]
+                                  --policy lru --admission boundary --steps 2000 --evict-mib 0
+                                  --planner CLASS]
                                  [--replay RUNS [--trace FILE]]
 
 --evict-mib N reads N MiB before each timed step, as a decode graph streaming the experts does
 between two live steps: the step then runs with cold CPU caches.
+--planner CLASS also times each eager row with the miss planner as it runs live (no lane:
+LLAMA_MOE_CACHE_PLANNER=1) at that hardware class's rates (moecache.offline.cost.HARDWARE).
 --replay RUNS times whole replays instead (moecache.offline.replay.simulate, the offline driver) and
 prints the median replay throughput of RUNS runs in lookups/s; --trace replays that trace file
 instead of the synthetic routing.
@@ -16,7 +19,9 @@ import sys
 import numpy as np
 
 from moecache.core.traces import RouteTrace, read_trace, synthetic_routing
+from moecache.core.policies import POLICIES, resolve_policy
 from moecache.offline.cli import admission_list_arg
+from moecache.offline.cost import HARDWARE
 from moecache.offline.replay import PER_LAYER, simulate
 from moecache.util import OneLineParser, int_arg
 
@@ -38,6 +43,8 @@ def main(argv=None) -> int:
     ap.add_argument("--replay", type=int_arg(minimum=1), metavar="RUNS",
                     help="time RUNS whole replays and print their median lookups/s")
     ap.add_argument("--trace", help="with --replay: replay this trace file")
+    ap.add_argument("--planner", choices=list(HARDWARE), metavar="CLASS",
+                    help="also time the eager rows with the live miss planner at this class's rates")
     return ap.run(bench, argv)
 
 
@@ -55,11 +62,17 @@ def bench(args):
           + (f", {args.evict_mib} MiB read before each step" if args.evict_mib else ""))
     for admission in args.admission:
         for name in args.policy.split(","):
-            result = simulate(trace, PER_LAYER, name, args.slots, inserts=args.inserts,
-                              admission=admission, step_times=True, before_step=streamed.sum)
-            times = result.step_seconds[args.steps // 10:] * 1e6  # skip the cold-start fill
-            print(f"{name:>8} {admission:>8}: step() median {np.median(times):6.1f} us  min "
-                  f"{times.min():6.1f}  max {times.max():7.1f}  hit {100 * result.hit_rate:.1f}%")
+            planners = [None]
+            if args.planner and admission == "eager" and POLICIES[resolve_policy(name)].counts_uses:
+                planners.append(HARDWARE[args.planner].rates)
+            for rates in planners:
+                result = simulate(trace, PER_LAYER, name, args.slots, inserts=args.inserts, admission=admission,
+                                  step_times=True, before_step=streamed.sum, miss_plan=rates, lane=False)
+                times = result.step_seconds[args.steps // 10:] * 1e6  # skip the cold-start fill
+                label = admission + ("+planner" if rates else "")
+                print(f"{name:>8} {label:>8}: step() median {np.median(times):6.1f} us  min "
+                      f"{times.min():6.1f}  max {times.max():7.1f}  hit {100 * result.hit_rate:.1f}%"
+                      + (f", {result.totals['declined']} uploads declined" if rates else ""))
 
 
 def replay_throughput(args):

@@ -19,7 +19,7 @@
 #
 # With the CUDA wheel built beforehand (scripts/gpu_bundle.sh --cuda-wheel), one run:
 #   scripts/gpu_check.sh --bundle gpu-bundle --wheel gpu-bundle/dist/*.whl
-#   (the phases after the build take 525 s at most with the default limits)
+#   (the phases after the build take 675 s at most with the default limits)
 # or, should that wheel not load there, building there first:
 #   scripts/gpu_check.sh --bundle gpu-bundle --build-only
 #   scripts/gpu_check.sh --bundle gpu-bundle --wheel gpu-out/dist/*.whl
@@ -38,8 +38,12 @@
 #               same placement without a cache over 128 tokens; prints max |logit difference|
 #   bench 180   scripts/bench_decode.py: stock (repacked, as --cpu-moe), K=64,32,16, all-device (its table
 #               and JSON are rewritten after every configuration: a timeout keeps what ran)
+#   planner 150 the miss planner (issue 22), NEVER RUN ON A GPU YET: scripts/bench_decode.py
+#               --planner at K=32, stock, K=32 and "planner K=32" (LLAMA_MOE_CACHE_PLANNER=1);
+#               prints the link rate (timed copies of one expert's bytes to the GPU) and the host
+#               read rate it measured at attach, which calibrate the model's (docs/policies.md)
 # Output: machine.txt (CPU, memory, GPU, driver, nvcc), phases.tsv (phase, exit status, seconds),
-# <phase>.log, exact.json, bench.{md,json,png}.
+# <phase>.log, exact.json, bench.{md,json,png}, planner.{md,json}.
 # Exit status: 0 when every phase passed, 1 otherwise, 2 for bad arguments.
 set -uo pipefail
 
@@ -50,7 +54,7 @@ bundle=""
 results=""
 build_only=0
 rehearsal=0
-declare -A limit=([build]=540 [install]=45 [model]=210 [exact]=90 [bench]=180)
+declare -A limit=([build]=540 [install]=45 [model]=210 [exact]=90 [bench]=180 [planner]=150)
 
 usage() { sed -n '2,/^[^#]/s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"; }
 bad() { echo "gpu_check: error: $*" >&2; exit 2; }
@@ -64,7 +68,7 @@ while [ $# -gt 0 ]; do
         --out) [ $# -gt 1 ] || bad "--out needs a directory"; out=$2; shift ;;
         --results) [ $# -gt 1 ] || bad "--results needs a directory"; results=$2; shift ;;
         --limit) [ $# -gt 1 ] && [[ $2 =~ ^([a-z]+)=([0-9]+)$ ]] && [ -n "${limit[${BASH_REMATCH[1]}]:-}" ] \
-                     || bad "--limit needs PHASE=SECONDS, PHASE one of build, install, model, exact, bench"
+                     || bad "--limit needs PHASE=SECONDS, PHASE one of build, install, model, exact, bench, planner"
                  limit[${BASH_REMATCH[1]}]=${BASH_REMATCH[2]}; shift ;;
         --cpu-rehearsal) rehearsal=1 ;;
         -h|--help) usage; exit 0 ;;
@@ -183,6 +187,12 @@ python3 -c "import matplotlib" 2>/dev/null && png=(--png "$out/bench.png")
 phase bench python3 "$repo/scripts/bench_decode.py" -m "$model" "${bench_args[@]}" -t "$threads" \
     --slots 0,16,32,64 --all-device --md "$out/bench.md" --json "$out/bench.json" "${png[@]}"
 [ -f "$out/bench.md" ] && cat "$out/bench.md" >&2
+
+# issue 22: the planner's measured rates and its decode beside the same cache without it; not run
+# on a GPU yet (the rehearsal ran it on the RPC device)
+phase planner python3 "$repo/scripts/bench_decode.py" -m "$model" "${bench_args[@]}" -t "$threads" \
+    --slots 0,32 --planner --md "$out/planner.md" --json "$out/planner.json"
+[ -f "$out/planner.md" ] && cat "$out/planner.md" >&2
 
 echo "gpu_check: $([ "$status" = 0 ] && echo passed || echo FAILED); phases in $out/phases.tsv" >&2
 exit "$status"

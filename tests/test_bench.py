@@ -47,6 +47,20 @@ def test_bench_decode_end_to_end(tmp_path, tiny_path):
     assert table.strip() in run.stdout
 
 
+def test_bench_decode_runs_each_cache_again_with_the_planner_and_prints_its_rates(tmp_path, tiny_path):
+    pytest.importorskip("llama_cpp")
+    js = tmp_path / "bench.json"
+    run = _run([sys.executable, BENCH, "-m", tiny_path, "-n", "4", "-r", "1", "-t", "2",
+                "--slots", "0,2", "--planner", "--json", str(js)])
+    assert run.returncode == 0, run.stderr
+    report = json.loads(js.read_text())
+    assert [r["config"] for r in report["rows"]] == ["stock", "K=2", "planner K=2"]
+    assert report["rows"][1]["planner"] is None and report["rows"][2]["status"] == "ok"
+    assert report["notes"] == [f"planner K=2: {report['rows'][2]['planner']}"]
+    assert report["notes"][0].startswith("planner K=2: moecache: miss planner: link ")
+    assert "measured: median of 5 copies" in report["notes"][0] and "Note: planner K=2:" in run.stdout
+
+
 def test_bench_decode_saves_after_every_configuration(tmp_path, tiny_path, monkeypatch):
     """A run stopped by a time limit leaves the configurations it measured, marked as partial."""
     import importlib.util
@@ -60,7 +74,7 @@ def test_bench_decode_saves_after_every_configuration(tmp_path, tiny_path, monke
     monkeypatch.setattr(ggml, "has_gpu", lambda: True)  # no RPC server: measure is replaced too
     measured = []
 
-    def fake_measure(args, name, slots, progress, mib=None):
+    def fake_measure(args, name, slots, progress, mib=None, planner=False):
         measured.append(name)
         row = {"config": name, "slots": slots, "status": "ok", "tok_s_runs": [10.0 * len(measured)],
                "tok_s_median": 10.0 * len(measured), "tok_s_min": 10.0 * len(measured),
@@ -122,8 +136,8 @@ def test_gpu_check_help():
     (["--bogus"], "unknown argument '--bogus' (see --help)"),
     (["--wheel"], "--wheel needs a path"),
     (["--wheel", "/nonexistent.whl"], "wheel not found: /nonexistent.whl"),
-    (["--limit", "fast=3"], "--limit needs PHASE=SECONDS, PHASE one of build, install, model, exact, bench"),
-    (["--limit", "model=1.5"], "--limit needs PHASE=SECONDS, PHASE one of build, install, model, exact, bench"),
+    (["--limit", "fast=3"], "--limit needs PHASE=SECONDS, PHASE one of build, install, model, exact, bench, planner"),
+    (["--limit", "model=1.5"], "--limit needs PHASE=SECONDS, PHASE one of build, install, model, exact, bench, planner"),
     (["--results"], "--results needs a directory"),
 ])
 def test_gpu_check_bad_flags_exit_2(argv, message):

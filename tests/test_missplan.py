@@ -101,3 +101,49 @@ def test_the_planner_needs_eager_admission_and_a_policy_that_counts_uses():
         CacheEngine(1, 8, 2, make_policy("heat"), miss_planner=planner)
     with pytest.raises(ValueError, match="counts uses"):
         CacheEngine(1, 8, 2, make_policy("lru"), admission="eager", miss_planner=planner)
+
+
+def test_without_the_lane_the_plan_is_the_eager_rule_on_the_shaped_handover():
+    """Live today: the planner acts only through the worths it hands libllama, whose own rule
+    (admissions, mc_admit) then makes exactly the plan's paying uploads."""
+    from moecache.core.admission import admissions, build_handover
+
+    rng = np.random.default_rng(7)
+    L, E, K, n = 3, 16, 4, 6
+    admitted = 0
+    for _ in range(300):
+        slot_expert = np.array([np.where(rng.random(K) < 0.2, -1, rng.choice(E, K, replace=False))
+                                for _ in range(L)], dtype=np.int32)
+        evictable = (slot_expert >= 0) & (rng.random((L, K)) < 0.8)
+        priority = rng.integers(0, 6, (L, K)).astype(np.float64)  # ties happen
+        worth = rng.integers(0, 9, (L, E)).astype(np.float64)
+        h = build_handover(slot_expert < 0, evictable, priority, worth, rng.integers(1, 4))
+        ids = np.where(rng.random((L, n)) < 0.1, -1, rng.integers(0, E, (L, n)))
+        hits = np.array([[e in row for e in line] for row, line in zip(slot_expert, ids)]) & (ids >= 0)
+        planner = MissPlanner(SLOW if rng.random() < 0.5 else FAST, [MB] * L, lane=False)
+        use_worth = float(rng.choice([0.5, 1.0, 2.0]))
+        p = planner.plan(h, ids, hits, slot_expert, use_worth)
+        assert p.lane.tolist() == [0] * L and p.lane_kept.tolist() == [0] * L
+        shaped = admissions(planner.shaped(h, use_worth), ids, slot_expert)
+        assert np.array_equal(p.jobs, shaped), (p.jobs.tolist(), shaped.tolist())
+        admitted += len(shaped)
+    assert admitted > 50  # the rule admitted something, not only refused
+
+
+def test_the_replay_runs_the_planner_as_live_today_beside_the_modelled_lane():
+    trace = routing_trace()
+    live = simulate(trace, PER_LAYER, "heat", 8, admission="eager", prefill="off", miss_plan=SLOW, lane=False)
+    lane = simulate(trace, PER_LAYER, "heat", 8, admission="eager", prefill="off", miss_plan=SLOW)
+    plain = simulate(trace, PER_LAYER, "heat", 8, admission="eager", prefill="off")
+    assert "lane_misses" not in live.totals and live.totals["declined"] > 0
+    assert "declined" not in lane.totals
+    # a slow link: the lane takes nothing, so both plans are the payback rule alone
+    assert lane.totals["lane_misses"] == 0
+    assert (live.totals["hits"], live.totals["uploads"]) == (lane.totals["hits"], lane.totals["uploads"])
+    assert live.totals["uploads"] < plain.totals["uploads"]
+    # a fast link: the lane takes misses the live planner leaves to the CPU, in less modelled time
+    fast_live = simulate(trace, PER_LAYER, "heat", 8, admission="eager", prefill="off", miss_plan=FAST, lane=False)
+    fast_lane = simulate(trace, PER_LAYER, "heat", 8, admission="eager", prefill="off", miss_plan=FAST)
+    hardware = Hardware("fast", "", FAST, "")
+    assert fast_lane.totals["lane_misses"] > 0
+    assert fast_lane.modelled_ms(hardware) < fast_live.modelled_ms(hardware)

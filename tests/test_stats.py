@@ -80,3 +80,41 @@ def test_metrics_are_prometheus_text_per_layer_and_per_cache():
     assert [s.value for s in families["moecache:hit_ratio"].samples] == [0.7, 0.2]
     assert [s.value for s in families["moecache:upload_bytes"].samples] == [1024, 1024]
     assert [s.value for s in families["moecache:step_seconds_mean"].samples] == [250e-6, 250e-6]
+
+
+def planner_stats(hits: int) -> dict:
+    """stats() of a cache with the miss planner on (LLAMA_MOE_CACHE_PLANNER=1)."""
+    s = stats(hits)
+    for layer, declined in zip(s["layers"], (6, 0)):
+        layer["declined"] = declined
+    s["totals"]["declined"] = 6
+    s["link_bytes_per_token"] = 3 << 19
+    s["planner"] = {"host_gbps": 40.0, "link_gbps": 2.5, "dram_gbps": 41.0, "device_gbps": 314.0,
+                    "ids_trip_us": 30.0, "join_us": 10.0, "payback_uses": 17.0, "hardware": "pcie3-x4-egpu",
+                    "link_source": "LLAMA_MOE_CACHE_LINK_GBPS", "host_source": "measured: ..."}
+    return s
+
+
+def test_with_the_planner_the_table_and_metrics_show_its_rates_and_declined_uploads():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from moecache.live.metrics import exposition
+
+    lines = table(planner_stats(7)).splitlines()
+    assert lines[1].startswith("miss planner: link 2.5 GB/s (LLAMA_MOE_CACHE_LINK_GBPS), host 40 GB/s")
+    assert "pays back 17.00 uses; 1.50 MiB uploaded per decode token" in lines[1]
+    assert lines[2].split()[-1] == "declined"
+    assert lines[3].split()[-1] == "6" and lines[5].split()[-1] == "6"
+
+    class Cache:
+        def stats(self):
+            s = planner_stats(7)
+            s["totals"]["upload_bytes"], s["prefill_tokens"] = 1024, 12
+            return s
+
+    families = {f.name: f for f in text_string_to_metric_families(exposition(lambda: [Cache()]).decode())}
+    assert {s.labels["layer"]: s.value for s in families["moecache:declined"].samples} == {"3": 6, "5": 0}
+    assert {s.labels["rate"]: s.value for s in families["moecache:planner_gbps"].samples} == \
+        {"link": 2.5, "host": 40.0, "dram": 41.0}
+    assert [s.value for s in families["moecache:planner_payback_uses"].samples] == [17.0]
+    assert [s.value for s in families["moecache:link_bytes_per_token"].samples] == [3 << 19]

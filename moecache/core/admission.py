@@ -94,18 +94,20 @@ class EagerAdmission:
         self._all_keys = np.arange(L * E).reshape(L, E)
         self._budget = np.full(L, K if inserts is None else inserts, dtype=np.int64)
         self.handover: Handover | None = None  # what the graph about to run follows
-        # moecache.core.missplan.MissPlanner: lane and paying uploads instead of admissions()
+        # moecache.core.missplan.MissPlanner: lane and paying uploads instead of admissions();
+        # without its lane, admissions() on the handover it shaped
         self._miss_planner = miss_planner
         self._use_worth = 1.0  # the handover's worth units of one use (the planner's margin)
-        self.lane_plan = None  # the last graph's MissPlan (with a planner)
+        self.lane_plan = None  # the last graph's MissPlan (with a planner that has the lane)
+        self._unshaped: Handover | None = None  # the policy's handover, before a lane-less planner's margin
 
     def admitted(self, ids: np.ndarray, reported, hit_mask=None) -> np.ndarray:
         """The uploads the graph that selected `ids` started under the current handover:
         `reported` by libllama (rows of admissions(), in the order it started them), or when
-        None the modelled ones (with a miss planner: its plan, hit_mask needed)."""
+        None the modelled ones (with a miss planner that has the lane: its plan, hit_mask needed)."""
         if reported is not None:
             return np.ascontiguousarray(reported, dtype=np.int32)
-        if self._miss_planner is None:
+        if self._miss_planner is None or not self._miss_planner.lane:
             return admissions(self.handover, ids, self._state.slot_expert)
         self.lane_plan = self._miss_planner.plan(self.handover, ids, hit_mask, self._state.slot_expert,
                                                  self._use_worth)
@@ -124,4 +126,17 @@ class EagerAdmission:
         self.handover = Handover(victims, victim_worth, worth, self._budget)
         if self._miss_planner is not None:
             self._use_worth = policy.use_worth(t + 1)  # worth_if_used counts the use at t + 1
+            if not self._miss_planner.lane:  # libllama follows the payback rule as its own
+                self._unshaped = self.handover
+                self.handover = self._miss_planner.shaped(self.handover, self._use_worth)
         return self.handover
+
+    def declined(self, ids: np.ndarray, admitted: np.ndarray) -> np.ndarray | None:
+        """Per layer, the uploads the graph that selected `ids` would have started under the
+        policy's own handover (modelled, from the same slots), less those it started under the
+        shaped one (`admitted`); None without a lane-less planner."""
+        if self._unshaped is None:
+            return None
+        L = len(self.handover.budget)
+        return np.bincount(admissions(self._unshaped, ids, self._state.slot_expert)[:, 0], minlength=L) - \
+            np.bincount(admitted[:, 0], minlength=L)

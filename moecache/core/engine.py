@@ -36,7 +36,10 @@ miss_planner (moecache.core.missplan.MissPlanner, eager admission only) replaces
 rule of the graph's admissions with its plan: some misses through the copy-on-miss lane (kept
 in a victim slot when they pass the admission test), uploads of the others only when they pay
 back their bytes; StepPlan.lane counts the lane per layer, counters lane_misses and
-lane_uploads sum it. Without one nothing changes.
+lane_uploads sum it. A planner without the lane (lane=False, live today) only shapes the
+handover (the payback margin off every worth): libllama's own rule then makes the paying
+uploads, the modelled admissions stay admissions() of that handover, and counter declined
+counts per layer the uploads the margin removed. Without one nothing changes.
 
 Layers are the engine's own indices 0..n_layers-1 (the glue maps them to model layers).
 """
@@ -173,8 +176,8 @@ class CacheEngine(CacheModel):
         self._eager = EagerAdmission(state, self._core, policy, inserts, miss_planner) \
             if admission == "eager" else None
         self.miss_planner = miss_planner
-        if miss_planner is not None:  # the lane's own counters, beside the C's
-            for name in ("lane_misses", "lane_uploads"):
+        if miss_planner is not None:  # the planner's own counters, beside the C's
+            for name in ("lane_misses", "lane_uploads") if miss_planner.lane else ("declined",):
                 state.counters[name] = np.zeros(n_layers, dtype=np.int64)
         self._queue = _UploadQueue(self._core, publish_delay)
         self.slot_expert, self.expert_slot, self.usage = state.slot_expert, state.expert_slot, state.usage
@@ -293,6 +296,9 @@ class CacheEngine(CacheModel):
         if self._eager is None or self._eager.handover is None:
             return NO_JOBS, NO_JOBS
         admitted = self._eager.admitted(ids, reported, hit_mask)
+        declined = self._eager.declined(ids, admitted)
+        if declined is not None:
+            self.counters["declined"] += declined
         if not admitted.size:
             return admitted, NO_JOBS
         evict = self._planner.commit(t, admitted, False)

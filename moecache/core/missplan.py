@@ -32,6 +32,11 @@ The plan (`MissPlanner`), per layer of a graph, once its ids are known:
   costs (at `miss_gbps`, the rate the CPU and the lane serve misses together) must exceed
   the time its copy holds the link (at `upload_gbps`): PAYBACK = miss_gbps / upload_gbps
   uses. The handover's budget (INSERTS) caps the layer's slot writes, lane and uploads alike.
+
+Without the lane (`lane=False`: libllama has none yet, so live every miss runs on the CPU) the
+plan is the payback rule alone: eager admission's rule (worth > victim's) on a handover whose
+worths are lowered by the margin (`shaped`). That is how the live planner acts, with no change
+to libllama: the engine hands over the shaped worths (moecache.core.admission.EagerAdmission).
 """
 
 from __future__ import annotations
@@ -135,10 +140,11 @@ class MissPlan:
 
 class MissPlanner:
     """The plan of each graph under an eager handover (moecache.core.admission), from the rates
-    and each layer's expert and dense bytes."""
+    and each layer's expert and dense bytes; lane=False: no copy-on-miss lane, every miss on
+    the CPU and the payback rule alone (the live planner until libllama has the lane)."""
 
-    def __init__(self, rates: Rates, expert_bytes, dense_bytes=None):
-        self.rates = rates
+    def __init__(self, rates: Rates, expert_bytes, dense_bytes=None, *, lane: bool = True):
+        self.rates, self.lane = rates, lane
         self.expert_bytes = np.asarray(expert_bytes, dtype=np.float64)
         self.dense_bytes = np.zeros_like(self.expert_bytes) if dense_bytes is None else \
             np.asarray(dense_bytes, dtype=np.float64)
@@ -146,7 +152,18 @@ class MissPlanner:
             raise ValueError("expert_bytes and dense_bytes need one value per layer each")
         self._splits: dict = {}  # (layer, hits, cpu_fixed, movable) -> lane count
 
+    def margin(self, use_worth: float) -> float:
+        """What an asynchronous upload's worth must beat its victim's by: PAYBACK uses."""
+        return self.rates.payback_uses * use_worth
+
+    def shaped(self, handover: Handover, use_worth: float) -> Handover:
+        """The handover whose eager rule is the payback rule: every worth lowered by the margin."""
+        return Handover(handover.victims, handover.victim_worth, handover.worth - self.margin(use_worth),
+                        handover.budget)
+
     def _split(self, layer, hits, cpu_fixed, movable):
+        if not self.lane:
+            return 0
         key = (layer, hits, cpu_fixed, movable)
         if key not in self._splits:
             self._splits[key] = self.rates.lane_split(self.expert_bytes[layer], self.dense_bytes[layer],
@@ -160,7 +177,7 @@ class MissPlanner:
         use_worth: the handover's worth units of one use (Policy.use_worth)."""
         if ids.shape[0] != self.expert_bytes.size:
             raise ValueError(f"ids have {ids.shape[0]} layers, the planner {self.expert_bytes.size}")
-        margin = self.rates.payback_uses * use_worth
+        margin = self.margin(use_worth)
         L = ids.shape[0]
         lane, kept, rows = np.zeros(L, dtype=np.int64), np.zeros(L, dtype=np.int64), []
         for layer in range(L):

@@ -16,6 +16,7 @@ from .cache import LiveCache
 from .config import CacheConfig, ConfigError
 from .probe import CacheUnavailable, model_file, probe, track_model_files
 from .ramtier import open_ram_tier
+from .rates import planner_rates
 
 log = logging.getLogger("moecache")
 
@@ -88,7 +89,9 @@ def _open_cache(ctx, config: CacheConfig, *, model_name: str, model_path: str | 
             raise CacheUnavailable(plan.reason)
         below = ram and LiveCache(ctx, config, *ram, arch=facts.arch, model_name=model_name, tier=native.RAM,
                                   above=plan.slots)
-        return LiveCache(ctx, config, plan, layers, arch=facts.arch, model_name=model_name, below=below)
+        planner = planner_rates(config, layers, model_path) if config.planner else None
+        return LiveCache(ctx, config, plan, layers, arch=facts.arch, model_name=model_name, below=below,
+                         planner=planner)
     except BaseException:
         _release(ctx)  # stock, not an idle split
         raise

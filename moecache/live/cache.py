@@ -14,13 +14,15 @@ import os
 import sys
 import time
 
-from ..core.engine import COUNTERS, CacheEngine
+from ..core.engine import CacheEngine
+from ..core.missplan import MissPlanner
 from ..core.policies import make_policy
 from ..core.profile import ProfileError, UsageProfile
 from . import native
 from .boundary import Boundary
 from .config import CacheConfig, ConfigError
 from .probe import CachedLayer, CacheUnavailable
+from .rates import PlannerRates
 from .reports import Reports, StepCounts, TraceRecorder
 from .sizing import CachePlan
 
@@ -33,19 +35,21 @@ class LiveCache:
 
     def __init__(self, ctx, config: CacheConfig, plan: CachePlan, layers: list[CachedLayer], *, arch: str,
                  model_name: str = "model", tier=native.DEVICE, below: "LiveCache | None" = None,
-                 above: int | None = None):
+                 above: int | None = None, planner: PlannerRates | None = None):
         """The cache of ctx's tier on its allocated slots (plan, layers: as allocated). below: the
         RAM tier's cache under this device cache; above: the slots per layer of the device cache
         over this RAM tier (it warms up with the profile's experts after the device's, and reports
-        through the device cache: stats, trace and profile are the device cache's)."""
-        self.config, self.plan, self.layers = config, plan, layers
+        through the device cache: stats, trace and profile are the device cache's); planner: the
+        miss planner's rates (LLAMA_MOE_CACHE_PLANNER=1)."""
+        self.config, self.plan, self.layers, self.planner = config, plan, layers, planner
         self.tier, self.below, self.above = tier, below, above
         self.lib, self.ffi = native.lib(), native.ffi
         self.ctx = ctx
         self.slots = plan.slots
         self.n_used = max(layer.n_expert_used for layer in layers)
         self.device_bytes = plan.bytes
-        self.engine = _engine(config, layers, self.slots, self.n_used, ram=tier == native.RAM, above=above or 0)
+        self.engine = _engine(config, layers, self.slots, self.n_used, planner, ram=tier == native.RAM,
+                              above=above or 0)
         if above is not None:
             config = dataclasses.replace(config, stats=None, trace=None, profile=None, debug=0)
         self._trace = TraceRecorder(config.trace, model_name=model_name, arch=arch, layers=layers,
@@ -61,12 +65,16 @@ class LiveCache:
         self._callback = self.ffi.callback("llama_moe_cache_step_callback", self._on_step)
         self.lib.llama_moe_cache_set_step_callback(ctx, tier, self._callback, self.ffi.NULL)
         atexit.register(self.close)
-        for line in plan.lines():
+        for line in self.lines():
             log.info("%s", line)
         filled = ("the model file (RAM tier)" if tier == native.RAM else
                   "the model file" if layers[0].from_file else "host memory")
         log.info("moecache: policy %s, %d inserts/step, %s admission, slots filled from %s", config.policy,
                  self.engine.inserts, config.admission, filled)
+
+    def lines(self) -> list[str]:
+        """The plan, and the miss planner's rates, as printed at attach."""
+        return self.plan.lines() + ([self.planner.line()] if self.planner else [])
 
     @property
     def trace(self):
@@ -124,11 +132,15 @@ class LiveCache:
             "prefill_tokens": counts.prefill_tokens,
             "hit_rate": engine["hit_rate"],
             "totals": engine["totals"],
+            # the decode's uploads (the prompts' apart): what the link carried per decode token
+            "link_bytes_per_token": engine["totals"]["upload_bytes"] / counts.decode_tokens
+            if counts.decode_tokens else None,
+            "planner": self.planner.to_json() if self.planner else None,
             "step_us_mean": counts.step_ns / counts.steps / 1e3 if counts.steps else None,
             "step_us_max": counts.step_ns_max / 1e3,
             "upload_wait_us": int(self.boundary.wait_us),
             "failed": self.failed,
-            "layers": [{"layer": layer.il, **{name: counters[name][i] for name in COUNTERS}}
+            "layers": [{"layer": layer.il, **{name: values[i] for name, values in counters.items()}}
                        for i, layer in enumerate(self.layers)],
             "plan": self.plan.to_json(),
             # the RAM tier under this device cache: its lookups are this cache's misses (a file
@@ -140,7 +152,8 @@ class LiveCache:
         s = self.stats()
         line = (f"moecache: {s['decode_steps']} decode steps ({s['decode_tokens']} tokens), hit rate {_rate(s)}, "
                 f"{s['totals']['uploads']} uploads ({s['totals']['late']} late), {s['totals']['evictions']} evictions, "
-                f"step {s['step_us_mean'] or 0:.0f} us mean, upload wait {s['upload_wait_us'] / 1e3:.1f} ms")
+                f"step {s['step_us_mean'] or 0:.0f} us mean, upload wait {s['upload_wait_us'] / 1e3:.1f} ms"
+                + (f", {s['totals']['declined']} uploads declined by the planner" if s["planner"] else ""))
         if self.below:
             ram = s["ram_tier"]
             line += (f"; RAM tier: hit rate {_rate(ram)} of the lookups the device did not serve, "
@@ -194,8 +207,8 @@ def _rate(stats: dict) -> str:
     return "n/a" if stats["hit_rate"] is None else f"{100 * stats['hit_rate']:.1f}%"
 
 
-def _engine(config: CacheConfig, layers: list[CachedLayer], slots: int, n_used: int, *, ram: bool,
-            above: int) -> CacheEngine:
+def _engine(config: CacheConfig, layers: list[CachedLayer], slots: int, n_used: int,
+            planner: PlannerRates | None, *, ram: bool, above: int) -> CacheEngine:
     """The engine of the cached layers, warm started from the usage profile when there is one
     (with the experts after the `above` most used: those a device cache above holds)."""
     n_expert = layers[0].n_expert
@@ -203,8 +216,11 @@ def _engine(config: CacheConfig, layers: list[CachedLayer], slots: int, n_used: 
         raise CacheUnavailable("layers with different expert counts are not supported")
     # the RAM tier reads every miss anyway: each may take a slot, if the policy says it is worth more
     inserts = slots if ram else config.inserts
+    # the planner without its lane: libllama has none yet (moecache.live.rates)
+    miss_planner = MissPlanner(planner.rates, [layer.expert_bytes for layer in layers], lane=False) \
+        if planner else None
     engine = CacheEngine(len(layers), n_expert, slots, make_policy(config.policy),
-                         inserts=inserts, admission=config.admission)
+                         inserts=inserts, admission=config.admission, miss_planner=miss_planner)
     if config.profile and os.path.exists(config.profile):
         try:
             profile = UsageProfile.load(config.profile, layers=[layer.il for layer in layers], n_expert=n_expert)

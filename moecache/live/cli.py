@@ -12,7 +12,7 @@ import os
 import sys
 import time
 
-from ..util import OneLineParser, int_arg
+from ..util import OneLineParser, gbps_arg, int_arg
 
 GGML_MAX_N_THREADS = 512  # ggml.h: more threads overrun ggml's per-thread arrays (a segfault)
 
@@ -37,6 +37,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "CPU half")
     p.add_argument("--inserts", type=int_arg(minimum=1), default=None, help="uploads per layer per step (default 2)")
     p.add_argument("--policy", default=None, help="cache policy (default: the shipped default)")
+    p.add_argument("--planner", type=int_arg(minimum=0, maximum=1), default=None, metavar="0|1",
+                   help="1: the miss planner, an eager upload only when it pays back its link time "
+                        "(LLAMA_MOE_CACHE_PLANNER; default 0)")
+    p.add_argument("--link-gbps", type=gbps_arg, default=None,
+                   help="the planner's host-to-device rate, GB/s (default: measured at attach)")
+    p.add_argument("--host-gbps", type=gbps_arg, default=None,
+                   help="the planner's host memory read rate, GB/s (default: measured at attach)")
     p.add_argument("--no-chat", action="store_true", help="raw completion instead of the chat template")
     args = p.parse_args(argv)
     if args.no_chat and not args.prompt:
@@ -76,7 +83,8 @@ def _run(args) -> int:
     given = {"mib": args.cache_mib, "slots": args.slots, "ram_mib": args.ram_mib}
     sizing = {} if all(size is None for size in given.values()) else \
         {name: 0 if size is None else size for name, size in given.items()}
-    config = CacheConfig.from_env(inserts=args.inserts, policy=args.policy, **sizing)
+    config = CacheConfig.from_env(inserts=args.inserts, policy=args.policy, planner=args.planner,
+                                  link_gbps=args.link_gbps, host_gbps=args.host_gbps, **sizing)
     model = _model_file(args.model)
     if config.ram_tier:
         rest = "" if config.device_cache else ", the rest in memory"
@@ -91,7 +99,7 @@ def _run(args) -> int:
         config = dataclasses.replace(config, slots=max(1, n_expert // 4))
     cache = _attach_or_stock(llm, config) if config.enabled else None
     for tier in (cache, cache.below) if cache else ():
-        for line in tier.plan.lines() if tier else ():
+        for line in tier.lines() if tier else ():
             print(line, file=sys.stderr)
 
     n_tokens, decode = _generate(llm, args)

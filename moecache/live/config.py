@@ -8,7 +8,7 @@ from dataclasses import dataclass, fields
 
 from ..core.admission import ADMISSIONS, live_admission
 from ..core.policies import DEFAULT_POLICY, POLICIES
-from ..util import parse_int
+from ..util import parse_gbps, parse_int
 
 
 class ConfigError(ValueError):
@@ -50,6 +50,10 @@ class CacheConfig:
                                    # model file when selected; "auto": what the process may use
                                    # less what it holds (moecache.live.ramtier); 0 = off. With
                                    # SLOTS or MIB too, it serves the CPU half of the device cache
+    planner: int = 0               # 1: the miss planner without its lane (issue 22): an eager upload
+                                   # only when it pays back its link time (moecache.live.rates)
+    link_gbps: float | str | None = None  # the planner's host-to-device rate, GB/s; None: measured
+    host_gbps: float | str | None = None  # the planner's host read rate, GB/s; None: measured
 
     def __post_init__(self):
         for name in ("slots", "mib", "ram_mib"):  # an integer, or auto
@@ -61,10 +65,16 @@ class CacheConfig:
                               f"the cache: set one")
         for name, minimum, maximum in (("reserve_mib", 0, None), ("inserts", 1, C_INT_MAX), ("debug", 0, None),
                                        ("wait", 0, 1), ("flush_steps", 0, None),
-                                       ("max_batch", 1, MAX_BATCH), ("repack", 0, 1)):
+                                       ("max_batch", 1, MAX_BATCH), ("repack", 0, 1), ("planner", 0, 1)):
             # keyword values too (attach(slots=...)): ints, or text parse_int reads, kept as int
             object.__setattr__(self, name, _parse_int(ENV_PREFIX + name.upper(), getattr(self, name),
                                                       minimum, maximum))
+        for name in ("link_gbps", "host_gbps"):
+            if getattr(self, name) is not None:
+                try:
+                    object.__setattr__(self, name, parse_gbps(getattr(self, name), ENV_PREFIX + name.upper()))
+                except ValueError as e:
+                    raise ConfigError(str(e)) from None
         if self.policy == "default":
             object.__setattr__(self, "policy", DEFAULT_POLICY)
         if self.policy not in POLICIES:
@@ -82,6 +92,7 @@ class CacheConfig:
         if self.admission == "eager" and not ranks:
             raise ConfigError(f"{ENV_PREFIX}ADMISSION=eager needs a policy that ranks experts; "
                               f"{ENV_PREFIX}POLICY={self.policy!r} picks its victims itself")
+        self._check_planner()
         for name in ("stats", "trace", "profile"):  # written later: say so now, not at exit
             path = getattr(self, name)
             problem = _unwritable(path) if path else None
@@ -94,6 +105,22 @@ class CacheConfig:
                 if real == other_real:
                     raise ConfigError(f"{ENV_PREFIX}{name.upper()} and {ENV_PREFIX}{other.upper()} name one "
                                       f"file ({getattr(self, name)!r}): give each its own")
+
+    def _check_planner(self):
+        """The planner shapes eager admission's worths in uses of a device cache's uploads."""
+        given = [f"{ENV_PREFIX}{name.upper()}" for name in ("link_gbps", "host_gbps") if getattr(self, name)]
+        if not self.planner:
+            if given:
+                raise ConfigError(f"{given[0]} sets a rate of the miss planner, which is off: set "
+                                  f"{ENV_PREFIX}PLANNER=1")
+            return
+        if self.admission != "eager" or not POLICIES[self.policy].counts_uses:
+            raise ConfigError(f"{ENV_PREFIX}PLANNER=1 needs eager admission and a policy whose worth counts uses "
+                              f"(heat, lfu); got {ENV_PREFIX}ADMISSION={self.admission}, "
+                              f"{ENV_PREFIX}POLICY={self.policy}")
+        if self.ram_mib:
+            raise ConfigError(f"{ENV_PREFIX}PLANNER=1 does not plan with the RAM tier ({ENV_PREFIX}RAM_MIB="
+                              f"{self.ram_mib}): its rates leave out the model file's reads")
 
     @property
     def enabled(self) -> bool:

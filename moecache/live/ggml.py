@@ -159,3 +159,46 @@ def buffer_bytes(buft: int, tensors) -> int:
         return api.ggml_backend_alloc_ctx_tensors_from_buft_size(ctx, buft) if tensors else 0
     finally:
         api.ggml_free(ctx)
+
+
+GGML_TYPE_I8 = 24
+
+
+def timed_copies(buft: int, data, copies: int) -> list[float]:
+    """Seconds of each of `copies` ggml_backend_tensor_set calls (libllama's upload call) of the
+    bytes of `data` (a contiguous numpy array in host memory) into a buffer of type buft, made
+    for them and freed after."""
+    import time
+
+    api = _api()
+    for name, restype, argtypes in (
+            ("ggml_backend_buft_alloc_buffer", ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t]),
+            ("ggml_backend_buffer_get_base", ctypes.c_void_p, [ctypes.c_void_p]),
+            ("ggml_backend_buffer_free", None, [ctypes.c_void_p]),
+            ("ggml_new_tensor_1d", ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]),
+            ("ggml_backend_tensor_alloc", ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]),
+            ("ggml_backend_tensor_set", None, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t])):
+        function = getattr(api, name)
+        function.restype, function.argtypes = restype, argtypes
+    size = data.nbytes
+    ctx = api.ggml_init(_InitParams(api.ggml_tensor_overhead(), None, True))
+    if not ctx:
+        raise MemoryError("ggml_init failed")
+    buffer = None
+    try:
+        tensor = api.ggml_new_tensor_1d(ctx, GGML_TYPE_I8, size)
+        buffer = api.ggml_backend_buft_alloc_buffer(buft, size)
+        if not tensor or not buffer:
+            raise MemoryError(f"cannot allocate {size} bytes in {buffer_type_name(buft)}")
+        if api.ggml_backend_tensor_alloc(buffer, tensor, api.ggml_backend_buffer_get_base(buffer)) != 0:
+            raise MemoryError(f"cannot place a tensor of {size} bytes in {buffer_type_name(buft)}")
+        seconds = []
+        for _ in range(copies):
+            t0 = time.perf_counter()
+            api.ggml_backend_tensor_set(tensor, data.ctypes.data, 0, size)  # synchronous, as the worker's
+            seconds.append(time.perf_counter() - t0)
+        return seconds
+    finally:
+        if buffer:
+            api.ggml_backend_buffer_free(buffer)
+        api.ggml_free(ctx)

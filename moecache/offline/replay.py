@@ -38,7 +38,8 @@ moecache.core.model.hit_rate. ReplayResult also gives MODELLED milliseconds per 
 (moecache.offline.cost) on any hardware class, of the run and of stock --cpu-moe on its
 routing, and (disk_ms) of the RAM tier's and the page cache's runs on the CPU over a disk. With
 miss_plan (Rates; per-layer, eager admission) the engine plans each graph's misses at those
-rates (moecache.core.missplan): the lane and paying uploads, as the live planner will.
+rates (moecache.core.missplan): the lane and paying uploads, as the live planner will; with
+lane=False the paying uploads alone, as the live planner runs today (every miss on the CPU).
 """
 
 from __future__ import annotations
@@ -161,7 +162,8 @@ class ReplayResult:
 def simulate(trace: RouteTrace, model: str, policy, size=None, *, inserts: int | None = 2,
              admission: str = "boundary", prefill: str | None = None,
              profile: UsageProfile | None = None, seed: int = 0, step_times: bool = False,
-             before_step=None, miss_plan: Rates | None = None, read_ahead_kb: int | None = None) -> ReplayResult:
+             before_step=None, miss_plan: Rates | None = None, lane: bool = True,
+             read_ahead_kb: int | None = None) -> ReplayResult:
     """Replay `trace` (RouteTrace.from_routing makes one of bare routing) through one model.
 
     model: "per-layer" (size: K slots per layer), "global" (size: the budget in MiB),
@@ -173,7 +175,8 @@ def simulate(trace: RouteTrace, model: str, policy, size=None, *, inserts: int |
     inserts, admission and warm start. inserts, admission (admission.ADMISSIONS), prefill
     (PREFILL_MODES, default "warm"), profile (warm start as the live cache does it: the profile's top experts
     preloaded, its rates the policy's prior), miss_plan (Rates: the engine plans each graph's
-    misses at them, moecache.core.missplan; eager admission): per-layer only. seed: the random
+    misses at them, moecache.core.missplan; eager admission; lane=False: without the copy-on-miss
+    lane, as live today): per-layer only. seed: the random
     policies'. step_times: keep each step's duration; before_step: called before each step (a
     benchmark evicting the CPU caches)."""
     if read_ahead_kb is not None and model != PAGE_CACHE:
@@ -183,7 +186,7 @@ def simulate(trace: RouteTrace, model: str, policy, size=None, *, inserts: int |
         if prefill not in PREFILL_MODES:
             raise ValueError(f"prefill must be one of {', '.join(PREFILL_MODES)}, got {prefill!r}")
         cache, label, slots, inserts = _per_layer_cache(trace, policy, size, inserts, admission,
-                                                        prefill, profile, seed, miss_plan)
+                                                        prefill, profile, seed, miss_plan, lane)
         segments = steps.segments(trace, PER_LAYER, prefill)
         totals = lambda: cache.stats(trace.expert_bytes)["totals"]  # noqa: E731
         budget, admission = None, cache.admission
@@ -271,7 +274,7 @@ def _drive(step_of, totals, segments, step_times, before_step):
     return decode, before, seconds, None if times is None else np.array(times)
 
 
-def _per_layer_cache(trace, policy, slots, inserts, admission, prefill, profile, seed, miss_plan):
+def _per_layer_cache(trace, policy, slots, inserts, admission, prefill, profile, seed, miss_plan, lane):
     """(engine after its first boundary, label, K, inserts)."""
     if isinstance(policy, CacheEngine):
         if slots is not None or profile is not None or admission != "boundary" or policy.step_index \
@@ -294,7 +297,8 @@ def _per_layer_cache(trace, policy, slots, inserts, admission, prefill, profile,
             label = policy.name
         else:
             raise ValueError(f"policy must be a name, a Policy or a CacheEngine, got {policy!r}")
-        planner = None if miss_plan is None else MissPlanner(miss_plan, trace.expert_bytes, trace.dense_bytes)
+        planner = None if miss_plan is None else MissPlanner(miss_plan, trace.expert_bytes, trace.dense_bytes,
+                                                             lane=lane)
         engine = CacheEngine(L, E, int(slots), policy, inserts=inserts, offline=True,
                              admission=admission, miss_planner=planner)
         if profile is not None:

@@ -1,0 +1,138 @@
+"""The live miss planner's rates (issue 22; moecache.core.missplan): the link's and the host's,
+given (LLAMA_MOE_CACHE_LINK_GBPS, LLAMA_MOE_CACHE_HOST_GBPS) or measured at attach, the others
+from the hardware class whose link is nearest (moecache.offline.cost.HARDWARE).
+
+Live there is no copy-on-miss lane yet, so the planner only decides which eager uploads start:
+one whose worth beats its victim's by PAYBACK = min(host + link, dram) / min(link, dram) uses
+(moecache.core.missplan.Rates.payback_uses). Only host, link and dram enter it.
+
+What is measured, and its limits:
+- link: COPIES timed copies of one cached expert's bytes (the first cached layer's, read from the
+  model file) from pageable host memory into a buffer made on the slots' device, by
+  ggml_backend_tensor_set: the call libllama's upload worker makes, from one thread as it does.
+  The median copy. Not in it: a repacked model's upload also reads the expert from the file
+  (page cache) first; uploads running beside the CPU's reads (the model's dram term).
+- host: a timed read, by every core at once, of up to HOST_READ_BYTES of the first cached
+  layer's expert bytes, copied from the model file into memory: host memory's read rate as the
+  CPU's expert kernels could see it at best (they also dequantize and multiply: an upper bound
+  of their rate); bytes that fit the CPU's caches (a small model) measure the caches.
+- dram (host memory's rate shared by the CPU and the DMA engine) is the nearest class's, at
+  least the measured host rate; device, ids trip and join (which the lane-less plan does not
+  use) are the class's.
+Not refreshed from the live step's timings: the engine's model of libllama's admissions must
+not depend on timing noise (LLAMA_MOE_CACHE_WAIT=1 checks them equal, and a replay at the
+stats' rates reproduces them).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, replace
+
+import numpy as np
+
+from ..core.missplan import Rates
+from ..offline.cost import HARDWARE
+from . import ggml
+from .config import ENV_PREFIX, CacheConfig, ConfigError
+from .probe import BANKED_TENSORS, CachedLayer, Devices, _split_files
+
+COPIES = 5                   # timed link copies (after one that warms the buffer)
+HOST_READ_BYTES = 128 << 20  # larger than the CPU's caches on most machines
+HOST_READS = 3               # timed reads of those bytes: the fastest counts (the least disturbed)
+
+
+@dataclass(frozen=True)
+class PlannerRates:
+    """The rates the live planner uses, and where each came from."""
+
+    rates: Rates
+    hardware: str       # the class the other rates come from
+    link_source: str
+    host_source: str
+
+    @property
+    def payback_uses(self) -> float:
+        return self.rates.payback_uses
+
+    def line(self) -> str:
+        r = self.rates
+        return (f"moecache: miss planner: link {r.link_gbps:.3g} GB/s ({self.link_source}), host "
+                f"{r.host_gbps:.3g} GB/s ({self.host_source}), dram {r.dram_gbps:.3g} GB/s ({self.hardware}'s, "
+                f"the class nearest the link); an eager upload must pay back {r.payback_uses:.2f} uses; "
+                f"no copy-on-miss lane yet: every miss on the CPU")
+
+    def to_json(self) -> dict:
+        return {**asdict(self.rates), "payback_uses": self.payback_uses, "hardware": self.hardware,
+                "link_source": self.link_source, "host_source": self.host_source}
+
+
+def planner_rates(config: CacheConfig, layers: list[CachedLayer], model_path: str | None) -> PlannerRates:
+    """The planner's rates for a cache of these layers: config's, or measured (module docstring)."""
+    layer = layers[0]
+    data, what = None, f"layer {layer.il}'s experts"
+    if not (config.link_gbps and config.host_gbps):
+        data = _layer_bytes(model_path, layer, HOST_READ_BYTES)
+        if data is None:
+            data, what = np.zeros(layer.expert_bytes, dtype=np.uint8), "no model file: a buffer of one expert's size"
+    if config.link_gbps:
+        link, link_source = config.link_gbps, f"{ENV_PREFIX}LINK_GBPS"
+    else:
+        link = _link_gbps(layer, np.resize(data, layer.expert_bytes))
+        link_source = f"measured: median of {COPIES} copies of {layer.expert_bytes} bytes ({what}) to {layer.device}"
+    if config.host_gbps:
+        host, host_source = config.host_gbps, f"{ENV_PREFIX}HOST_GBPS"
+    else:
+        threads = os.cpu_count() or 1
+        host = _read_gbps(data, threads)
+        host_source = f"measured: {data.nbytes} bytes ({what}) read by {threads} threads"
+    nearest = min(HARDWARE.values(), key=lambda h: abs(math.log(h.rates.link_gbps / link)))
+    rates = replace(nearest.rates, link_gbps=link, host_gbps=host, dram_gbps=max(nearest.rates.dram_gbps, host))
+    return PlannerRates(rates, nearest.name, link_source, host_source)
+
+
+def _layer_bytes(path: str | None, layer: CachedLayer, limit: int) -> np.ndarray | None:
+    """Up to `limit` bytes of the layer's banked expert tensors, copied from the model file into
+    memory; None without a readable file."""
+    if not path:
+        return None
+    import gguf
+
+    names = {f"blk.{layer.il}.{name}" for name in BANKED_TENSORS}
+    chunks, total = [], 0
+    try:
+        for part in _split_files(path):
+            for tensor in gguf.GGUFReader(part).tensors:
+                if tensor.name in names and total < limit:
+                    mapped = np.memmap(part, dtype=np.uint8, mode="r", offset=int(tensor.data_offset),
+                                       shape=(min(int(tensor.n_bytes), limit - total),))
+                    chunks.append(np.array(mapped))
+                    total += chunks[-1].size
+    except Exception:  # noqa: BLE001 - gguf-py may not read what llama.cpp did (a newer type)
+        return None
+    return np.concatenate(chunks) if chunks else None
+
+
+def _link_gbps(layer: CachedLayer, expert: np.ndarray) -> float:
+    devices = Devices()
+    if layer.device not in devices.by_buffer:
+        raise ConfigError(f"the miss planner cannot time a copy to {layer.device} (not a ggml device): "
+                          f"give {ENV_PREFIX}LINK_GBPS")
+    seconds = ggml.timed_copies(devices.by_buffer[layer.device][1], expert, COPIES + 1)[1:]
+    return expert.nbytes / max(statistics.median(seconds), 1e-9) / 1e9
+
+
+def _read_gbps(data: np.ndarray, threads: int) -> float:
+    words = data[:data.size // 8 * 8].view(np.uint64)
+    chunks = np.array_split(words, threads)
+    seconds = []
+    with ThreadPoolExecutor(threads) as pool:  # numpy's reductions let go of the GIL
+        for _ in range(HOST_READS + 1):  # the first touches the pages: not counted
+            t0 = time.perf_counter()
+            list(pool.map(np.add.reduce, chunks))
+            seconds.append(time.perf_counter() - t0)
+    return words.nbytes / max(min(seconds[1:]), 1e-9) / 1e9
