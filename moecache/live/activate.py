@@ -98,9 +98,10 @@ def _open_cache(ctx, config: CacheConfig, *, model_name: str, model_path: str | 
 
 
 def _release(ctx) -> None:
-    """Release the caches of both tiers of ctx."""
-    native.init(ctx, 0)
-    native.init(ctx, 0, in_ram=True)
+    """Release the caches of both tiers of ctx (those it has)."""
+    for tier in (native.DEVICE, native.RAM):
+        if native.lib().llama_moe_cache_n_layers(ctx, tier) > 0:
+            native.init(ctx, 0, in_ram=tier == native.RAM)
 
 
 def _own_report_files(ctx, config: CacheConfig) -> CacheConfig:
