@@ -48,6 +48,16 @@ def smol_path():
 
 
 @pytest.fixture(scope="session")
+def synth48():
+    """The Qwen3-30B-A3B routing shape (48 layers, 128 experts, top-8), locality 0.6, with tiny
+    widths: 23 MB, a few ms per token."""
+    from moecache.models import synth
+
+    return str(synth.synth_moe("qwen3-30b-a3b", n_layer=48, n_embd=64, n_ff_exp=32, n_head=2, n_head_kv=1,
+                               head_dim=32))
+
+
+@pytest.fixture(scope="session")
 def tiny_path():
     from moecache.models import tiny_moe
 
@@ -136,6 +146,16 @@ def moecache_log_lines(caplog):
         moecache_log.removeHandler(caplog.handler)
         moecache_log.propagate = propagate
         lines += [r.getMessage() for r in caplog.records if r.name == "moecache"]
+
+
+def replay_cli(*args):
+    """python -m moecache.replay's main() in this process; the exit status, also when argparse exits."""
+    from moecache.offline.cli import main
+
+    try:
+        return main([str(a) for a in args])
+    except SystemExit as e:
+        return e.code
 
 
 def run_python(code: str, env: dict, timeout=300) -> subprocess.CompletedProcess:

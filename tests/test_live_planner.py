@@ -21,15 +21,6 @@ SLOW = {"link_gbps": 0.05, "host_gbps": 50}   # an upload pays back 1000 uses: a
 FAST = {"link_gbps": 1000, "host_gbps": 1}    # 1 use: the uploads that beat the victim by one
 
 
-@pytest.fixture(scope="module")
-def synth48():
-    """The Qwen3-30B-A3B routing shape (48 layers, 128 experts, top-8) with tiny widths."""
-    from moecache.models import synth
-
-    return str(synth.synth_moe("qwen3-30b-a3b", n_layer=48, n_embd=64, n_ff_exp=32, n_head=2, n_head_kv=1,
-                               head_dim=32))
-
-
 def test_a_slow_link_declines_uploads_a_fast_one_makes_them_and_the_replay_agrees(tmp_path, rpc_device, synth48):
     from moecache.core.missplan import Rates
     from moecache.core.traces import read_trace

@@ -38,16 +38,6 @@ def test_waiting_for_uploads_is_an_option(rpc_device, tiny_path):
 
 # --- eager admission: libllama's observers start the uploads of a graph's misses ------------------
 
-@pytest.fixture(scope="module")
-def synth48():
-    """The Qwen3-30B-A3B routing shape (48 layers, 128 experts, top-8), locality 0.6, with tiny
-    widths: 23 MB, a few ms per token."""
-    from moecache.models import synth
-
-    return str(synth.synth_moe("qwen3-30b-a3b", n_layer=48, n_embd=64, n_ff_exp=32, n_head=2, n_head_kv=1,
-                               head_dim=32))
-
-
 def test_eager_admission_raises_the_live_hit_rate_and_replays_exactly(tmp_path, rpc_device, synth48):
     from moecache.core.traces import read_trace
     from moecache.offline.replay import PER_LAYER, simulate

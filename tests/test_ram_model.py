@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import N_THREADS, PROMPT, TRACES
+from conftest import N_THREADS, PROMPT, TRACES, replay_cli
 
 from moecache.core.banks import ram_slots
 from moecache.core.traces import PREFILL, RouteTrace, read_trace
@@ -19,12 +19,6 @@ SYNTH = TRACES / "synth-qwen3-30b-a3b-L8.ram-tier.route.csv"
 PROG = "python -m moecache.replay"
 
 
-def cli(*args):
-    """main() in this process; the exit status, also when argparse exits."""
-    try:
-        return main([str(a) for a in args])
-    except SystemExit as e:
-        return e.code
 
 
 def ram_tier_replay(trace, ram_mib, policy="default"):
@@ -204,7 +198,7 @@ def test_cli_prints_the_tier_beside_stock_mmap(capsys):
     (["--ram-mib", "900", "--disk-gbps", "1", "--plot", "p.png"], "--plot draws the cache models' hit rates by size"),
 ])
 def test_cli_bad_ram_flags_are_one_line(capsys, args, message):
-    assert cli(SYNTH, *args) == 2
+    assert replay_cli(SYNTH, *args) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.startswith(f"{PROG}: error: {message}"), err
     assert err.count("\n") == 1

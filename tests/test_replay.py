@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import TRACES  # noqa: E402
+from conftest import TRACES, replay_cli  # noqa: E402
 
 from moecache.core.policies import Heat
 from moecache.core.profile import ProfileError, UsageProfile
@@ -62,12 +62,6 @@ def test_per_layer_replay_counts_lookups_and_bytes(qwen):
 PROG = "python -m moecache.replay"
 
 
-def cli(*args):
-    """main() in this process; the exit status, also when argparse exits."""
-    try:
-        return main([str(a) for a in args])
-    except SystemExit as e:
-        return e.code
 
 
 def run_cli(*args):
@@ -251,7 +245,7 @@ def test_cli_absurd_trace_is_one_line(tmp_path, edit, message):
 ])
 def test_cli_bad_flags_are_one_line_before_any_replay(tmp_path, capsys, args, message):
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
-    assert cli(small_trace(tmp_path), *args) == 2
+    assert replay_cli(small_trace(tmp_path), *args) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.startswith(f"{PROG}: error: {message.replace('{tmp}', str(tmp_path))}")
     assert err.count("\n") == 1
@@ -294,7 +288,7 @@ def test_documented_prefill_warm_figures(path, figures):
 def test_the_default_admission_is_the_live_caches(tmp_path):
     # eager, as LLAMA_MOE_CACHE_ADMISSION defaults to; boundary for a policy that picks its victims
     out = tmp_path / "r.csv"
-    assert cli(GPTOSS, "--slots", "8", "--policies", "lru,arc,default", "--csv", out) == 0
+    assert replay_cli(GPTOSS, "--slots", "8", "--policies", "lru,arc,default", "--csv", out) == 0
     rows = {row["policy"]: row["admission"] for row in csv.DictReader(out.open())}
     assert rows == {"lru": "eager", "arc": "boundary", "default(heat)": "eager"}
 
@@ -367,7 +361,7 @@ def test_a_converted_trace_replays_every_stored_figure_of_its_csv(tmp_path):
 
 def test_cli_damaged_binary_trace_exits_2_with_one_line(tmp_path):
     converted = tmp_path / "t.bin"
-    assert cli(GPTOSS, "--convert", converted) == 0
+    assert replay_cli(GPTOSS, "--convert", converted) == 0
     converted.write_bytes(converted.read_bytes()[:-1])
     proc = run_cli(converted, "--slots", "8")
     assert proc.returncode == 2 and proc.stdout == ""
