@@ -13,7 +13,7 @@ from .util import OneLineParser, int_arg
 
 PROG = "python -m moecache.stats"
 COLUMNS = ("hits", "misses", "uploads", "evictions", "late", "prefill_uploads")
-PLANNER_COLUMNS = ("declined",)  # with the miss planner (LLAMA_MOE_CACHE_PLANNER=1)
+PLANNER_COLUMNS = ("lane_misses", "declined")  # with the miss planner (LLAMA_MOE_CACHE_PLANNER=1)
 
 
 def load(path: str) -> dict:
@@ -49,7 +49,7 @@ def table(stats: dict) -> str:
                     f"{planner['host_gbps']:.3g} GB/s ({planner['host_source']}), dram {planner['dram_gbps']:.3g} "
                     f"GB/s ({planner['hardware']}'s): an upload pays back {planner['payback_uses']:.2f} uses; "
                     f"{(stats.get('link_bytes_per_token') or 0) / (1 << 20):.2f} MiB uploaded per decode token; "
-                    f"every miss on the CPU (no copy-on-miss lane yet), every upload asynchronous")
+                    f"lane misses: computed on the device through the copy-on-miss lane (counted in misses)")
     columns = COLUMNS + (PLANNER_COLUMNS if planner else ())
     names = [c.replace("_", " ") for c in columns]
     widths = [max(9, len(name) + 2) for name in names]

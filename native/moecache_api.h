@@ -33,6 +33,7 @@ enum llama_lazy_mode {
 struct llama_moe_cache_counters {
     uint64_t hits;
     uint64_t misses;
+    uint64_t lane;
     uint64_t uploads;
     uint64_t upload_bytes;
     int64_t  upload_us;
@@ -67,9 +68,11 @@ struct llama_moe_cache_handover {
     const double  * victim_worth;
     const double  * worth;
     const int32_t * budget;
+    const int32_t * lane;
+    double          margin;
 };
 int32_t llama_moe_cache_hand_over(struct llama_context * ctx, enum llama_moe_cache_tier tier, const struct llama_moe_cache_handover * handover);
-const int32_t * llama_moe_cache_admitted(struct llama_context * ctx, enum llama_moe_cache_tier tier, int32_t * n_rows);
+const int32_t * llama_moe_cache_admitted(struct llama_context * ctx, enum llama_moe_cache_tier tier, int32_t * n_rows, int32_t * n_lane);
 int64_t llama_moe_cache_wait_uploads(struct llama_context * ctx, enum llama_moe_cache_tier tier);
 int32_t llama_moe_cache_uploads_pending(struct llama_context * ctx, enum llama_moe_cache_tier tier);
 bool    llama_moe_cache_get_counters(struct llama_context * ctx, enum llama_moe_cache_tier tier, int32_t i, struct llama_moe_cache_counters * counters);

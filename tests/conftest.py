@@ -115,8 +115,8 @@ def record_plans(cache):
     plans = []
     step = cache.engine.step
 
-    def recording(ids=None, ready=None, admitted=None, prefill=False):
-        plan = step(ids, ready, admitted, prefill=prefill)
+    def recording(ids=None, ready=None, admitted=None, prefill=False, lane_rows=0):
+        plan = step(ids, ready, admitted, prefill=prefill, lane_rows=lane_rows)
         plan.observed = None if ids is None else np.array(ids)
         plan.prefill = prefill
         plans.append(plan)

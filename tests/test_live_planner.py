@@ -1,8 +1,10 @@
-"""The miss planner live, without its lane (issue 22): on the loopback RPC device a slow link makes
-the cache decline the eager uploads that would not pay back their link time, a fast one uploads;
-the output stays the stock graph's, libllama's admissions the engine's model of them (WAIT=1),
-and the offline replay at the stats' rates reproduces the run. The rates are measured at
-attach unless given; bad values are one-line errors."""
+"""The miss planner live (issue 22): on the loopback RPC device a slow link keeps every miss on the
+CPU and declines the eager uploads that would not pay back their link time; a fast one sends
+misses through the copy-on-miss lane (copied during the graph that missed them, computed on the
+device in it). The output stays the stock graph's, libllama's slot writes the engine's model of
+them (WAIT=1), its own lane counters the engine's, and the offline replay at the stats' rates
+reproduces the run. The rates are measured at attach unless given; bad values are one-line
+errors."""
 
 from __future__ import annotations
 
@@ -17,11 +19,12 @@ llama_cpp = pytest.importorskip("llama_cpp")
 from moecache.live.activate import attach  # noqa: E402
 from moecache.live.config import CacheConfig, ConfigError  # noqa: E402
 
-SLOW = {"link_gbps": 0.05, "host_gbps": 50}   # an upload pays back 1000 uses: almost none pays
-FAST = {"link_gbps": 1000, "host_gbps": 1}    # 1 use: the uploads that beat the victim by one
+SLOW = {"link_gbps": 0.05, "host_gbps": 50}   # no lane; an upload pays back 1000 uses: almost none pays
+FAST = {"link_gbps": 1000, "host_gbps": 1}    # the lane: a copy costs less than the CPU's read
+COUNTED = ("hits", "misses", "uploads", "declined", "lane_misses")
 
 
-def test_a_slow_link_declines_uploads_a_fast_one_makes_them_and_the_replay_agrees(tmp_path, rpc_device, synth48):
+def test_a_slow_link_keeps_misses_on_the_cpu_a_fast_one_sends_them_through_the_lane(tmp_path, rpc_device, synth48):
     from moecache.core.missplan import Rates
     from moecache.core.traces import read_trace
     from moecache.offline.replay import PER_LAYER, simulate
@@ -35,27 +38,33 @@ def test_a_slow_link_declines_uploads_a_fast_one_makes_them_and_the_replay_agree
         settings = {"planner": 1, **rates} if rates else {}
         cache = attach(llm, slots=16, inserts=2, wait=1, trace=str(trace_path), **settings)
         tokens, logits = greedy(llm, PROMPT, n_tokens)
+        native = cache.native_counters()
         cache.close()
         live = runs[name] = cache.stats()
-        # WAIT=1: at every boundary libllama's admissions equalled the engine's model, or it froze
+        # WAIT=1: at every boundary libllama's slot writes equalled the engine's model, or it froze
         assert live["failed"] is None
         assert tokens == stock[0] and np.array_equal(logits, stock[1])
         if rates is None:
-            assert live["planner"] is None and "declined" not in live["layers"][0]
+            assert live["planner"] is None and "lane_misses" not in live["layers"][0]
+            assert all(layer["lane"] == 0 for layer in native)
             continue
         assert live["planner"]["link_gbps"] == rates["link_gbps"]
         assert live["planner"]["link_source"] == "LLAMA_MOE_CACHE_LINK_GBPS"
+        # libllama counted the lane's misses itself (its observers'): the engine's count of its rows
+        assert [layer["lane"] for layer in native] == [layer["lane_misses"] for layer in live["layers"]]
         assert sum(layer["declined"] for layer in live["layers"]) == live["totals"]["declined"]
-        # the offline planner without its lane, at the rates the stats report, is the live run
+        # the offline planner at the rates the stats report is the live run
         used = Rates(**{f.name: live["planner"][f.name] for f in dataclasses.fields(Rates)})
         replayed = simulate(read_trace(str(trace_path)), PER_LAYER, "heat", 16, inserts=2, admission="eager",
-                            miss_plan=used, lane=False).totals
-        assert {k: replayed[k] for k in ("hits", "misses", "uploads", "declined")} == \
-            {k: live["totals"][k] for k in ("hits", "misses", "uploads", "declined")}
+                            miss_plan=used).totals
+        assert {k: replayed[k] for k in COUNTED} == {k: live["totals"][k] for k in COUNTED}
     off, slow, fast = (runs[name]["totals"] for name in ("off", "slow", "fast"))
-    print(f"decode uploads, {n_tokens} tokens, K=16: planner off {off['uploads']}, fast link {fast['uploads']} "
-          f"({fast['declined']} declined), slow link {slow['uploads']} ({slow['declined']} declined)")
-    assert slow["declined"] > 0 and slow["uploads"] < fast["uploads"] <= off["uploads"]
+    print(f"decode, {n_tokens} tokens, K=16: planner off {off['misses']} misses, {off['uploads']} uploads; "
+          f"fast link {fast['lane_misses']} of {fast['misses']} misses through the lane, {fast['uploads']} uploads "
+          f"({fast['declined']} declined); slow link {slow['lane_misses']} through the lane, {slow['uploads']} "
+          f"uploads ({slow['declined']} declined)")
+    assert slow["lane_misses"] == 0 and fast["lane_misses"] > 0
+    assert slow["declined"] > 0 and slow["uploads"] < fast["uploads"]
     assert runs["slow"]["link_bytes_per_token"] < runs["fast"]["link_bytes_per_token"]
 
 

@@ -153,6 +153,42 @@ def test_a_model_file_changed_after_load_stops_uploads_and_decoding_stays_stock(
     assert sum(c["uploads"] for c in cache.native_counters()) == 0
 
 
+def test_a_lane_copy_from_a_changed_file_fails_its_ubatch_and_decoding_goes_on_stock(tmp_path, caplog, rpc_device,
+                                                                                     q4_synth):
+    """The CPU skips a lane's expert before its copy is read: when that read finds the file
+    changed, the expert was computed nowhere, so the ubatch fails (llama_decode's error), and
+    the same token decodes again with every expert on the CPU."""
+    import shutil
+
+    path = tmp_path / "model.gguf"
+    shutil.copyfile(q4_synth, path)
+    stock, _ = greedy(load(str(path), repack=True), PROMPT, 8)
+    llm = load(str(path), repack=True)
+    # a fast link: every miss that takes a slot takes the lane
+    cache = attach(llm, slots=4, inserts=2, wait=1, planner=1, link_gbps=1000, host_gbps=1)
+    tokens = llm.tokenize(PROMPT)
+    llm.eval(tokens)
+    for _ in range(2):  # the prompt's uploads, then a graph whose lane copies pass
+        tokens.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        llm.eval(tokens[-1:])
+    lib, ctx = cache.lib, cache.ctx
+    lib.llama_moe_cache_wait_uploads(ctx, 0)  # no upload left in flight: the next read is a lane copy's
+    lanes = sum(c["lane"] for c in cache.native_counters())
+    assert lanes > 0
+    _append_zeros(path)
+    tokens.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+    with moecache_log_lines(caplog) as lines:
+        with pytest.raises(RuntimeError, match="llama_decode returned"):
+            llm.eval(tokens[-1:])
+        assert sum(c["lane"] for c in cache.native_counters()) > lanes  # (layer 0's: none after the failed read)
+        llm.eval(tokens[-1:])  # again: the cache stopped, the CPU computes every expert
+    assert "model file changed" in cache.failed and any("model file changed" in line for line in lines)
+    while len(tokens) < len(llm.tokenize(PROMPT)) + 8:
+        tokens.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        llm.eval(tokens[-1:])
+    assert tokens[len(llm.tokenize(PROMPT)):] == stock
+
+
 def test_a_relative_model_path_keeps_working_after_a_chdir(tmp_path, monkeypatch, rpc_device, q4_synth):
     monkeypatch.chdir(os.path.dirname(q4_synth))
     llm = load(os.path.basename(q4_synth), repack=True)

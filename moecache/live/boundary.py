@@ -55,13 +55,13 @@ class Boundary:
         self._observed = {}     # stock (bool) -> libllama's observed ids, mapped once
         self._shape = self.ffi.new("int32_t[2]")  # out-parameters (n_cols, stride), reused every step
         self._handover = self.ffi.new("struct llama_moe_cache_handover *")
-        self._budget = None     # the handover's budget (the engine's, the same every step) as handed over
+        self._constant = None   # the handover's budget and lane table (the engine's, the same every step) as handed over
 
     def step(self) -> Observed | None:
         """The engine's step on what the last ubatch selected, applied in libllama; None when
         no ubatch ran since the last boundary. Raises RuntimeError when libllama refuses it."""
         engine = self.engine
-        admitted = self.admitted() if engine.admission == "eager" else None
+        admitted, n_lane = self.admitted() if engine.admission == "eager" else (None, 0)
         ready = self._ready_uploads(admitted)
         ids, prefill = self._observed_ids(), False
         if ids is None:  # the last ubatch may have been a prompt
@@ -69,7 +69,7 @@ class Boundary:
             prefill = ids is not None
         if admitted is not None and self.wait and not prefill:
             self._check_admitted(ids, admitted)
-        plan = engine.step(ids, ready, admitted, prefill=prefill)
+        plan = engine.step(ids, ready, admitted, prefill=prefill, lane_rows=n_lane)
         self._apply(plan)
         if ids is None:
             return None
@@ -99,16 +99,17 @@ class Boundary:
         if handover is not None and self._hand_over(handover) != lib.LLAMA_MOE_CACHE_OK:
             raise RuntimeError(f"libllama refused the handover of step {plan.step}")
 
-    def admitted(self) -> np.ndarray:
+    def admitted(self) -> tuple[np.ndarray, int]:
         """(n, 3) int32 rows (layer, expert, slot) of the uploads libllama's observers started
-        during the last cached graph, in the order they started."""
-        ptr = self.lib.llama_moe_cache_admitted(self.ctx, self.tier, self._shape)
-        n = self._shape[0]
+        during the last cached graph, and how many of the first are the copy-on-miss lane's (each
+        part in the order they started)."""
+        ptr = self.lib.llama_moe_cache_admitted(self.ctx, self.tier, self._shape, self._shape + 1)
+        n, n_lane = self._shape[0], self._shape[1]
         if n == 0:
-            return np.empty((0, 3), dtype=np.int32)
+            return np.empty((0, 3), dtype=np.int32), 0
         rows = np.empty((n, 3), dtype=np.int32)
         self.ffi.memmove(rows, ptr, 12 * n)
-        return rows
+        return rows, n_lane
 
     def _check_admitted(self, ids, admitted) -> None:
         """With every upload waited for, what libllama admitted must be the engine's model of it
@@ -135,10 +136,14 @@ class Boundary:
                   np.ascontiguousarray(handover.victim_worth, dtype=np.float64),
                   np.ascontiguousarray(handover.worth, dtype=np.float64))
         h, cast = self._handover, self.ffi.from_buffer
-        if self._budget is None or self._budget[0] is not handover.budget:  # converted once
+        if self._constant is None or self._constant[0] is not handover.budget or \
+                self._constant[1] is not handover.lane:  # converted once
             budget = cast("int32_t[]", np.ascontiguousarray(handover.budget, dtype=np.int32))
-            self._budget = (handover.budget, budget)  # keeps the converted table alive
-            h.budget = budget
+            lane = self.ffi.NULL if handover.lane is None else \
+                cast("int32_t[]", np.ascontiguousarray(handover.lane, dtype=np.int32))
+            self._constant = (handover.budget, handover.lane, budget, lane)  # keeps the converted tables alive
+            h.budget, h.lane = budget, lane
+        h.margin = handover.margin
         h.victims, h.victim_worth = cast("int32_t[]", arrays[0]), cast("double[]", arrays[1])
         h.worth = cast("double[]", arrays[2])
         return self.lib.llama_moe_cache_hand_over(self.ctx, self.tier, h)

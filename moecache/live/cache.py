@@ -153,7 +153,8 @@ class LiveCache:
         line = (f"moecache: {s['decode_steps']} decode steps ({s['decode_tokens']} tokens), hit rate {_rate(s)}, "
                 f"{s['totals']['uploads']} uploads ({s['totals']['late']} late), {s['totals']['evictions']} evictions, "
                 f"step {s['step_us_mean'] or 0:.0f} us mean, upload wait {s['upload_wait_us'] / 1e3:.1f} ms"
-                + (f", {s['totals']['declined']} uploads declined by the planner" if s["planner"] else ""))
+                + (f", {s['totals']['lane_misses']} misses through the lane, {s['totals']['declined']} uploads "
+                   f"declined by the planner" if s["planner"] else ""))
         if self.below:
             ram = s["ram_tier"]
             line += (f"; RAM tier: hit rate {_rate(ram)} of the lookups the device did not serve, "
@@ -198,7 +199,7 @@ class LiveCache:
         c = self.ffi.new("struct llama_moe_cache_counters *")
         for i in range(len(self.layers)):
             self.lib.llama_moe_cache_get_counters(self.ctx, self.tier, i, c)
-            out.append({"hits": c.hits, "misses": c.misses, "uploads": c.uploads,
+            out.append({"hits": c.hits, "misses": c.misses, "lane": c.lane, "uploads": c.uploads,
                         "upload_bytes": c.upload_bytes})
         return out
 

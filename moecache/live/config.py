@@ -50,8 +50,9 @@ class CacheConfig:
                                    # model file when selected; "auto": what the process may use
                                    # less what it holds (moecache.live.ramtier); 0 = off. With
                                    # SLOTS or MIB too, it serves the CPU half of the device cache
-    planner: int = 0               # 1: the miss planner without its lane (issue 22): an eager upload
-                                   # only when it pays back its link time (moecache.live.rates)
+    planner: int = 0               # 1: the miss planner (issue 22): some misses through the
+                                   # copy-on-miss lane, an eager upload only when it pays back its
+                                   # link time (moecache.live.rates)
     link_gbps: float | str | None = None  # the planner's host-to-device rate, GB/s; None: measured
     host_gbps: float | str | None = None  # the planner's host read rate, GB/s; None: measured
 

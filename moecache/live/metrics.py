@@ -1,6 +1,6 @@
 """Prometheus metrics of the live caches, for `python -m moecache.serve`'s /metrics: hits,
-misses, uploads, evictions and late uploads per layer (with the miss planner, the uploads it
-declined), upload bytes, link bytes per decode token, hit ratio, step time, the cache's size and
+misses, uploads, evictions and late uploads per layer (with the miss planner, its lane misses
+and the uploads it declined), upload bytes, link bytes per decode token, hit ratio, step time, the cache's size and
 the planner's rates, one `context` label per live cache. Names follow llama.cpp server's own
 /metrics (`llamacpp:prompt_tokens_total`, ...): `moecache:hits_total`, ..."""
 
@@ -13,11 +13,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 PER_LAYER = {  # stats counter -> help
     "hits": "Expert lookups served by the device cache",
-    "misses": "Expert lookups computed on the CPU",
+    "misses": "Expert lookups the device cache did not hold (on the CPU, or through the lane)",
     "uploads": "Experts uploaded into the cache",
     "evictions": "Experts evicted from the cache",
     "late": "Uploads not complete at the boundary they were due",
     "prefill_uploads": "Uploads of the prompt's experts",
+    "lane_misses": "Misses the device computed through the copy-on-miss lane (counted in misses too)",
     "declined": "Eager uploads the miss planner declined: they would not pay back their link time",
 }
 PER_CACHE_COUNTERS = {  # stats counter -> help; upload_bytes is one of the stats' totals

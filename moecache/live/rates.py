@@ -2,9 +2,10 @@
 given (LLAMA_MOE_CACHE_LINK_GBPS, LLAMA_MOE_CACHE_HOST_GBPS) or measured at attach, the others
 from the hardware class whose link is nearest (moecache.offline.cost.HARDWARE).
 
-Live there is no copy-on-miss lane yet, so the planner only decides which eager uploads start:
-one whose worth beats its victim's by PAYBACK = min(host + link, dram) / min(link, dram) uses
-(moecache.core.missplan.Rates.payback_uses). Only host, link and dram enter it.
+With them the planner sets, per layer, how many of a graph's misses take the copy-on-miss lane
+(copied at once and computed on the device; Rates.lane_split over the layer's time) and what the
+other eager uploads must pay back: a worth above the victim's by PAYBACK = min(host + link,
+dram) / min(link, dram) uses (moecache.core.missplan.Rates.payback_uses).
 
 What is measured, and its limits:
 - link: COPIES timed copies of one cached expert's bytes (the first cached layer's, read from the
@@ -17,8 +18,7 @@ What is measured, and its limits:
   CPU's expert kernels could see it at best (they also dequantize and multiply: an upper bound
   of their rate); bytes that fit the CPU's caches (a small model) measure the caches.
 - dram (host memory's rate shared by the CPU and the DMA engine) is the nearest class's, at
-  least the measured host rate; device, ids trip and join (which the lane-less plan does not
-  use) are the class's.
+  least the measured host rate; device, ids trip and join are the class's.
 Not refreshed from the live step's timings: the engine's model of libllama's admissions must
 not depend on timing noise (LLAMA_MOE_CACHE_WAIT=1 checks them equal, and a replay at the
 stats' rates reproduces them).
@@ -63,8 +63,7 @@ class PlannerRates:
         r = self.rates
         return (f"moecache: miss planner: link {r.link_gbps:.3g} GB/s ({self.link_source}), host "
                 f"{r.host_gbps:.3g} GB/s ({self.host_source}), dram {r.dram_gbps:.3g} GB/s ({self.hardware}'s, "
-                f"the class nearest the link); an eager upload must pay back {r.payback_uses:.2f} uses; "
-                f"no copy-on-miss lane yet: every miss on the CPU")
+                f"the class nearest the link); an eager upload must pay back {r.payback_uses:.2f} uses")
 
     def to_json(self) -> dict:
         return {**asdict(self.rates), "payback_uses": self.payback_uses, "hardware": self.hardware,
