@@ -309,14 +309,16 @@ void mc_slot_keys(const mc_engine *g, int64_t *keys) {
         }
 }
 
-/* Eager admission's rule (moecache/core/admission.py states it): the uploads libllama's
- * observers start during a graph that selects ids (L, n), under a boundary's handover and the
- * slot contents it was computed from (slot_expert (L, K), -1 empty). Writes (layer, expert,
- * slot) rows to jobs (at most L * min(n, K)) in the order they start: layer by layer, router
- * rank within a layer. mark: E bytes of scratch, all zero before and after. Returns the
- * number of rows, or -1 - i when ids[i] is outside [-1, E). */
+/* Eager admission's rule with the copy-on-miss lane (moecache/core/admission.py states it): the
+ * slot writes libllama makes during a graph that selects ids (L, n), under a boundary's handover
+ * and the slot contents it was computed from (slot_expert (L, K), -1 empty). Writes (layer,
+ * expert, slot) rows to jobs (at most L * min(n, K)) in the order they start: layer by layer,
+ * within a layer the lane's copies first (by worth), then the uploads (router rank), and each
+ * layer's lane rows to lane_rows (L). mark: E bytes of scratch, all zero before and after; cand:
+ * n of scratch. Returns the number of rows, or -1 - i when ids[i] is outside [-1, E). */
 int64_t mc_admit(const mc_handover_table *h, const void *ids, int wide, int64_t n,
-                 const int32_t *slot_expert, uint8_t *mark, int32_t *jobs) {
+                 const int32_t *slot_expert, uint8_t *mark, int64_t *cand, int32_t *jobs,
+                 int64_t *lane_rows) {
     enum { SELECTED = 1, HELD = 2, SEEN = 4 };
     const int64_t L = h->n_layers, K = h->n_slots, E = h->n_expert;
     int64_t n_jobs = 0;
@@ -336,22 +338,42 @@ int64_t mc_admit(const mc_handover_table *h, const void *ids, int wide, int64_t 
         }
         for (int64_t s = 0; s < K; s++)
             if (held[s] >= 0) mark[held[s]] |= HELD;
-        int64_t next = 0, started = 0;
-        for (int64_t j = 0; j < n && started < h->budget[l]; j++) {
+        /* the candidates: distinct, not held (resident or on their way), worth above -inf */
+        int64_t m = 0;
+        for (int64_t j = 0; j < n; j++) {
             const int64_t e = id_at(ids, wide, l * n + j);
             if (e < 0 || (mark[e] & (HELD | SEEN))) continue;
             mark[e] |= SEEN;
+            if (worth[e] > -INFINITY) cand[m++] = e;
+        }
+        int64_t n_lane = h->lane ? h->lane[l * (E + 1) + m] : 0;
+        if (n_lane > m) n_lane = m;
+        if (n_lane < 0) n_lane = 0;
+        /* the lane's: the n_lane most worth, to the front in worth order (stable: rank breaks
+         * ties), the others left in rank order */
+        for (int64_t i = 0; i < n_lane; i++) {
+            int64_t best = i;
+            for (int64_t j = i + 1; j < m; j++)
+                if (worth[cand[j]] > worth[cand[best]]) best = j;
+            const int64_t e = cand[best];
+            for (int64_t j = best; j > i; j--) cand[j] = cand[j - 1];
+            cand[i] = e;
+        }
+        int64_t next = 0, started = 0, lane = 0;
+        for (int64_t i = 0; i < m && started < h->budget[l]; i++) {
+            const int64_t e = cand[i];
             /* the running graph reads the slots of the experts it selects: skip those victims */
             while (next < K && (victims[next] < 0 ||
                                 (held[victims[next]] >= 0 && (mark[held[victims[next]]] & SELECTED))))
                 next++;
             if (next == K) break;
-            if (worth[e] > victim_worth[next]) {
+            if (worth[e] - (i < n_lane ? 0.0 : h->margin) > victim_worth[next]) {
                 int32_t *job = jobs + 3 * n_jobs++;
                 job[0] = (int32_t) l, job[1] = (int32_t) e, job[2] = victims[next];
-                next++, started++;
+                next++, started++, lane += i < n_lane;
             }
         }
+        lane_rows[l] = lane;
         for (int64_t j = 0; j < n; j++) {
             const int64_t e = id_at(ids, wide, l * n + j);
             if (e >= 0) mark[e] = 0;

@@ -7,8 +7,9 @@
 
 --evict-mib N reads N MiB before each timed step, as a decode graph streaming the experts does
 between two live steps: the step then runs with cold CPU caches.
---planner CLASS also times each eager row with the miss planner as it runs live (no lane:
-LLAMA_MOE_CACHE_PLANNER=1) at that hardware class's rates (moecache.offline.cost.HARDWARE).
+--planner CLASS also times each eager row with the miss planner as it runs live
+(LLAMA_MOE_CACHE_PLANNER=1: the copy-on-miss lane and the payback margin) at that hardware class's
+rates (moecache.offline.cost.HARDWARE).
 --replay RUNS times whole replays instead (moecache.offline.replay.simulate, the offline driver) and
 prints the median replay throughput of RUNS runs in lookups/s; --trace replays that trace file
 instead of the synthetic routing.
@@ -67,12 +68,13 @@ def bench(args):
                 planners.append(HARDWARE[args.planner].rates)
             for rates in planners:
                 result = simulate(trace, PER_LAYER, name, args.slots, inserts=args.inserts, admission=admission,
-                                  step_times=True, before_step=streamed.sum, miss_plan=rates, lane=False)
+                                  step_times=True, before_step=streamed.sum, miss_plan=rates)
                 times = result.step_seconds[args.steps // 10:] * 1e6  # skip the cold-start fill
                 label = admission + ("+planner" if rates else "")
                 print(f"{name:>8} {label:>8}: step() median {np.median(times):6.1f} us  min "
                       f"{times.min():6.1f}  max {times.max():7.1f}  hit {100 * result.hit_rate:.1f}%"
-                      + (f", {result.totals['declined']} uploads declined" if rates else ""))
+                      + (f", {result.totals['lane_misses']} misses through the lane, "
+                         f"{result.totals['declined']} uploads declined" if rates else ""))
 
 
 def replay_throughput(args):

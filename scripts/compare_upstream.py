@@ -18,9 +18,9 @@ moecache.offline.experiments, outside moecache.core.policies.
 
 Last, issue 22's grid: per trace, K and hardware class (moecache.offline.cost.HARDWARE),
 modelled ms per decode token of stock --cpu-moe, upstream at the same device bytes and the live
-default with the miss planner at that class's rates (moecache.core.missplan), then the planner as
-it runs live today (LLAMA_MOE_CACHE_PLANNER=1: no copy-on-miss lane in libllama yet, every miss
-on the CPU, only the payback rule) and the live default without the planner; it ends with the line
+default with the miss planner at that class's rates as LLAMA_MOE_CACHE_PLANNER=1 runs it (the
+handover's rule: the copy-on-miss lane and the payback margin, moecache.core.missplan), then the
+live default without the planner; it ends with the line
 
     geomean ours/min(stock,upstream) = 0.xx over N cells, M cells above 1.0
 """
@@ -192,13 +192,12 @@ def timeline_grid(traces, sizes=(8, 16, 32)):
     for hw in HARDWARE.values():
         print(f"- {hw.describe()}. {hw.summary}; {hw.sources}")
     print("\nours: the live default (heat, eager, prompt warm) with the miss planner at the class's rates, "
-          "the copy-on-miss lane modelled (decode hit%, lane misses and MiB uploaded per decode token); "
-          "live today: the planner without the lane, as LLAMA_MOE_CACHE_PLANNER=1 runs it (no lane in "
-          "libllama yet); without: the live default without the planner\n")
-    print("| trace | K | hardware | stock | upstream | ours | hit%, lane/tok, MiB up/tok | live today | without "
-          "| ours / min |")
-    print("|---|---:|---|---:|---:|---:|---|---:|---:|---:|")
-    ratios, live_ratios = [], []
+          "as LLAMA_MOE_CACHE_PLANNER=1 runs it: the copy-on-miss lane and uploads that pay (decode hit%, "
+          "lane misses and MiB uploaded per decode token, lane copies included); without: the live default "
+          "without the planner\n")
+    print("| trace | K | hardware | stock | upstream | ours | hit%, lane/tok, MiB up/tok | without | ours / min |")
+    print("|---|---:|---|---:|---:|---:|---|---:|---:|")
+    ratios = []
     for trace in traces:
         name = Path(trace.path).name.split(".")[0]
         for k in sizes:
@@ -207,18 +206,12 @@ def timeline_grid(traces, sizes=(8, 16, 32)):
             for hw in HARDWARE.values():
                 ours = simulate(trace, PER_LAYER, "default", k, admission="eager", prefill="warm",
                                 miss_plan=hw.rates)
-                live = simulate(trace, PER_LAYER, "default", k, admission="eager", prefill="warm",
-                                miss_plan=hw.rates, lane=False).modelled_ms(hw)
                 stock, upstream_ms, ours_ms = up.stock_ms(hw), up.modelled_ms(hw), ours.modelled_ms(hw)
                 ratios.append(ours_ms / min(stock, upstream_ms))
-                live_ratios.append(live / min(stock, upstream_ms))
                 lane = ours.totals["lane_misses"] / ours.decode_steps
                 print(f"| {name} | {k} | {hw.name} | {stock:.2f} | {upstream_ms:.2f} | {ours_ms:.2f} | "
                       f"{100 * ours.hit_rate:.1f}, {lane:.1f}, {ours.upload_bytes_per_token / MIB:.0f} | "
-                      f"{live:.2f} | {plain.modelled_ms(hw):.2f} | {ratios[-1]:.2f} |")
-    live_geomean = math.exp(sum(math.log(r) for r in live_ratios) / len(live_ratios))
-    print(f"\nlive today (no lane): geomean live/min(stock,upstream) = {live_geomean:.2f} over "
-          f"{len(live_ratios)} cells, {sum(r > 1.0 for r in live_ratios)} cells above 1.0")
+                      f"{plain.modelled_ms(hw):.2f} | {ratios[-1]:.2f} |")
     geomean = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
     print(f"\ngeomean ours/min(stock,upstream) = {geomean:.2f} over {len(ratios)} cells, "
           f"{sum(r > 1.0 for r in ratios)} cells above 1.0")

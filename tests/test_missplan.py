@@ -1,10 +1,12 @@
 """The miss planner (moecache.core.missplan): each miss where it costs least, uploads only when
 they pay; on a hand-made handover, then through the engine in the one replay driver."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
-from moecache.core.admission import Handover
+from moecache.core.admission import Handover, admissions, admissions_with_lane, build_handover
 from moecache.core.engine import CacheEngine
 from moecache.core.missplan import MissPlanner, Rates
 from moecache.core.policies import make_policy
@@ -37,6 +39,19 @@ def test_the_lane_takes_the_misses_that_shorten_the_layer():
     assert r.lane_split(MB, 0, hits=0, cpu_fixed=4, movable=2) == 2
 
 
+def test_the_lane_table_is_the_split_of_each_count_of_candidates_the_others_hits():
+    r = Rates(host_gbps=50, link_gbps=25, dram_gbps=1000, device_gbps=1000, ids_trip_us=10, join_us=5)
+    planner = MissPlanner(r, [MB, MB, 2 * MB], [0, 0, 0], n_used=4)
+    table = planner.lane_table(6, 4)
+    assert table.shape == (3, 7) and table.dtype == np.int32
+    for layer, size in enumerate((MB, MB, 2 * MB)):
+        assert table[layer].tolist() == [r.lane_split(size, 0, hits=max(4 - m, 0), cpu_fixed=0, movable=m)
+                                          for m in range(7)]
+    assert table[0, 3] == 1 and table[0, 0] == 0  # 3 misses and a hit: one through the lane
+    assert planner.lane_table(6, 4) is table      # computed once
+    assert not table.flags.writeable
+
+
 def handover(worth):
     """One layer of 8 experts, slots 0 and 1 holding experts 5 and 6 (evictable, worth 1 and
     2), two slot writes allowed."""
@@ -49,30 +64,155 @@ def handover(worth):
 
 SLOTS = np.array([[5, 6]], dtype=np.int32)
 # the graph selects 0 and 1 (misses) and 5 (a hit: its slot is read, so not a victim)
-IDS, HITS = np.array([[0, 1, 5]]), np.array([[False, False, True]])
+IDS = np.array([[0, 1, 5]])
 
 
-def plan(rates, worth):
-    return MissPlanner(rates, [MB]).plan(handover(worth), IDS, HITS, SLOTS, use_worth=1.0)
+def planned(rates, worth, lane=True):
+    """The planner's handover and the slot writes the graph makes under it."""
+    h = MissPlanner(rates, [MB], n_used=3, lane=lane).plan(handover(worth), use_worth=1.0)
+    return h, admissions_with_lane(h, IDS, SLOTS)
+
+
+def test_the_planner_hands_over_the_policys_worths_with_its_lane_table_and_margin():
+    h, _ = planned(SLOW, {0: 10.0, 1: 3.0})
+    assert np.array_equal(h.worth, handover({0: 10.0, 1: 3.0}).worth)  # unshaped
+    assert h.margin == pytest.approx(51) and h.lane.shape == (1, 9) and not h.lane.any()
+    h, _ = planned(FAST, {0: 10.0, 1: 3.0}, lane=False)
+    assert h.lane is None and h.margin == pytest.approx(1.0)
 
 
 def test_a_slow_link_sends_misses_to_the_cpu_and_makes_no_upload_that_does_not_pay():
-    p = plan(SLOW, {0: 10.0, 1: 3.0})
-    assert p.lane.tolist() == [0] and len(p.jobs) == 0  # 10 - 51 uses does not beat the victim's 2
+    _, a = planned(SLOW, {0: 10.0, 1: 3.0})
+    assert a.lane.tolist() == [0] and len(a.jobs) == 0  # 10 - 51 uses does not beat the victim's 2
 
 
 def test_an_upload_that_pays_takes_the_victim():
-    p = plan(SLOW, {0: 3.0, 1: 100.0})
-    assert p.lane.tolist() == [0] and p.lane_kept.tolist() == [0]
-    assert p.jobs.tolist() == [[0, 1, 1]]  # expert 1 into slot 1 (expert 6); slot 0 is read
+    _, a = planned(SLOW, {0: 3.0, 1: 100.0})
+    assert a.lane.tolist() == [0]
+    assert a.jobs.tolist() == [[0, 1, 1]]  # expert 1 into slot 1 (expert 6); slot 0 is read
 
 
-def test_a_fast_link_sends_misses_through_the_lane_kept_when_they_beat_the_victim():
-    p = plan(FAST, {0: 3.0, 1: 100.0})
-    assert p.lane.tolist() == [2] and p.lane_kept.tolist() == [1]
-    assert p.jobs.tolist() == [[0, 1, 1]]  # the most valuable first; expert 0 used a scratch slot
-    p = plan(FAST, {0: 1.5, 1: 0.5})       # neither beats the victim (2): both copies scratch
-    assert p.lane.tolist() == [2] and len(p.jobs) == 0
+def test_a_fast_link_sends_misses_through_the_lane_when_they_beat_the_victim_and_no_scratch_slot():
+    _, a = planned(FAST, {0: 3.0, 1: 100.0})
+    assert a.lane.tolist() == [1]           # lane[0, 2] = 2, the most valuable first
+    assert a.jobs.tolist() == [[0, 1, 1]]   # expert 0: no victim left, computed on the CPU
+    _, a = planned(FAST, {0: 1.5, 1: 0.5})  # neither beats the victim (2): both on the CPU
+    assert a.lane.tolist() == [0] and len(a.jobs) == 0
+
+
+def plain_rule(h, ids, slot_expert):
+    """The handover's rule as moecache.core.admission writes it, one layer and one id at a time:
+    (job rows, lane rows per layer)."""
+    jobs, lanes = [], []
+    for layer, row in enumerate(ids.tolist()):
+        held = [e for e in slot_expert[layer].tolist() if e >= 0]
+        worth = h.worth[layer]
+        cand = [e for e in dict.fromkeys(row) if e >= 0 and e not in held and worth[e] > -np.inf]
+        n = 0 if h.lane is None else min(int(h.lane[layer, len(cand)]), len(cand))
+        lset = sorted(cand, key=lambda e: -worth[e])[:n]  # stable: rank breaks ties
+        order = lset + [e for e in cand if e not in lset]
+        victims = [(v, w) for v, w in zip(h.victims[layer].tolist(), h.victim_worth[layer].tolist())
+                   if v >= 0 and not (slot_expert[layer, v] >= 0 and slot_expert[layer, v] in row)]
+        nxt = started = lane = 0
+        for e in order:
+            if started == h.budget[layer] or nxt == len(victims):
+                break
+            if worth[e] - (0.0 if e in lset else h.margin) > victims[nxt][1]:
+                jobs.append([layer, e, victims[nxt][0]])
+                nxt += 1
+                started += 1
+                lane += e in lset
+        lanes.append(lane)
+    return jobs, lanes
+
+
+def random_handover(rng, L, E, K):
+    slot_expert = np.stack([rng.choice(np.arange(-1, E), K, replace=False) for _ in range(L)]).astype(np.int32)
+    free = slot_expert < 0
+    evictable = ~free & (rng.random((L, K)) < 0.8)
+    worth = rng.choice([-np.inf, 0.0, 1.0, 2.0, 3.0, np.inf], (L, E))  # ties happen
+    priority = rng.choice([-np.inf, 0.5, 1.0, 1.5, np.inf], (L, K))
+    h = build_handover(free, evictable, priority, worth, rng.integers(0, 5, L))
+    return h, slot_expert
+
+
+def test_the_native_rule_with_a_lane_and_a_margin_is_the_rule_written_out_plainly():
+    rng = np.random.default_rng(5)
+    lane_rows = admitted = 0
+    for _ in range(600):
+        L, E, K = 3, 12, int(rng.integers(1, 7))
+        h, slot_expert = random_handover(rng, L, E, K)
+        h = replace(h, lane=None if rng.random() < 0.2 else rng.integers(0, E + 1, (L, E + 1)).astype(np.int32),
+                    margin=float(rng.choice([0.0, 0.5, 1.0, 2.5])))
+        ids = rng.integers(-1, E, (L, int(rng.integers(1, 4)) * int(rng.integers(1, 5))))  # tokens x n_used
+        got = admissions_with_lane(h, ids.astype(rng.choice([np.int32, np.int64])), slot_expert)
+        assert np.array_equal(admissions(h, ids, slot_expert), got.jobs)
+        jobs, lanes = plain_rule(h, ids, slot_expert)
+        assert got.jobs.tolist() == jobs and got.lane.tolist() == lanes
+        ordered, n_lane = got.lane_first()
+        first = [row for layer in range(L) for row in [r for r in jobs if r[0] == layer][:lanes[layer]]]
+        assert n_lane == sum(lanes) and ordered[:n_lane].tolist() == first
+        assert sorted(ordered.tolist()) == sorted(jobs)
+        lane_rows += n_lane
+        admitted += len(jobs) - n_lane
+    assert lane_rows > 100 and admitted > 100  # both kinds of slot write happened
+
+
+def test_a_margin_acts_as_worths_lowered_by_it_without_a_lane():
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        h, slot_expert = random_handover(rng, 3, 16, 4)
+        margin = float(rng.choice([0.5, 1.0, 2.0]))
+        ids = rng.integers(-1, 16, (3, 6))
+        shaped = replace(h, worth=h.worth - margin)
+        assert np.array_equal(admissions(replace(h, margin=margin), ids, slot_expert),
+                              admissions(shaped, ids, slot_expert))
+
+
+def lane_engine():
+    """heat, 1 layer of 8 experts, 4 slots, the fast link's planner (every candidate may take
+    the lane), experts 0 and 1 preloaded: due at the second boundary."""
+    engine = CacheEngine(1, 8, 4, make_policy("heat"), inserts=4, admission="eager",
+                         miss_planner=MissPlanner(FAST, [MB], n_used=2))
+    engine.preload([[0, 1]])
+    engine.step(None)
+    return engine
+
+
+def test_lane_copies_libllama_reports_are_due_first_complete_with_their_graph():
+    engine = lane_engine()
+    assert engine.handover.lane is not None and engine.uploads_due == 2
+    # the graph copied expert 2 through the lane into slot 2 and started an upload of 3 into slot 3
+    plan = engine.step(np.array([[2, 3]]), ready=1, admitted=np.array([[0, 2, 2], [0, 3, 3]]), lane_rows=1)
+    assert plan.publish.tolist() == [[0, 2, 2]]  # the lane copy, ahead of the preloads issued before it
+    assert engine.expert_slot[0, 2] == 2 and engine.expert_slot[0, 0] == -1
+    assert plan.lane.tolist() == [1] and engine.counters["lane_misses"].tolist() == [1]
+    assert plan.misses.tolist() == [2]  # a lane miss is a miss
+    plan = engine.step(np.array([[2, 0]]), ready=None)
+    assert plan.publish.tolist() == [[0, 0, 0], [0, 1, 1], [0, 3, 3]]  # the late ones, in issue order
+    with pytest.raises(ValueError, match="lane_rows must be in"):
+        engine.step(np.array([[4, 5]]), admitted=np.array([[0, 4, 2]]), lane_rows=2)
+
+
+def test_modelled_lane_copies_come_from_the_rule_and_are_due_first():
+    engine = lane_engine()
+    h, slots = engine.handover, engine.slot_expert.copy()
+    ids = np.array([[2, 3]])
+    expected, n_lane = admissions_with_lane(h, ids, slots).lane_first()
+    assert n_lane >= 1
+    plan = engine.step(ids, ready=n_lane)
+    assert plan.admitted.tolist() == expected.tolist()
+    assert plan.publish.tolist() == expected[:n_lane].tolist() and plan.lane.tolist() == [n_lane]
+    assert engine.counters["lane_misses"].tolist() == [n_lane] and "lane_uploads" not in engine.counters
+
+
+def test_without_a_lane_libllama_reports_no_lane_copies():
+    engine = CacheEngine(1, 8, 4, make_policy("heat"), inserts=4, admission="eager",
+                         miss_planner=MissPlanner(FAST, [MB], lane=False))
+    engine.step(None)
+    assert engine.handover.lane is None and engine.handover.margin > 0
+    with pytest.raises(ValueError, match="lane_rows must be in"):
+        engine.step(np.array([[2, 3]]), admitted=np.array([[0, 2, 0]]), lane_rows=1)
 
 
 def routing_trace():
@@ -86,64 +226,41 @@ def test_through_the_replay_the_link_decides_where_misses_go():
             for name, rates in (("slow", SLOW), ("fast", FAST))}
     plain = simulate(trace, PER_LAYER, "heat", 8, admission="eager", prefill="off")
     assert runs["slow"].totals["lane_misses"] == 0 < runs["fast"].totals["lane_misses"]
-    assert runs["fast"].totals["lane_misses"] <= runs["fast"].totals["misses"]
+    assert runs["fast"].totals["lane_misses"] <= min(runs["fast"].totals["misses"], runs["fast"].totals["uploads"])
     # a slow link: only the uploads that pay 51 uses, far fewer than eager heat's
     assert runs["slow"].totals["uploads"] < plain.totals["uploads"] / 2
-    assert "lane_misses" not in plain.totals
-    # the plan's lane is the timeline's: the fast link's token is shorter than the CPU's
+    assert runs["slow"].totals["declined"] > 0
+    assert "lane_misses" not in plain.totals and "declined" not in plain.totals
+    # the lane's misses are the timeline's: the fast link's token is shorter than the CPU's
     fast = Hardware("fast", "", FAST, "")
     assert runs["fast"].modelled_ms(fast) < plain.modelled_ms(fast)
 
 
-def test_the_planner_needs_eager_admission_and_a_policy_that_counts_uses():
-    planner = MissPlanner(SLOW, [MB])
+def test_the_planner_needs_eager_admission_a_policy_that_counts_uses_and_n_used_for_its_lane():
+    planner = MissPlanner(SLOW, [MB], n_used=2)
     with pytest.raises(ValueError, match="eager admission"):
         CacheEngine(1, 8, 2, make_policy("heat"), miss_planner=planner)
     with pytest.raises(ValueError, match="counts uses"):
         CacheEngine(1, 8, 2, make_policy("lru"), admission="eager", miss_planner=planner)
+    with pytest.raises(ValueError, match="needs n_used"):
+        MissPlanner(SLOW, [MB])
 
 
-def test_without_the_lane_the_plan_is_the_eager_rule_on_the_shaped_handover():
-    """Live today: the planner acts only through the worths it hands libllama, whose own rule
-    (admissions, mc_admit) then makes exactly the plan's paying uploads."""
-    from moecache.core.admission import admissions, build_handover
-
-    rng = np.random.default_rng(7)
-    L, E, K, n = 3, 16, 4, 6
-    admitted = 0
-    for _ in range(300):
-        slot_expert = np.array([np.where(rng.random(K) < 0.2, -1, rng.choice(E, K, replace=False))
-                                for _ in range(L)], dtype=np.int32)
-        evictable = (slot_expert >= 0) & (rng.random((L, K)) < 0.8)
-        priority = rng.integers(0, 6, (L, K)).astype(np.float64)  # ties happen
-        worth = rng.integers(0, 9, (L, E)).astype(np.float64)
-        h = build_handover(slot_expert < 0, evictable, priority, worth, rng.integers(1, 4))
-        ids = np.where(rng.random((L, n)) < 0.1, -1, rng.integers(0, E, (L, n)))
-        hits = np.array([[e in row for e in line] for row, line in zip(slot_expert, ids)]) & (ids >= 0)
-        planner = MissPlanner(SLOW if rng.random() < 0.5 else FAST, [MB] * L, lane=False)
-        use_worth = float(rng.choice([0.5, 1.0, 2.0]))
-        p = planner.plan(h, ids, hits, slot_expert, use_worth)
-        assert p.lane.tolist() == [0] * L and p.lane_kept.tolist() == [0] * L
-        shaped = admissions(planner.shaped(h, use_worth), ids, slot_expert)
-        assert np.array_equal(p.jobs, shaped), (p.jobs.tolist(), shaped.tolist())
-        admitted += len(shaped)
-    assert admitted > 50  # the rule admitted something, not only refused
-
-
-def test_the_replay_runs_the_planner_as_live_today_beside_the_modelled_lane():
+def test_the_replay_runs_the_planner_without_its_lane_beside_it():
     trace = routing_trace()
-    live = simulate(trace, PER_LAYER, "heat", 8, admission="eager", prefill="off", miss_plan=SLOW, lane=False)
-    lane = simulate(trace, PER_LAYER, "heat", 8, admission="eager", prefill="off", miss_plan=SLOW)
-    plain = simulate(trace, PER_LAYER, "heat", 8, admission="eager", prefill="off")
-    assert "lane_misses" not in live.totals and live.totals["declined"] > 0
-    assert "declined" not in lane.totals
-    # a slow link: the lane takes nothing, so both plans are the payback rule alone
+    kw = dict(admission="eager", prefill="off")
+    no_lane = simulate(trace, PER_LAYER, "heat", 8, miss_plan=SLOW, lane=False, **kw)
+    lane = simulate(trace, PER_LAYER, "heat", 8, miss_plan=SLOW, **kw)
+    plain = simulate(trace, PER_LAYER, "heat", 8, **kw)
+    assert "lane_misses" not in no_lane.totals and no_lane.totals["declined"] > 0
+    # a slow link: the lane takes nothing, so both are the payback rule alone
     assert lane.totals["lane_misses"] == 0
-    assert (live.totals["hits"], live.totals["uploads"]) == (lane.totals["hits"], lane.totals["uploads"])
-    assert live.totals["uploads"] < plain.totals["uploads"]
-    # a fast link: the lane takes misses the live planner leaves to the CPU, in less modelled time
-    fast_live = simulate(trace, PER_LAYER, "heat", 8, admission="eager", prefill="off", miss_plan=FAST, lane=False)
-    fast_lane = simulate(trace, PER_LAYER, "heat", 8, admission="eager", prefill="off", miss_plan=FAST)
+    assert {k: no_lane.totals[k] for k in ("hits", "uploads", "declined")} == \
+        {k: lane.totals[k] for k in ("hits", "uploads", "declined")}
+    assert no_lane.totals["uploads"] < plain.totals["uploads"]
+    # a fast link: the lane takes misses the lane-less planner leaves to the CPU, in less modelled time
+    fast_no_lane = simulate(trace, PER_LAYER, "heat", 8, miss_plan=FAST, lane=False, **kw)
+    fast_lane = simulate(trace, PER_LAYER, "heat", 8, miss_plan=FAST, **kw)
     hardware = Hardware("fast", "", FAST, "")
     assert fast_lane.totals["lane_misses"] > 0
-    assert fast_lane.modelled_ms(hardware) < fast_live.modelled_ms(hardware)
+    assert fast_lane.modelled_ms(hardware) < fast_no_lane.modelled_ms(hardware)

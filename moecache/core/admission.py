@@ -12,17 +12,31 @@ graph about to run, and during that graph C only follows it, per cached layer:
     worth[l, e]      the worth of expert e if this graph selects it and misses it (the
                      policy's admission value counting that use; +inf for policies that admit
                      everything; -inf: never upload, e.g. already resident or on its way)
-    budget[l]        uploads the layer may start during this graph
+    budget[l]        slot writes the layer may start during this graph
+    lane[l, m]       of m candidates, how many take the copy-on-miss lane (None: no lane)
+    margin           what an upload outside the lane must beat its victim's worth by
 
     rule, when layer l's selected ids are known (router-rank order, one token or several):
+        cand  = the distinct selected e, in rank order, not held (not in slot_expert[l]: resident
+                or on its way) with worth[l, e] > -inf
+        n     = lane[l, len(cand)] (0 without a lane), at most len(cand)
+        lset  = the first n of cand stably sorted by worth, highest first (rank breaks ties)
+        order = lset, then the rest of cand in rank order
         next = 0; started = 0
-        for each distinct selected id e that misses (not resident, not on its way), in order:
+        for e in order:
             if started == budget[l]: stop
-            skip victims[l][next...] whose expert is selected in this graph (its slot is read)
+            skip victims[l][next...] that are -1 or whose expert is selected in this graph
+                (its slot is read)
             if no victim is left: stop
-            if worth[l, e] > victim_worth[l][next]:     (strictly)
-                start copying e into slot victims[l][next]; next += 1; started += 1
-            (else e stays a host-only miss; the next selected id may still beat the victim)
+            if worth[l, e] - (0 if e in lset else margin) > victim_worth[l][next]:   (strictly)
+                write e into slot victims[l][next]; next += 1; started += 1
+            (else e stays on the CPU; the next candidate may still beat the victim)
+
+A write of an expert in lset is a LANE copy: made during the graph once the layer's ids are
+known, computed on the device in that same graph (the CPU skips it), complete when the graph
+is. The others are asynchronous uploads, usable from the next graph. A lane candidate that
+fails the test is computed on the CPU: there are no scratch slots. Without a lane and with
+margin 0 this is plain eager admission (worth > victim's).
 
 C writes no table during the graph: the next boundary unpublishes each victim and publishes
 each completed upload (late ones at a later boundary). The engine models the rule itself
@@ -31,7 +45,8 @@ each completed upload (late ones at a later boundary). The engine models the rul
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -54,6 +69,17 @@ class Handover:
     victim_worth: np.ndarray   # (L, K) float64, aligned with victims (+inf in the padding)
     worth: np.ndarray          # (L, E) float64
     budget: np.ndarray         # (L,) int64
+    lane: np.ndarray | None = None  # (L, E + 1) int32: of m candidates, lane[l, m] take the lane
+    margin: float = 0.0             # what an upload outside the lane must beat its victim by
+    # the tables as mc_admit reads them (bookkeeping.NativeHandover), made by the first admissions()
+    native: object = field(default=None, init=False, repr=False, compare=False)
+
+    def with_rule(self, lane: np.ndarray | None, margin: float) -> "Handover":
+        """This handover's slots and worths under another lane table and margin."""
+        other = Handover(self.victims, self.victim_worth, self.worth, self.budget, lane, margin)
+        if self.native is not None and lane is self.lane:  # the same tables, converted already
+            other.native = self.native.with_margin(margin)
+        return other
 
 
 _FINITE = np.finfo(np.float64).max
@@ -74,18 +100,44 @@ def build_handover(free, evictable, priority, worth, budget) -> Handover:
     return Handover(victims, victim_worth, np.asarray(worth, dtype=np.float64), budget)
 
 
+class Admissions(NamedTuple):
+    """The slot writes of a graph under a handover (admissions_with_lane())."""
+
+    jobs: np.ndarray   # (n, 3) int32 (layer, expert, slot): layer by layer, the lane's first in a layer
+    lane: np.ndarray   # (L,) int64: how many of a layer's rows are lane copies (its first ones)
+
+    def lane_first(self) -> tuple[np.ndarray, int]:
+        """The rows with every layer's lane copies first (layer by layer), then the uploads:
+        the order the engine takes them in (engine.step's admitted, lane_rows), and their
+        number of lane copies."""
+        n_lane = int(self.lane.sum())
+        if not n_lane:
+            return self.jobs, 0
+        layers = self.jobs[:, 0]
+        place = np.arange(len(layers)) - np.searchsorted(layers, layers)  # the row's place in its layer
+        is_lane = place < self.lane[layers]
+        return np.concatenate((self.jobs[is_lane], self.jobs[~is_lane])), n_lane
+
+
 def admissions(handover: Handover, ids: np.ndarray, slot_expert: np.ndarray) -> np.ndarray:
-    """The uploads C starts during a graph that selects `ids` ((L, n) int, router-rank order,
-    -1 = none), given the handover of its boundary and the slot contents it was computed
-    from (slot_expert (L, K), -1 empty). Returns (n_admitted, 3) rows of (layer, expert, slot)
-    in the order C starts them (layer by layer, rank order within a layer). The rule runs in
+    """The slot writes libllama makes during a graph that selects `ids` ((L, n) int,
+    router-rank order, -1 = none), given the handover of its boundary and the slot contents it
+    was computed from (slot_expert (L, K), -1 empty): (n, 3) int32 rows of (layer, expert,
+    slot) in the order it starts them, layer by layer, the lane's copies first in a layer.
+    admissions_with_lane(...).jobs."""
+    return admissions_with_lane(handover, ids, slot_expert).jobs
+
+
+def admissions_with_lane(handover: Handover, ids: np.ndarray, slot_expert: np.ndarray) -> Admissions:
+    """admissions() and how many of each layer's rows are lane copies. The rule runs in
     native/engine_core.c (mc_admit), as libllama runs it: in numpy it cost half a replay."""
-    return admit(handover, ids, slot_expert)
+    return Admissions(*admit(handover, ids, slot_expert))
 
 
 class EagerAdmission:
     """The engine's side of eager admission: the handover of each boundary (native/engine_core.c
-    orders the slots as build_handover does) and the admissions a graph made under it."""
+    orders the slots as build_handover does; a miss planner adds its lane table and margin) and
+    the slot writes a graph made under it."""
 
     def __init__(self, state, core, policy, inserts: int | None, miss_planner=None):
         L, E = state.expert_slot.shape
@@ -94,24 +146,20 @@ class EagerAdmission:
         self._all_keys = np.arange(L * E).reshape(L, E)
         self._budget = np.full(L, K if inserts is None else inserts, dtype=np.int64)
         self.handover: Handover | None = None  # what the graph about to run follows
-        # moecache.core.missplan.MissPlanner: lane and paying uploads instead of admissions();
-        # without its lane, admissions() on the handover it shaped
-        self._miss_planner = miss_planner
-        self._use_worth = 1.0  # the handover's worth units of one use (the planner's margin)
-        self.lane_plan = None  # the last graph's MissPlan (with a planner that has the lane)
-        self._unshaped: Handover | None = None  # the policy's handover, before a lane-less planner's margin
+        self._miss_planner = miss_planner  # moecache.core.missplan.MissPlanner or None
 
-    def admitted(self, ids: np.ndarray, reported, hit_mask=None) -> np.ndarray:
-        """The uploads the graph that selected `ids` started under the current handover:
-        `reported` by libllama (rows of admissions(), in the order it started them), or when
-        None the modelled ones (with a miss planner that has the lane: its plan, hit_mask needed)."""
-        if reported is not None:
-            return np.ascontiguousarray(reported, dtype=np.int32)
-        if self._miss_planner is None or not self._miss_planner.lane:
-            return admissions(self.handover, ids, self._state.slot_expert)
-        self.lane_plan = self._miss_planner.plan(self.handover, ids, hit_mask, self._state.slot_expert,
-                                                 self._use_worth)
-        return self.lane_plan.jobs
+    def admitted(self, ids: np.ndarray, reported, lane_rows: int) -> tuple[np.ndarray, int, np.ndarray]:
+        """The slot writes the graph that selected `ids` made under the current handover,
+        lane copies first (Admissions.lane_first): `reported` by libllama, of which the first
+        `lane_rows` are lane copies, or when None the modelled ones. Returns them, their number
+        of lane copies and the lane copies per layer."""
+        if reported is None:
+            modelled = admissions_with_lane(self.handover, ids, self._state.slot_expert)
+            return (*modelled.lane_first(), modelled.lane)
+        jobs = np.ascontiguousarray(reported, dtype=np.int32).reshape(-1, 3)
+        if not 0 <= lane_rows <= len(jobs) or (lane_rows and self.handover.lane is None):
+            raise ValueError(f"lane_rows must be in [0, {len(jobs)}] with a lane in the handover, got {lane_rows}")
+        return jobs, lane_rows, np.bincount(jobs[:lane_rows, 0], minlength=len(self._budget))
 
     def hand_over(self, t: int) -> Handover:
         """The handover for the graph about to run, from the policy's view at boundary t."""
@@ -124,19 +172,16 @@ class EagerAdmission:
             worth = np.full(self._all_keys.shape, np.inf)
         victims, victim_worth = self._core.handover(priority, worth)
         self.handover = Handover(victims, victim_worth, worth, self._budget)
-        if self._miss_planner is not None:
-            self._use_worth = policy.use_worth(t + 1)  # worth_if_used counts the use at t + 1
-            if not self._miss_planner.lane:  # libllama follows the payback rule as its own
-                self._unshaped = self.handover
-                self.handover = self._miss_planner.shaped(self.handover, self._use_worth)
+        if self._miss_planner is not None:  # worth_if_used counts the use at t + 1
+            self.handover = self._miss_planner.plan(self.handover, policy.use_worth(t + 1))
         return self.handover
 
     def declined(self, ids: np.ndarray, admitted: np.ndarray) -> np.ndarray | None:
-        """Per layer, the uploads the graph that selected `ids` would have started under the
-        policy's own handover (modelled, from the same slots), less those it started under the
-        shaped one (`admitted`); None without a lane-less planner."""
-        if self._unshaped is None:
+        """Per layer, the slot writes the graph that selected `ids` would have made under the
+        handover without its margin (modelled, from the same slots), less those it made
+        (`admitted`); None without a miss planner."""
+        if self._miss_planner is None:
             return None
         L = len(self.handover.budget)
-        return np.bincount(admissions(self._unshaped, ids, self._state.slot_expert)[:, 0], minlength=L) - \
-            np.bincount(admitted[:, 0], minlength=L)
+        no_margin = admissions(self.handover.with_rule(self.handover.lane, 0.0), ids, self._state.slot_expert)
+        return np.bincount(no_margin[:, 0], minlength=L) - np.bincount(admitted[:, 0], minlength=L)

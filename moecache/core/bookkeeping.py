@@ -176,24 +176,60 @@ class Bookkeeping:
         return victims, victim_worth
 
 
-def admit(handover, ids: np.ndarray, slot_expert: np.ndarray) -> np.ndarray:
-    """moecache.core.admission.admissions in C (mc_admit): the (n, 3) int32 job rows."""
-    L, K = handover.victims.shape
-    E = handover.worth.shape[1]
+class NativeHandover:
+    """A handover's tables as mc_admit reads them, converted once (the replay admits under each
+    handover once or twice), with the call's scratch."""
+
+    def __init__(self, handover):
+        L, K = handover.victims.shape
+        E = handover.worth.shape[1]
+        self.shape = L, K, E
+        self._arrays = [np.ascontiguousarray(handover.victims, dtype=np.int32),
+                        np.ascontiguousarray(handover.victim_worth, dtype=np.float64),
+                        np.ascontiguousarray(handover.worth, dtype=np.float64),
+                        np.ascontiguousarray(handover.budget, dtype=np.int64)]
+        lane = ffi.NULL
+        if handover.lane is not None:
+            lane_table = np.ascontiguousarray(handover.lane, dtype=np.int32)
+            if lane_table.shape != (L, E + 1):
+                raise ValueError(f"the handover's lane table must be ({L}, {E + 1}), got {lane_table.shape}")
+            self._arrays.append(lane_table)
+            lane = _i32(lane_table)
+        victims, victim_worth, worth, budget = self._arrays[:4]
+        self.table = ffi.new("mc_handover_table *", (L, K, E, _i32(victims), _f64(victim_worth), _f64(worth),
+                                                     _i64(budget), lane, handover.margin))
+        self.mark = ffi.new("uint8_t[]", E)
+        self.cand = ffi.new("int64_t[]", 1)
+
+    def with_margin(self, margin: float) -> "NativeHandover":
+        """The same tables and scratch under another margin."""
+        other = object.__new__(NativeHandover)
+        other.__dict__.update(self.__dict__)
+        other.table = ffi.new("mc_handover_table *", self.table[0])
+        other.table.margin = margin
+        return other
+
+
+def admit(handover, ids: np.ndarray, slot_expert: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """moecache.core.admission.admissions in C (mc_admit): the (n, 3) int32 job rows and the
+    (L,) int64 lane rows per layer."""
+    if handover.native is None:
+        handover.native = NativeHandover(handover)
+    native = handover.native
+    L, K, E = native.shape
     ids = np.asarray(ids)
     if ids.ndim != 2 or ids.shape[0] != L or ids.dtype.kind not in "iu":
         raise ValueError(f"ids must be an integer array ({L}, n), got {ids.dtype} {ids.shape}")
     ids = native_ids(ids, E)
-    arrays = (np.ascontiguousarray(handover.victims, dtype=np.int32),
-              np.ascontiguousarray(handover.victim_worth, dtype=np.float64),
-              np.ascontiguousarray(handover.worth, dtype=np.float64),
-              np.ascontiguousarray(handover.budget, dtype=np.int64))
-    table = ffi.new("mc_handover_table *", (L, K, E, _i32(arrays[0]), _f64(arrays[1]), _f64(arrays[2]),
-                                            _i64(arrays[3])))
-    slots = np.ascontiguousarray(slot_expert, dtype=np.int32)
-    jobs = np.empty((L * min(ids.shape[1], K), 3), dtype=np.int32)
-    n = lib.mc_admit(table, ffi.from_buffer(ids), ids.itemsize == 8, ids.shape[1], _i32(slots),
-                     ffi.new("uint8_t[]", E), _i32(jobs))
-    if n < 0:
-        raise ValueError(f"expert ids must be in [-1, {E}), got {ids.flat[-1 - n]}")
-    return jobs[:n]
+    n = ids.shape[1]
+    if len(native.cand) < n:
+        native.cand = ffi.new("int64_t[]", n)
+    slots = slot_expert if slot_expert.dtype == np.int32 and slot_expert.flags.c_contiguous else \
+        np.ascontiguousarray(slot_expert, dtype=np.int32)
+    jobs = np.empty((L * min(n, K), 3), dtype=np.int32)
+    lane_rows = np.empty(L, dtype=np.int64)
+    n_jobs = lib.mc_admit(native.table, ffi.from_buffer(ids), ids.itemsize == 8, n, _i32(slots), native.mark,
+                          native.cand, _i32(jobs), _i64(lane_rows))
+    if n_jobs < 0:
+        raise ValueError(f"expert ids must be in [-1, {E}), got {ids.flat[-1 - n_jobs]}")
+    return jobs[:n_jobs], lane_rows

@@ -32,14 +32,16 @@ and slots in flight stay), ordered and accepted as every upload (the policy's wo
 Those uploads count as prefill_uploads, not uploads, and are published at the next boundary as
 any other.
 
-miss_planner (moecache.core.missplan.MissPlanner, eager admission only) replaces the modelled
-rule of the graph's admissions with its plan: some misses through the copy-on-miss lane (kept
-in a victim slot when they pass the admission test), uploads of the others only when they pay
-back their bytes; StepPlan.lane counts the lane per layer, counters lane_misses and
-lane_uploads sum it. A planner without the lane (lane=False, live today) only shapes the
-handover (the payback margin off every worth): libllama's own rule then makes the paying
-uploads, the modelled admissions stay admissions() of that handover, and counter declined
-counts per layer the uploads the margin removed. Without one nothing changes.
+miss_planner (moecache.core.missplan.MissPlanner, eager admission only) adds its rule to each
+handover: a lane table (how many of a layer's misses take the copy-on-miss lane) and a margin
+(what an upload outside the lane must beat its victim by: it must pay back its link time). The
+graph's slot writes are then lane copies, computed on the device in the graph that missed them
+and complete with it, and asynchronous uploads. A lane copy is due at the next boundary ahead of
+every upload due there (step()'s `ready` counts completed uploads in due order, and lane
+copies complete first); StepPlan.lane counts them per layer, counter lane_misses sums them (they
+are misses too), counter declined counts per layer the slot writes the margin removed (the
+graph's under the handover without the margin, less those it made). Without a miss planner
+nothing changes.
 
 Layers are the engine's own indices 0..n_layers-1 (the glue maps them to model layers).
 """
@@ -76,11 +78,10 @@ class StepPlan:
     # eager: the uploads libllama started during the observed graph (already running; their
     # victims are in evict, and those complete in publish)
     admitted: np.ndarray = field(default_factory=lambda: NO_JOBS)
-    # with a miss planner (moecache.core.missplan): per layer, the observed graph's misses
-    # computed on the device through the copy-on-miss lane, and how many of `admitted` were
-    # those lane copies kept in a slot; None without one
+    # with a miss planner that has the lane (moecache.core.missplan): per layer, the observed
+    # graph's misses computed on the device through the copy-on-miss lane (the first of
+    # `admitted`, each kept in its slot); None without one
     lane: np.ndarray | None = None
-    lane_kept: np.ndarray | None = None
 
 
 def _check_arguments(n_layers, n_expert, n_slots, policy, inserts, publish_delay, offline, admission,
@@ -126,9 +127,10 @@ class _UploadQueue:
         """How many uploads are due now."""
         return len(self._due[0])
 
-    def add_due(self, jobs):
-        """Eager admissions: due now, issued after the ones already due."""
-        self._due[0] = join_jobs([self._due[0], jobs])
+    def add_due(self, jobs, n_lane: int):
+        """Eager admissions: due now; the first n_lane, lane copies complete with their graph,
+        ahead of the ones already due, the others issued after them."""
+        self._due[0] = join_jobs([jobs[:n_lane], self._due[0], jobs[n_lane:]])
 
     def publish(self, ready):
         """Make the uploads due now visible (the first `ready` of them, None: all); returns them
@@ -177,7 +179,7 @@ class CacheEngine(CacheModel):
             if admission == "eager" else None
         self.miss_planner = miss_planner
         if miss_planner is not None:  # the planner's own counters, beside the C's
-            for name in ("lane_misses", "lane_uploads") if miss_planner.lane else ("declined",):
+            for name in ("declined",) + (("lane_misses",) if miss_planner.lane else ()):
                 state.counters[name] = np.zeros(n_layers, dtype=np.int64)
         self._queue = _UploadQueue(self._core, publish_delay)
         self.slot_expert, self.expert_slot, self.usage = state.slot_expert, state.expert_slot, state.usage
@@ -234,28 +236,29 @@ class CacheEngine(CacheModel):
 
     # --- the boundary -------------------------------------------------------------------
 
-    def step(self, ids=None, ready: int | None = None, admitted=None, prefill: bool = False) -> StepPlan:
+    def step(self, ids=None, ready: int | None = None, admitted=None, prefill: bool = False,
+             lane_rows: int = 0) -> StepPlan:
         """ids: (n_layers, n_used) int expert ids the previous graph selected, router-rank
         order (-1 = no selection), or None at the first boundary. ready: how many of the
         uploads due now are complete, counted in the order they were issued (the live glue
         reads it off the upload worker, which completes them in that order); the others stay
         in flight, unpublished and unevictable, and are due again at the next boundary.
         None: all of them (offline replay, or a glue that waited). Eager admission: the
-        uploads due are the boundary's from the last boundary, then the graph's admissions;
-        admitted: those libllama reports (rows of eager.admissions, in the order it started
-        them), None: the modelled ones. prefill: ids are a prompt ubatch the stock graph ran
-        (see the module docstring)."""
+        uploads due are the graph's lane copies (complete), the boundary's from the last
+        boundary, then the graph's uploads; admitted: the slot writes libllama reports (rows of
+        admission.admissions), of which the first lane_rows are lane copies, then the uploads
+        in the order it started them; None: the modelled ones. prefill: ids are a prompt ubatch
+        the stock graph ran (see the module docstring)."""
         t = self.step_index
         self.step_index += 1
-        if prefill and (ids is None or (admitted is not None and len(admitted))):
+        if prefill and (ids is None or (admitted is not None and len(admitted)) or lane_rows):
             raise ValueError("a prefill step needs the prompt's ids, and the stock graph admits nothing")
         ids = None if ids is None else np.asarray(ids)
         seen = None if ids is None else self._observe(t, ids, lookups=not prefill)
         taken, taken_evict = NO_JOBS, NO_JOBS
         lane = None
         if seen is not None and not prefill:
-            taken, taken_evict = self._take_admissions(t, ids, admitted, seen.hit_mask)
-            lane = self._count_lane(admitted)
+            taken, taken_evict, lane = self._take_admissions(t, ids, admitted, lane_rows)
         publish, late = self._queue.publish(ready)
         if prefill:
             evict, upload = self._planner.plan_prompt(t, seen.ids)
@@ -269,8 +272,7 @@ class CacheEngine(CacheModel):
         if seen is None:
             return StepPlan(t, None, np.zeros(self.n_layers, dtype=np.int64),
                             np.zeros(self.n_layers, dtype=np.int64), publish, evict, upload, taken)
-        return StepPlan(t, seen.hit_mask, seen.hits, seen.misses, publish, evict, upload, taken,
-                        *(lane or (None, None)))
+        return StepPlan(t, seen.hit_mask, seen.hits, seen.misses, publish, evict, upload, taken, lane)
 
     def _observe(self, t, ids, lookups) -> Observation:
         """Count the observed step (hits unless it made no lookups: a prompt) and hand it to
@@ -279,31 +281,27 @@ class CacheEngine(CacheModel):
         self.policy.observe(t, ids, seen.hit_mask, self._state.used)
         return seen
 
-    def _count_lane(self, reported):
-        """The modelled plan's lane, counted (None without a planner, or when libllama reported
-        the admissions)."""
-        plan = None if self._eager is None or reported is not None else self._eager.lane_plan
-        if self.miss_planner is None or plan is None:
-            return None
-        self._eager.lane_plan = None
-        self.counters["lane_misses"] += plan.lane
-        self.counters["lane_uploads"] += plan.lane_kept
-        return plan.lane, plan.lane_kept
-
-    def _take_admissions(self, t, ids, reported, hit_mask):
-        """Eager: commit the uploads the observed graph started under the last handover, due
-        now after the ones already due. Returns them and their victims."""
+    def _take_admissions(self, t, ids, reported, lane_rows):
+        """Eager: commit the slot writes the observed graph made under the last handover, due
+        now (lane copies first). Returns them, their victims and the lane copies per layer
+        (None without a lane)."""
         if self._eager is None or self._eager.handover is None:
-            return NO_JOBS, NO_JOBS
-        admitted = self._eager.admitted(ids, reported, hit_mask)
+            if lane_rows:
+                raise ValueError("lane_rows needs eager admission and a handover with a lane")
+            return NO_JOBS, NO_JOBS, None
+        admitted, n_lane, lane = self._eager.admitted(ids, reported, lane_rows)
         declined = self._eager.declined(ids, admitted)
         if declined is not None:
             self.counters["declined"] += declined
+        if self._eager.handover.lane is None:
+            lane = None
+        else:
+            self.counters["lane_misses"] += lane
         if not admitted.size:
-            return admitted, NO_JOBS
+            return admitted, NO_JOBS, lane
         evict = self._planner.commit(t, admitted, False)
-        self._queue.add_due(admitted)
-        return admitted, evict
+        self._queue.add_due(admitted, n_lane)
+        return admitted, evict, lane
 
     @property
     def uploads_due(self) -> int:

@@ -22,21 +22,23 @@ remaps the ids on the device). The join is paid by every layer whose graph has a
 stock --cpu-moe and ours always, upstream only where it bypasses its cache. Expert counts
 are in experts of the layer (expert_bytes each), rates in GB/s (1e9 bytes), latencies in us.
 
-The plan (`MissPlanner`), per layer of a graph, once its ids are known:
-- lane: of the misses that are neither held nor on their way, the number n that minimises
-  layer_ms (ties: the fewer copies) go through the copy-on-miss lane, the most valuable first
-  (the policy's admission worth); the CPU skips them. Each takes a victim slot when it passes
-  the policy's admission test (worth above the victim's), else a scratch slot not kept.
-- uploads: a miss left to the CPU is uploaded asynchronously only if it pays: its expected
+The plan (`MissPlanner`) is a rule the handover carries (moecache.core.admission states it; libllama
+runs it, native/engine_core.c's mc_admit models it): per layer of a graph, once its ids are known,
+- lane: of the m candidates (misses neither held nor on their way, worth above -inf),
+  lane[l, m] go through the copy-on-miss lane, the most valuable first (the policy's admission
+  worth). lane[l, m] is the number n that minimises layer_ms with m - n misses on the CPU and the
+  layer's other n_used - m selections hits (ties: the fewer copies; `lane_table`). A lane copy
+  takes a victim slot when it passes the policy's admission test (worth above the victim's) and
+  is kept there; one that fails it is computed on the CPU: there are no scratch slots.
+- uploads: a candidate outside the lane is uploaded asynchronously only if it pays: its expected
   uses beyond the victim's (worth counted in uses, Policy.use_worth) times the time a miss
   costs (at `miss_gbps`, the rate the CPU and the lane serve misses together) must exceed
   the time its copy holds the link (at `upload_gbps`): PAYBACK = miss_gbps / upload_gbps
-  uses. The handover's budget (INSERTS) caps the layer's slot writes, lane and uploads alike.
+  uses, the handover's `margin`. The handover's budget (INSERTS) caps the layer's slot writes,
+  lane copies and uploads alike.
 
-Without the lane (`lane=False`: libllama has none yet, so live every miss runs on the CPU) the
-plan is the payback rule alone: eager admission's rule (worth > victim's) on a handover whose
-worths are lowered by the margin (`shaped`). That is how the live planner acts, with no change
-to libllama: the engine hands over the shaped worths (moecache.core.admission.EagerAdmission).
+Without the lane (`lane=False`) the handover carries the margin alone: every miss on the CPU,
+the payback rule for the uploads.
 """
 
 from __future__ import annotations
@@ -47,7 +49,6 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from .admission import Handover
-from .state import NO_JOBS
 
 
 @dataclass(frozen=True)
@@ -127,84 +128,48 @@ class Rates:
         return int(np.argmin(times))  # the first minimum: the fewest copies
 
 
-@dataclass
-class MissPlan:
-    """One graph's plan: the slot writes in the order they start ((n, 3) job rows of admission
-    order, layer by layer, the lane's first), and per layer the misses through the lane and
-    how many of the writes are lane copies kept in a slot."""
-
-    jobs: np.ndarray
-    lane: np.ndarray        # (L,)
-    lane_kept: np.ndarray   # (L,)
-
-
 class MissPlanner:
-    """The plan of each graph under an eager handover (moecache.core.admission), from the rates
-    and each layer's expert and dense bytes; lane=False: no copy-on-miss lane, every miss on
-    the CPU and the payback rule alone (the live planner until libllama has the lane)."""
+    """The lane table and the payback margin each eager handover carries (moecache.core.admission),
+    from the rates, each layer's expert and dense bytes and the experts a token selects (n_used);
+    lane=False: no copy-on-miss lane, every miss on the CPU and the payback rule alone."""
 
-    def __init__(self, rates: Rates, expert_bytes, dense_bytes=None, *, lane: bool = True):
-        self.rates, self.lane = rates, lane
+    def __init__(self, rates: Rates, expert_bytes, dense_bytes=None, *, n_used: int | None = None,
+                 lane: bool = True):
+        self.rates, self.lane, self.n_used = rates, lane, n_used
         self.expert_bytes = np.asarray(expert_bytes, dtype=np.float64)
         self.dense_bytes = np.zeros_like(self.expert_bytes) if dense_bytes is None else \
             np.asarray(dense_bytes, dtype=np.float64)
         if self.dense_bytes.shape != self.expert_bytes.shape:
             raise ValueError("expert_bytes and dense_bytes need one value per layer each")
-        self._splits: dict = {}  # (layer, hits, cpu_fixed, movable) -> lane count
+        if lane and (isinstance(n_used, bool) or not isinstance(n_used, (int, np.integer)) or n_used < 1):
+            raise ValueError(f"the lane's planner needs n_used, the experts a token selects (>= 1), got {n_used!r}")
+        self._tables: dict = {}  # (n_expert, n_used) -> lane table
 
     def margin(self, use_worth: float) -> float:
         """What an asynchronous upload's worth must beat its victim's by: PAYBACK uses."""
         return self.rates.payback_uses * use_worth
 
-    def shaped(self, handover: Handover, use_worth: float) -> Handover:
-        """The handover whose eager rule is the payback rule: every worth lowered by the margin."""
-        return Handover(handover.victims, handover.victim_worth, handover.worth - self.margin(use_worth),
-                        handover.budget)
+    def lane_table(self, n_expert: int, n_used: int) -> np.ndarray:
+        """(L, E + 1) int32: lane[l, m], how many of m candidates of layer l take the lane, the
+        layer's other n_used - m selections hits (read-only; layers of equal bytes share rows)."""
+        key = (n_expert, n_used)
+        if key not in self._tables:
+            rows: dict = {}
+            table = np.empty((self.expert_bytes.size, n_expert + 1), dtype=np.int32)
+            for layer, sizes in enumerate(zip(self.expert_bytes, self.dense_bytes)):
+                if sizes not in rows:
+                    rows[sizes] = [self.rates.lane_split(*sizes, hits=max(n_used - m, 0), cpu_fixed=0, movable=m)
+                                   for m in range(n_expert + 1)]
+                table[layer] = rows[sizes]
+            table.flags.writeable = False
+            self._tables[key] = table
+        return self._tables[key]
 
-    def _split(self, layer, hits, cpu_fixed, movable):
-        if not self.lane:
-            return 0
-        key = (layer, hits, cpu_fixed, movable)
-        if key not in self._splits:
-            self._splits[key] = self.rates.lane_split(self.expert_bytes[layer], self.dense_bytes[layer],
-                                                      hits, cpu_fixed, movable)
-        return self._splits[key]
-
-    def plan(self, handover: Handover, ids: np.ndarray, hit_mask: np.ndarray,
-             slot_expert: np.ndarray, use_worth: float) -> MissPlan:
-        """ids: the graph's (L, n) selections (router-rank order, -1 none), hit_mask like ids;
-        slot_expert: the slots' experts when the handover was made (held or on their way);
-        use_worth: the handover's worth units of one use (Policy.use_worth)."""
-        if ids.shape[0] != self.expert_bytes.size:
-            raise ValueError(f"ids have {ids.shape[0]} layers, the planner {self.expert_bytes.size}")
-        margin = self.margin(use_worth)
-        L = ids.shape[0]
-        lane, kept, rows = np.zeros(L, dtype=np.int64), np.zeros(L, dtype=np.int64), []
-        for layer in range(L):
-            selected = dict.fromkeys(int(e) for e in ids[layer] if e >= 0)  # rank order, distinct
-            hit = {int(e) for e, h in zip(ids[layer], hit_mask[layer]) if e >= 0 and h}
-            held = set(slot_expert[layer].tolist())
-            misses = [e for e in selected if e not in hit]
-            candidates = [e for e in misses if e not in held]  # on their way: the CPU's
-            if not misses:
-                continue
-            worth = handover.worth[layer]
-            n = self._split(layer, len(hit), len(misses) - len(candidates), len(candidates))
-            by_worth = sorted(candidates, key=lambda e: -worth[e])  # stable: rank breaks ties
-            lane_set = by_worth[:n]
-            order = lane_set + [e for e in candidates if e not in lane_set]
-            victims = [(int(v), w) for v, w in zip(handover.victims[layer], handover.victim_worth[layer])
-                       if v >= 0 and slot_expert[layer, v] not in selected]
-            at, started = 0, 0
-            for e in order:
-                if started == handover.budget[layer] or at == len(victims):
-                    break
-                through_lane = e in lane_set
-                if worth[e] - (0.0 if through_lane else margin) > victims[at][1]:
-                    rows.append((layer, e, victims[at][0]))
-                    kept[layer] += through_lane
-                    at += 1
-                    started += 1
-            lane[layer] = n
-        jobs = np.array(rows, dtype=np.int32).reshape(-1, 3) if rows else NO_JOBS
-        return MissPlan(jobs, lane, kept)
+    def plan(self, handover: Handover, use_worth: float) -> Handover:
+        """The policy's handover with the planner's rule: its lane table (with the lane) and the
+        margin, the worths unchanged. use_worth: the handover's worth units of one use
+        (Policy.use_worth)."""
+        if handover.worth.shape[0] != self.expert_bytes.size:
+            raise ValueError(f"the handover has {handover.worth.shape[0]} layers, the planner {self.expert_bytes.size}")
+        lane = self.lane_table(handover.worth.shape[1], self.n_used) if self.lane else None
+        return handover.with_rule(lane, self.margin(use_worth))

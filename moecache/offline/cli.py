@@ -6,7 +6,7 @@ through moecache.offline.replay.simulate (the models are described there).
                               [--budget-mib 3000,4000]
                               [--hardware pcie4-x16] [--host-gbps G] [--link-gbps G]
                               [--dram-gbps G] [--device-gbps G] [--ids-trip-us U] [--join-us U]
-                              [--planner [lane|live]] [--csv FILE] [--plot PNG]
+                              [--planner] [--csv FILE] [--plot PNG]
     python -m moecache.replay TRACE --ram-mib 932[,1351] --disk-gbps G [--disk-read-us U]
                               [--read-ahead-kb KB] [--host-gbps G] [--policies default]
     python -m moecache.replay TRACE --convert OUT
@@ -34,8 +34,8 @@ Rates are fractions (hit_rate 0.578) in results and CSV; the printed tables show
 percent (hit% 57.8). Every table also shows MODELLED milliseconds per decode token
 (moecache.offline.cost's per-layer timeline) on --hardware, a named class, with any of its
 rates and latencies given explicitly; --planner runs the per-layer model with the miss planner
-at those rates (moecache.core.missplan: the copy-on-miss lane, uploads only when they pay);
---planner live without the lane, as the live cache runs it today (LLAMA_MOE_CACHE_PLANNER=1).
+at those rates, as the live cache runs it (LLAMA_MOE_CACHE_PLANNER=1; moecache.core.missplan:
+the copy-on-miss lane, uploads only when they pay).
 """
 
 from __future__ import annotations
@@ -161,11 +161,10 @@ def parser() -> OneLineParser:
                     help="a layer's router ids reaching the host, us (default: --hardware's)")
     ap.add_argument("--join-us", type=_us_arg,
                     help="a CPU partial result returning to the device, us (default: --hardware's)")
-    ap.add_argument("--planner", nargs="?", const="lane", choices=("lane", "live"),
+    ap.add_argument("--planner", action="store_true",
                     help="per-layer model: plan each graph's misses at the hardware's rates, as the live "
-                         "planner will (the copy-on-miss lane, uploads only when they pay; eager "
-                         "admission and a policy that counts uses: heat, lfu); live: without the lane, "
-                         "as it runs live today")
+                         "planner does (LLAMA_MOE_CACHE_PLANNER=1: the copy-on-miss lane, uploads only "
+                         "when they pay; eager admission and a policy that counts uses: heat, lfu)")
     ap.add_argument("--seed", type=int_arg(minimum=0), default=0, help="seed of the random policies")
     ap.add_argument("--csv", help="also write the results here")
     ap.add_argument("--plot", help="also plot hit%% vs cache size here (needs matplotlib)")
@@ -270,7 +269,7 @@ def run(args, trace, profile) -> list[ReplayResult]:
         return equal_bytes(trace.expert_bytes, k) / MIB
     # (model, policy, size, options, what the result stands against: the K of an upstream run,
     # the budget of a per-layer run sized by one)
-    plan = {"miss_plan": args.hardware.rates, "lane": args.planner == "lane"} if args.planner else {}
+    plan = {"miss_plan": args.hardware.rates} if args.planner else {}
     per_layer = [(p, {"inserts": args.inserts, "prefill": args.prefill, "profile": profile,
                       "admission": a, **plan}) for p in args.policies if p in policy_names(PER_LAYER)
                  for a in args.admission or [live_admission(POLICIES[resolve_policy(p)])]]
@@ -325,8 +324,7 @@ def print_tables(args, trace, results) -> None:
             print(f"\nper-layer cache: K slots per layer, inserts={'unlimited' if args.inserts is None else args.inserts}, "
                   f"prefill {args.prefill}"
                   f"{', warm start from ' + args.preload_profile if args.preload_profile else ''}"
-                  f"{', miss planner at ' + hardware.name + chr(39) + 's rates' if args.planner else ''}"
-                  f"{' without the lane (as live today)' if args.planner == 'live' else ''}")
+                  f"{', miss planner at ' + hardware.name + chr(39) + 's rates' if args.planner else ''}")
             # MiB: the device bytes of the K slots (equal_bytes); budget: the --budget-mib they fit
             head = f"{'policy':<16}{'admission':>10}{'K':>6}{'MiB':>8}" + (f"{'budget':>8}" if args.budget_mib else "")
         elif model == GLOBAL:

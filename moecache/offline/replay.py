@@ -38,8 +38,9 @@ moecache.core.model.hit_rate. ReplayResult also gives MODELLED milliseconds per 
 (moecache.offline.cost) on any hardware class, of the run and of stock --cpu-moe on its
 routing, and (disk_ms) of the RAM tier's and the page cache's runs on the CPU over a disk. With
 miss_plan (Rates; per-layer, eager admission) the engine plans each graph's misses at those
-rates (moecache.core.missplan): the lane and paying uploads, as the live planner will; with
-lane=False the paying uploads alone, as the live planner runs today (every miss on the CPU).
+rates (moecache.core.missplan): the handover carries its rule, the copy-on-miss lane and the
+paying uploads, as the live planner runs it (LLAMA_MOE_CACHE_PLANNER=1); with lane=False the
+paying uploads alone (every miss on the CPU).
 """
 
 from __future__ import annotations
@@ -176,7 +177,7 @@ def simulate(trace: RouteTrace, model: str, policy, size=None, *, inserts: int |
     (PREFILL_MODES, default "warm"), profile (warm start as the live cache does it: the profile's top experts
     preloaded, its rates the policy's prior), miss_plan (Rates: the engine plans each graph's
     misses at them, moecache.core.missplan; eager admission; lane=False: without the copy-on-miss
-    lane, as live today): per-layer only. seed: the random
+    lane, the paying uploads alone): per-layer only. seed: the random
     policies'. step_times: keep each step's duration; before_step: called before each step (a
     benchmark evicting the CPU caches)."""
     if read_ahead_kb is not None and model != PAGE_CACHE:
@@ -233,13 +234,13 @@ def simulate(trace: RouteTrace, model: str, policy, size=None, *, inserts: int |
 
 def _tally_plan(work: WorkTally, plan) -> None:
     """A decode boundary's StepPlan as the observed graph's layer passes: hits on the device,
-    the lane's misses, the others on the CPU; every upload but the lane's kept copies is
+    the lane's misses, the others on the CPU; every upload but the lane's copies is
     asynchronous."""
     L = len(plan.hits)
     lane = np.zeros(L, dtype=np.int64) if plan.lane is None else plan.lane
     work.add_layers(plan.hits, lane, plan.misses - lane)
     uploads = np.bincount(plan.admitted[:, 0], minlength=L) + np.bincount(plan.upload[:, 0], minlength=L)
-    work.add_async(uploads - (0 if plan.lane_kept is None else plan.lane_kept))
+    work.add_async(uploads - lane)
     work.add_boundary_uploads(np.bincount(plan.upload[:, 0], minlength=L))
 
 
@@ -298,7 +299,7 @@ def _per_layer_cache(trace, policy, slots, inserts, admission, prefill, profile,
         else:
             raise ValueError(f"policy must be a name, a Policy or a CacheEngine, got {policy!r}")
         planner = None if miss_plan is None else MissPlanner(miss_plan, trace.expert_bytes, trace.dense_bytes,
-                                                             lane=lane)
+                                                             n_used=trace.n_expert_used, lane=lane)
         engine = CacheEngine(L, E, int(slots), policy, inserts=inserts, offline=True,
                              admission=admission, miss_planner=planner)
         if profile is not None:
