@@ -129,7 +129,13 @@ def record_plans(cache):
 def unreported(cache) -> int:
     """Eager admission: the uploads the last graph started, which no boundary has reported to
     the engine yet (libllama counts them once they complete)."""
-    return len(cache.admitted())
+    return len(cache.admitted()[0])
+
+
+def unreported_lane(cache) -> np.ndarray:
+    """Per layer, the lane copies of the last graph, which no boundary has reported yet."""
+    rows, n_lane = cache.admitted()
+    return np.bincount(rows[:n_lane, 0], minlength=len(cache.layers))
 
 
 @contextlib.contextmanager

@@ -109,8 +109,9 @@ class LiveCache:
             self.reports.flush_in_background()
 
     def admitted(self):
-        """(n, 3) int32 rows (layer, expert, slot) of the uploads libllama's observers started
-        during the last cached graph (eager admission), in the order they started."""
+        """(n, 3) int32 rows (layer, expert, slot) of the slot writes libllama's observers started
+        during the last cached graph (eager admission), and how many of the first are lane copies
+        (moecache.live.boundary.Boundary.admitted)."""
         return self.boundary.admitted()
 
     # --- reporting ------------------------------------------------------------------------
@@ -217,8 +218,7 @@ def _engine(config: CacheConfig, layers: list[CachedLayer], slots: int, n_used: 
         raise CacheUnavailable("layers with different expert counts are not supported")
     # the RAM tier reads every miss anyway: each may take a slot, if the policy says it is worth more
     inserts = slots if ram else config.inserts
-    # the planner without its lane: libllama has none yet (moecache.live.rates)
-    miss_planner = MissPlanner(planner.rates, [layer.expert_bytes for layer in layers], lane=False) \
+    miss_planner = MissPlanner(planner.rates, [layer.expert_bytes for layer in layers], n_used=n_used) \
         if planner else None
     engine = CacheEngine(len(layers), n_expert, slots, make_policy(config.policy),
                          inserts=inserts, admission=config.admission, miss_planner=miss_planner)
