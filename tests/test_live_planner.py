@@ -78,6 +78,8 @@ def test_the_rates_are_measured_at_attach_and_printed(rpc_device, tiny_path):
     assert planner["host_source"].startswith("measured: ")
     assert planner["link_gbps"] > 0 and planner["host_gbps"] > 0 and planner["payback_uses"] >= 1
     assert planner["dram_gbps"] >= planner["host_gbps"]
+    # measured beside the link, for calibration: the ids' trip back; the RPC device has no pinned memory
+    assert planner["ids_trip_measured_us"] > 0 and planner["link_pinned_gbps"] is None
     assert any(line.startswith("moecache: miss planner: link ") for line in cache.lines())
     greedy(llm, PROMPT, 8)
     assert cache.stats()["failed"] is None

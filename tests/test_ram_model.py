@@ -188,8 +188,8 @@ def test_cli_prints_the_tier_beside_stock_mmap(capsys):
 @pytest.mark.parametrize("args, message", [
     (["--ram-mib", "0", "--disk-gbps", "1"], "argument --ram-mib: '0': budgets must be finite numbers > 0"),
     (["--ram-mib", "-5", "--disk-gbps", "1"], "argument --ram-mib: '-5': budgets must be finite numbers > 0"),
-    (["--ram-mib", "900", "--disk-gbps", "-1"], "argument --disk-gbps: '-1': a bandwidth must be a finite number"),
-    (["--ram-mib", "900", "--disk-gbps", "0"], "argument --disk-gbps: '0': a bandwidth must be a finite number"),
+    (["--ram-mib", "900", "--disk-gbps", "-1"], "argument --disk-gbps: '-1' must be a finite number of GB/s > 0"),
+    (["--ram-mib", "900", "--disk-gbps", "0"], "argument --disk-gbps: '0' must be a finite number of GB/s > 0"),
     (["--ram-mib", "900", "--disk-gbps", "1", "--disk-read-us", "-1"], "argument --disk-read-us: '-1': a latency"),
     (["--ram-mib", "900", "--disk-gbps", "1", "--read-ahead-kb", "-8"], "argument --read-ahead-kb: -8 must be >= 0"),
     (["--ram-mib", "900"], "--ram-mib needs --disk-gbps"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from dataclasses import dataclass
 from pathlib import Path
 
 GGML_BACKEND_DEVICE_TYPE_CPU = 0
@@ -164,41 +165,75 @@ def buffer_bytes(buft: int, tensors) -> int:
 GGML_TYPE_I8 = 24
 
 
-def timed_copies(buft: int, data, copies: int) -> list[float]:
-    """Seconds of each of `copies` ggml_backend_tensor_set calls (libllama's upload call) of the
-    bytes of `data` (a contiguous numpy array in host memory) into a buffer of type buft, made
-    for them and freed after."""
+@dataclass
+class LinkTimings:
+    """Seconds of each timed transfer between host memory and a device buffer (link_timings)."""
+
+    pageable: list[float]        # the expert's bytes from pageable host memory (libllama's uploads)
+    pinned: list[float] | None   # the same from the device's host buffer type (pinned), None: it has none
+    ids_trip: list[float]        # IDS_BYTES back from the device: a layer's router ids reaching the host
+
+
+IDS_BYTES = 8 * 4  # a decode token's top-8 expert ids, int32
+
+
+def link_timings(dev: int, buft: int, data, copies: int) -> LinkTimings:
+    """`copies` timed ggml_backend_tensor_set calls (libllama's upload call, synchronous) of the
+    bytes of `data` (a contiguous numpy array in host memory) into a buffer of type buft on
+    device dev, made for them and freed after; as many from a copy of data in the device's host
+    buffer type when it has one (pinned memory on CUDA); and as many ggml_backend_tensor_get
+    calls of IDS_BYTES from that buffer."""
     import time
+
+    import numpy as np
 
     api = _api()
     for name, restype, argtypes in (
             ("ggml_backend_buft_alloc_buffer", ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t]),
             ("ggml_backend_buffer_get_base", ctypes.c_void_p, [ctypes.c_void_p]),
             ("ggml_backend_buffer_free", None, [ctypes.c_void_p]),
+            ("ggml_backend_dev_host_buffer_type", ctypes.c_void_p, [ctypes.c_void_p]),
             ("ggml_new_tensor_1d", ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]),
             ("ggml_backend_tensor_alloc", ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]),
-            ("ggml_backend_tensor_set", None, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t])):
+            ("ggml_backend_tensor_set", None, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]),
+            ("ggml_backend_tensor_get", None, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t])):
         function = getattr(api, name)
         function.restype, function.argtypes = restype, argtypes
     size = data.nbytes
     ctx = api.ggml_init(_InitParams(api.ggml_tensor_overhead(), None, True))
     if not ctx:
         raise MemoryError("ggml_init failed")
-    buffer = None
-    try:
-        tensor = api.ggml_new_tensor_1d(ctx, GGML_TYPE_I8, size)
-        buffer = api.ggml_backend_buft_alloc_buffer(buft, size)
-        if not tensor or not buffer:
-            raise MemoryError(f"cannot allocate {size} bytes in {buffer_type_name(buft)}")
-        if api.ggml_backend_tensor_alloc(buffer, tensor, api.ggml_backend_buffer_get_base(buffer)) != 0:
-            raise MemoryError(f"cannot place a tensor of {size} bytes in {buffer_type_name(buft)}")
+    buffers = []
+
+    def timed(call) -> list[float]:
         seconds = []
         for _ in range(copies):
             t0 = time.perf_counter()
-            api.ggml_backend_tensor_set(tensor, data.ctypes.data, 0, size)  # synchronous, as the worker's
+            call()
             seconds.append(time.perf_counter() - t0)
         return seconds
+
+    try:
+        tensor = api.ggml_new_tensor_1d(ctx, GGML_TYPE_I8, max(size, IDS_BYTES))
+        buffers.append(api.ggml_backend_buft_alloc_buffer(buft, max(size, IDS_BYTES)))
+        if not tensor or not buffers[-1]:
+            raise MemoryError(f"cannot allocate {size} bytes in {buffer_type_name(buft)}")
+        if api.ggml_backend_tensor_alloc(buffers[-1], tensor, api.ggml_backend_buffer_get_base(buffers[-1])) != 0:
+            raise MemoryError(f"cannot place a tensor of {size} bytes in {buffer_type_name(buft)}")
+        pageable = timed(lambda: api.ggml_backend_tensor_set(tensor, data.ctypes.data, 0, size))
+        pinned = None
+        host_buft = api.ggml_backend_dev_host_buffer_type(dev)
+        if host_buft:
+            buffers.append(api.ggml_backend_buft_alloc_buffer(host_buft, size))
+            if buffers[-1]:
+                source = api.ggml_backend_buffer_get_base(buffers[-1])
+                ctypes.memmove(source, data.ctypes.data, size)
+                pinned = timed(lambda: api.ggml_backend_tensor_set(tensor, source, 0, size))
+        ids = np.empty(IDS_BYTES, dtype=np.uint8)
+        ids_trip = timed(lambda: api.ggml_backend_tensor_get(tensor, ids.ctypes.data, 0, IDS_BYTES))
+        return LinkTimings(pageable, pinned, ids_trip)
     finally:
-        if buffer:
-            api.ggml_backend_buffer_free(buffer)
+        for buffer in buffers:
+            if buffer:
+                api.ggml_backend_buffer_free(buffer)
         api.ggml_free(ctx)

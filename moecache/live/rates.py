@@ -12,7 +12,9 @@ What is measured, and its limits:
   model file) from pageable host memory into a buffer made on the slots' device, by
   ggml_backend_tensor_set: the call libllama's upload worker makes, from one thread as it does.
   The median copy. Not in it: a repacked model's upload also reads the expert from the file
-  (page cache) first; uploads running beside the CPU's reads (the model's dram term).
+  (page cache) first; uploads running beside the CPU's reads (the model's dram term). With it,
+  printed for calibration and not planned with: the same copies from the device's pinned host
+  memory (where it has any) and a layer's ids' trip (IDS_BYTES read back from the device).
 - host: a timed read, by every core at once, of up to HOST_READ_BYTES of the first cached
   layer's expert bytes, copied from the model file into memory: host memory's read rate as the
   CPU's expert kernels could see it at best (they also dequantize and multiply: an upper bound
@@ -54,6 +56,11 @@ class PlannerRates:
     hardware: str       # the class the other rates come from
     link_source: str
     host_source: str
+    # measured with the link, printed for calibration and not planned with (None: not measured):
+    # the same copies from pinned memory (None too where the device has no pinned host memory),
+    # and a layer's ids' trip back to the host (the class's ids_trip_us is what the plan uses)
+    link_pinned_gbps: float | None = None
+    ids_trip_measured_us: float | None = None
 
     @property
     def payback_uses(self) -> float:
@@ -63,11 +70,19 @@ class PlannerRates:
         r = self.rates
         return (f"moecache: miss planner: link {r.link_gbps:.3g} GB/s ({self.link_source}), host "
                 f"{r.host_gbps:.3g} GB/s ({self.host_source}), dram {r.dram_gbps:.3g} GB/s ({self.hardware}'s, "
-                f"the class nearest the link); an eager upload must pay back {r.payback_uses:.2f} uses")
+                f"the class nearest the link); an eager upload must pay back {r.payback_uses:.2f} uses"
+                + ("" if self.ids_trip_measured_us is None else
+                   f"; measured, not planned with: pinned copies {_shown(self.link_pinned_gbps)} GB/s, ids trip "
+                   f"{self.ids_trip_measured_us:.0f} us (the class's {r.ids_trip_us:.0f} us)"))
 
     def to_json(self) -> dict:
         return {**asdict(self.rates), "payback_uses": self.payback_uses, "hardware": self.hardware,
-                "link_source": self.link_source, "host_source": self.host_source}
+                "link_source": self.link_source, "host_source": self.host_source,
+                "link_pinned_gbps": self.link_pinned_gbps, "ids_trip_measured_us": self.ids_trip_measured_us}
+
+
+def _shown(gbps: float | None) -> str:
+    return "n/a" if gbps is None else f"{gbps:.3g}"
 
 
 def planner_rates(config: CacheConfig, layers: list[CachedLayer], model_path: str | None) -> PlannerRates:
@@ -78,10 +93,11 @@ def planner_rates(config: CacheConfig, layers: list[CachedLayer], model_path: st
         data = _layer_bytes(model_path, layer, HOST_READ_BYTES)
         if data is None:
             data, what = np.zeros(layer.expert_bytes, dtype=np.uint8), "no model file: a buffer of one expert's size"
+    measured = {}
     if config.link_gbps:
         link, link_source = config.link_gbps, f"{ENV_PREFIX}LINK_GBPS"
     else:
-        link = _link_gbps(layer, np.resize(data, layer.expert_bytes))
+        link, measured = _link_gbps(layer, np.resize(data, layer.expert_bytes))
         link_source = f"measured: median of {COPIES} copies of {layer.expert_bytes} bytes ({what}) to {layer.device}"
     if config.host_gbps:
         host, host_source = config.host_gbps, f"{ENV_PREFIX}HOST_GBPS"
@@ -91,7 +107,7 @@ def planner_rates(config: CacheConfig, layers: list[CachedLayer], model_path: st
         host_source = f"measured: {data.nbytes} bytes ({what}) read by {threads} threads"
     nearest = min(HARDWARE.values(), key=lambda h: abs(math.log(h.rates.link_gbps / link)))
     rates = replace(nearest.rates, link_gbps=link, host_gbps=host, dram_gbps=max(nearest.rates.dram_gbps, host))
-    return PlannerRates(rates, nearest.name, link_source, host_source)
+    return PlannerRates(rates, nearest.name, link_source, host_source, **measured)
 
 
 def _layer_bytes(path: str | None, layer: CachedLayer, limit: int) -> np.ndarray | None:
@@ -116,13 +132,20 @@ def _layer_bytes(path: str | None, layer: CachedLayer, limit: int) -> np.ndarray
     return np.concatenate(chunks) if chunks else None
 
 
-def _link_gbps(layer: CachedLayer, expert: np.ndarray) -> float:
+def _link_gbps(layer: CachedLayer, expert: np.ndarray) -> tuple[float, dict]:
+    """The link's rate from pageable memory, and what else the timings measured (PlannerRates'
+    link_pinned_gbps, ids_trip_measured_us). Each median leaves the first (warming) transfer out."""
     devices = Devices()
     if layer.device not in devices.by_buffer:
         raise ConfigError(f"the miss planner cannot time a copy to {layer.device} (not a ggml device): "
                           f"give {ENV_PREFIX}LINK_GBPS")
-    seconds = ggml.timed_copies(devices.by_buffer[layer.device][1], expert, COPIES + 1)[1:]
-    return expert.nbytes / max(statistics.median(seconds), 1e-9) / 1e9
+    timings = ggml.link_timings(*devices.by_buffer[layer.device], expert, COPIES + 1)
+
+    def gbps(seconds):
+        return expert.nbytes / max(statistics.median(seconds[1:]), 1e-9) / 1e9
+
+    return gbps(timings.pageable), {"link_pinned_gbps": gbps(timings.pinned) if timings.pinned else None,
+                                    "ids_trip_measured_us": statistics.median(timings.ids_trip[1:]) * 1e6}
 
 
 def _read_gbps(data: np.ndarray, threads: int) -> float:

@@ -51,7 +51,7 @@ from ..core.banks import equal_bytes
 from ..core.policies import DEFAULT_POLICY, POLICIES, resolve_policy
 from ..core.profile import UsageProfile
 from ..core.traces import DECODE, PREFILL, read_trace
-from ..util import OneLineParser, Progress, atomic_write, int_arg, int_list_arg
+from ..util import OneLineParser, Progress, atomic_write, gbps_arg, int_arg, int_list_arg
 from .budget import BUDGET_POLICIES
 from .cost import DEFAULT_HARDWARE, HARDWARE, Disk
 from .replay import (GLOBAL, MIB, MODELS, PAGE_CACHE, PER_LAYER, PREFILL_MODES, UPSTREAM, ReplayResult,
@@ -72,17 +72,6 @@ def _budgets_arg(text):
 def _inserts_arg(text):
     """--inserts: an integer >= 1, or 'unlimited' (None)."""
     return None if text == "unlimited" else int_arg(minimum=1)(text)
-
-
-def _gbps_arg(text):
-    """--host-gbps, --link-gbps: one finite number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"{text!r}: a bandwidth must be a finite number of GB/s > 0")
-    return value
 
 
 def _us_arg(text):
@@ -106,7 +95,7 @@ def admission_list_arg(text):
 
 
 _budgets_arg.__name__, _inserts_arg.__name__ = "budget list", "inserts"
-_gbps_arg.__name__, admission_list_arg.__name__, _us_arg.__name__ = "bandwidth", "admission list", "latency"
+admission_list_arg.__name__, _us_arg.__name__ = "admission list", "latency"
 RATE_FLAGS = ("host_gbps", "link_gbps", "dram_gbps", "device_gbps", "ids_trip_us", "join_us")
 DISK_READ_US = 40.0  # ASSUMED: a 4 KiB read at queue depth 1 (measured 40 us on the benchmarks' virtual disk)
 READ_AHEAD_KB = 128  # the kernel's default read_ahead_kb (VM_READAHEAD_PAGES)
@@ -135,7 +124,7 @@ def parser() -> OneLineParser:
     ap.add_argument("--ram-mib", type=_budgets_arg, default=[],
                     help="RAM budgets in MiB, comma separated: the RAM tier (RAM_MIB's K, eager, INSERTS = K) "
                          "and stock mmap's page cache, on the CPU, timed over --disk-gbps")
-    ap.add_argument("--disk-gbps", type=_gbps_arg, help="with --ram-mib: the disk's read rate for large requests, GB/s")
+    ap.add_argument("--disk-gbps", type=gbps_arg, help="with --ram-mib: the disk's read rate for large requests, GB/s")
     ap.add_argument("--disk-read-us", type=_us_arg,
                     help=f"with --ram-mib: one read request's latency, us (default {DISK_READ_US:g}, ASSUMED: "
                          f"a 4 KiB read at queue depth 1 on the benchmarks' disk)")
@@ -156,7 +145,7 @@ def parser() -> OneLineParser:
                        ("--link-gbps", "host-to-device copy rate, GB/s"),
                        ("--dram-gbps", "host memory's read rate shared by the CPU and the DMA engine, GB/s"),
                        ("--device-gbps", "the GPU's read rate of device memory, GB/s")):
-        ap.add_argument(flag, type=_gbps_arg, help=f"{what} (default: --hardware's)")
+        ap.add_argument(flag, type=gbps_arg, help=f"{what} (default: --hardware's)")
     ap.add_argument("--ids-trip-us", type=_us_arg,
                     help="a layer's router ids reaching the host, us (default: --hardware's)")
     ap.add_argument("--join-us", type=_us_arg,
