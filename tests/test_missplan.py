@@ -8,7 +8,7 @@ import pytest
 
 from moecache.core.admission import Handover, admissions, admissions_with_lane, build_handover
 from moecache.core.engine import CacheEngine
-from moecache.core.missplan import MissPlanner, Rates
+from moecache.core.missplan import BUSY_POWER, OUR_LAYOUT, MissPlanner, Rates
 from moecache.core.policies import make_policy
 from moecache.core.traces import RouteTrace, synthetic_routing
 from moecache.offline.cost import Hardware
@@ -79,6 +79,22 @@ def test_the_planner_hands_over_the_policys_worths_with_its_lane_table_and_margi
     assert h.margin == pytest.approx(51) and h.lane.shape == (1, 9) and not h.lane.any()
     h, _ = planned(FAST, {0: 10.0, 1: 3.0}, lane=False)
     assert h.lane is None and h.margin == pytest.approx(1.0)
+
+
+def test_the_margin_is_paid_as_far_as_the_link_is_busy():
+    planner = MissPlanner(SLOW, [MB], n_used=3)
+    assert planner.busy == 1.0 and planner.margin(1.0) == pytest.approx(51)  # before any graph: all of it
+    for _ in range(300):  # graphs that copy nothing: an idle link, an upload costs nothing
+        planner.observe([1], [0], [2], [0])
+    assert planner.busy < 1e-9 and planner.margin(1.0) < 1e-9
+    for _ in range(300):  # uploads that hold the link longer than the graph runs: all of it again
+        planner.observe([1], [0], [2], [50])
+    assert planner.busy == 1.0 and planner.margin(1.0) == pytest.approx(51)
+    token = float(SLOW.layer_ms(OUR_LAYOUT, MB, 0.0, 1, 0, 2))
+    half = 0.5 * token * SLOW.link_gbps * 1e6 / MB  # uploads whose link time is half the graph's
+    for _ in range(300):
+        planner.observe([1], [0], [2], [half])
+    assert planner.busy == pytest.approx(0.5) and planner.margin(2.0) == pytest.approx(2 * 51 * 0.5 ** BUSY_POWER)
 
 
 def test_a_slow_link_sends_misses_to_the_cpu_and_makes_no_upload_that_does_not_pay():

@@ -267,12 +267,22 @@ class CacheEngine(CacheModel):
         if taken_evict.size:
             evict = join_jobs([taken_evict, evict])
         self._queue.push(upload, late)
+        if self.miss_planner is not None and seen is not None and not prefill:
+            self._observe_link(seen, lane, taken, upload)
         if self._eager is not None:
             self._eager.hand_over(t)
         if seen is None:
             return StepPlan(t, None, np.zeros(self.n_layers, dtype=np.int64),
                             np.zeros(self.n_layers, dtype=np.int64), publish, evict, upload, taken)
         return StepPlan(t, seen.hit_mask, seen.hits, seen.misses, publish, evict, upload, taken, lane)
+
+    def _observe_link(self, seen, lane, taken, upload) -> None:
+        """The miss planner's view of the decode graph just observed (its margin follows how busy
+        the link is): per layer its hits, lane copies, misses on the CPU and asynchronous uploads."""
+        L = self.n_layers
+        lane = np.zeros(L, dtype=np.int64) if lane is None else lane
+        uploads = np.bincount(taken[:, 0], minlength=L) - lane + np.bincount(upload[:, 0], minlength=L)
+        self.miss_planner.observe(seen.hits, lane, seen.misses - lane, uploads)
 
     def _observe(self, t, ids, lookups) -> Observation:
         """Count the observed step (hits unless it made no lookups: a prompt) and hand it to

@@ -34,8 +34,12 @@ runs it, native/engine_core.c's mc_admit models it): per layer of a graph, once 
   uses beyond the victim's (worth counted in uses, Policy.use_worth) times the time a miss
   costs (at `miss_gbps`, the rate the CPU and the lane serve misses together) must exceed
   the time its copy holds the link (at `upload_gbps`): PAYBACK = miss_gbps / upload_gbps
-  uses, the handover's `margin`. The handover's budget (INSERTS) caps the layer's slot writes,
-  lane copies and uploads alike.
+  uses, as far as the link is busy: the handover's `margin` is PAYBACK x busy ** BUSY_POWER,
+  busy the link's share of the recent decode graphs' modelled time (lane copies and uploads
+  against the graph's layer_ms, decayed averages of the counts `observe` is given: the same in
+  a live run and its replay). An upload into an idle link costs nothing; near saturation it
+  costs its full link time. The handover's budget (INSERTS) caps the layer's slot writes, lane
+  copies and uploads alike.
 
 Without the lane (`lane=False`) the handover carries the margin alone: every miss on the CPU,
 the payback rule for the uploads.
@@ -49,6 +53,13 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from .admission import Handover
+
+
+# the payback margin scales with the link's busy share: averaged over the last ~1 / (1 - BUSY_DECAY)
+# decode graphs, raised to BUSY_POWER (chosen on the shipped traces' modelled grid,
+# docs/policies.md: 4 and 8 did best, 1 left uploads that would have paid undone)
+BUSY_DECAY = 0.9
+BUSY_POWER = 4
 
 
 @dataclass(frozen=True)
@@ -88,21 +99,20 @@ class Rates:
     def _ms(nbytes: float, gbps: float) -> float:
         return nbytes / (gbps * 1e6)
 
-    def host_ms(self, cpu_bytes: float, lane_bytes: float) -> float:
+    def host_ms(self, cpu_bytes, lane_bytes):
         """The CPU's reads and the lane's copies, side by side, sharing host memory."""
-        return max(self._ms(cpu_bytes, self.host_gbps), self._ms(lane_bytes, self.link_gbps),
-                   self._ms(cpu_bytes + lane_bytes, self.dram_gbps))
+        return np.maximum.reduce([self._ms(cpu_bytes, self.host_gbps), self._ms(lane_bytes, self.link_gbps),
+                                  self._ms(cpu_bytes + lane_bytes, self.dram_gbps)])
 
-    def layer_ms(self, layout: Layout, expert_bytes: float, dense_bytes: float,
-                 hits: int, lane: int, cpu: int) -> float:
-        """One layer of one decode token (the module docstring's formula)."""
+    def layer_ms(self, layout: Layout, expert_bytes, dense_bytes, hits, lane, cpu):
+        """One layer of one decode token (the module docstring's formula); numbers, or arrays
+        of layers (or of choices) alike."""
+        hits, lane, cpu = np.asarray(hits), np.asarray(lane), np.asarray(cpu)
         window = self.ids_trip_us / 1e3 + self.host_ms(cpu * expert_bytes, lane * expert_bytes)
-        host_end = window + self.join_us / 1e3 if layout.host_node or cpu else 0.0
-        device_end = 0.0
-        if hits or lane:
-            start = window if layout.device_waits or lane else 0.0
-            device_end = start + self._ms((hits + lane) * expert_bytes, self.device_gbps)
-        return self._ms(dense_bytes, self.device_gbps) + max(host_end, device_end)
+        host_end = np.where(layout.host_node | (cpu > 0), window + self.join_us / 1e3, 0.0)
+        start = np.where(layout.device_waits | (lane > 0), window, 0.0)
+        device_end = np.where(hits + lane > 0, start + self._ms((hits + lane) * expert_bytes, self.device_gbps), 0.0)
+        return self._ms(dense_bytes, self.device_gbps) + np.maximum(host_end, device_end)
 
     @property
     def miss_gbps(self) -> float:
@@ -123,8 +133,8 @@ class Rates:
                    movable: int) -> int:
         """How many of `movable` misses take the lane (the rest, and cpu_fixed, on the CPU):
         the fewest that minimise layer_ms."""
-        times = [self.layer_ms(OUR_LAYOUT, expert_bytes, dense_bytes, hits, n, cpu_fixed + movable - n)
-                 for n in range(movable + 1)]
+        n = np.arange(movable + 1)
+        times = self.layer_ms(OUR_LAYOUT, expert_bytes, dense_bytes, hits, n, cpu_fixed + movable - n)
         return int(np.argmin(times))  # the first minimum: the fewest copies
 
 
@@ -144,10 +154,26 @@ class MissPlanner:
         if lane and (isinstance(n_used, bool) or not isinstance(n_used, (int, np.integer)) or n_used < 1):
             raise ValueError(f"the lane's planner needs n_used, the experts a token selects (>= 1), got {n_used!r}")
         self._tables: dict = {}  # (n_expert, n_used) -> lane table
+        self._link_ms = self._token_ms = 0.0  # decayed averages of decode graphs (observe)
+
+    def observe(self, hits, lane, cpu, uploads) -> None:
+        """A decode graph's per-layer hits, lane copies, misses on the CPU and asynchronous
+        uploads: its modelled time and the link's (for busy)."""
+        token = float(np.sum(self.rates.layer_ms(OUR_LAYOUT, self.expert_bytes, self.dense_bytes, hits, lane, cpu)))
+        link = float(np.dot(np.add(lane, uploads), self.expert_bytes)) / (self.rates.link_gbps * 1e6)
+        self._link_ms = BUSY_DECAY * self._link_ms + (1 - BUSY_DECAY) * link
+        self._token_ms = BUSY_DECAY * self._token_ms + (1 - BUSY_DECAY) * token
+
+    @property
+    def busy(self) -> float:
+        """The link's share of the recent decode graphs' time (decayed averages, modelled from
+        their counts), at most 1; 1 before any graph."""
+        return 1.0 if self._token_ms == 0 else min(1.0, self._link_ms / self._token_ms)
 
     def margin(self, use_worth: float) -> float:
-        """What an asynchronous upload's worth must beat its victim's by: PAYBACK uses."""
-        return self.rates.payback_uses * use_worth
+        """What an asynchronous upload's worth must beat its victim's by: PAYBACK uses, as far
+        as the link is busy (busy ** BUSY_POWER: an upload into an idle link costs nothing)."""
+        return self.rates.payback_uses * use_worth * self.busy ** BUSY_POWER
 
     def lane_table(self, n_expert: int, n_used: int) -> np.ndarray:
         """(L, E + 1) int32: lane[l, m], how many of m candidates of layer l take the lane, the
