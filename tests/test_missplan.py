@@ -97,6 +97,16 @@ def test_the_margin_is_paid_as_far_as_the_link_is_busy():
     assert planner.busy == pytest.approx(0.5) and planner.margin(2.0) == pytest.approx(2 * 51 * 0.5 ** BUSY_POWER)
 
 
+def test_a_graphs_time_from_the_table_is_the_formulas():
+    planner = MissPlanner(SLOW, [MB, 2 * MB, MB], [0.0, MB, 0.0], n_used=2)
+    rng = np.random.default_rng(5)
+    for n_max in (2, 2, 2, 9):  # one token's counts (the table), then several tokens' (the formula)
+        hits, lane, cpu = rng.integers(0, n_max + 1, (3, 3))
+        expected = sum(float(SLOW.layer_ms(OUR_LAYOUT, eb, db, h, n, c))
+                       for eb, db, h, n, c in zip((MB, 2 * MB, MB), (0.0, MB, 0.0), hits, lane, cpu))
+        assert planner._graph_ms(hits, lane, cpu) == pytest.approx(expected)
+
+
 def test_a_slow_link_sends_misses_to_the_cpu_and_makes_no_upload_that_does_not_pay():
     _, a = planned(SLOW, {0: 10.0, 1: 3.0})
     assert a.lane.tolist() == [0] and len(a.jobs) == 0  # 10 - 51 uses does not beat the victim's 2

@@ -101,8 +101,8 @@ class Rates:
 
     def host_ms(self, cpu_bytes, lane_bytes):
         """The CPU's reads and the lane's copies, side by side, sharing host memory."""
-        return np.maximum.reduce([self._ms(cpu_bytes, self.host_gbps), self._ms(lane_bytes, self.link_gbps),
-                                  self._ms(cpu_bytes + lane_bytes, self.dram_gbps)])
+        return np.maximum(np.maximum(self._ms(cpu_bytes, self.host_gbps), self._ms(lane_bytes, self.link_gbps)),
+                          self._ms(cpu_bytes + lane_bytes, self.dram_gbps))
 
     def layer_ms(self, layout: Layout, expert_bytes, dense_bytes, hits, lane, cpu):
         """One layer of one decode token (the module docstring's formula); numbers, or arrays
@@ -155,11 +155,25 @@ class MissPlanner:
             raise ValueError(f"the lane's planner needs n_used, the experts a token selects (>= 1), got {n_used!r}")
         self._tables: dict = {}  # (n_expert, n_used) -> lane table
         self._link_ms = self._token_ms = 0.0  # decayed averages of decode graphs (observe)
+        # layer_ms of one decode token's counts (each below n_used + 1), by layer size: [group, hits, lane, cpu]
+        sizes, self._group = np.unique(np.stack([self.expert_bytes, self.dense_bytes]), axis=1, return_inverse=True)
+        counts = np.arange((n_used or 0) + 1)
+        self._token_table = self.rates.layer_ms(
+            OUR_LAYOUT, sizes[0][:, None, None, None], sizes[1][:, None, None, None],
+            counts[None, :, None, None], counts[None, None, :, None], counts[None, None, None, :])
+
+    def _graph_ms(self, hits, lane, cpu) -> float:
+        """The modelled time of a decode graph with these per-layer counts (a table for one
+        token's, the formula for more)."""
+        hits, lane, cpu = np.asarray(hits), np.asarray(lane), np.asarray(cpu)
+        if max(hits.max(), lane.max(), cpu.max()) < self._token_table.shape[1]:
+            return float(self._token_table[self._group, hits, lane, cpu].sum())
+        return float(np.sum(self.rates.layer_ms(OUR_LAYOUT, self.expert_bytes, self.dense_bytes, hits, lane, cpu)))
 
     def observe(self, hits, lane, cpu, uploads) -> None:
         """A decode graph's per-layer hits, lane copies, misses on the CPU and asynchronous
         uploads: its modelled time and the link's (for busy)."""
-        token = float(np.sum(self.rates.layer_ms(OUR_LAYOUT, self.expert_bytes, self.dense_bytes, hits, lane, cpu)))
+        token = self._graph_ms(hits, lane, cpu)
         link = float(np.dot(np.add(lane, uploads), self.expert_bytes)) / (self.rates.link_gbps * 1e6)
         self._link_ms = BUSY_DECAY * self._link_ms + (1 - BUSY_DECAY) * link
         self._token_ms = BUSY_DECAY * self._token_ms + (1 - BUSY_DECAY) * token
