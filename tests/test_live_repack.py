@@ -153,6 +153,18 @@ def test_a_model_file_changed_after_load_stops_uploads_and_decoding_stays_stock(
     assert sum(c["uploads"] for c in cache.native_counters()) == 0
 
 
+def test_lane_copies_of_repacked_experts_keep_the_greedy_tokens(rpc_device, q4_synth):
+    """The copy-on-miss lane over repacked host experts: each copy is read from the model file
+    during the graph and computed by the device's plain kernels in it, under the same bounds."""
+    n = 128
+    stock_tokens, stock_logits = greedy(load(q4_synth, repack=True), PROMPT, n)
+    llm = load(q4_synth, repack=True)
+    cache = attach(llm, slots=4, inserts=2, wait=1, planner=1, link_gbps=1000, host_gbps=1)
+    tokens, logits = greedy(llm, PROMPT, n)
+    assert cache.failed is None and cache.stats()["totals"]["lane_misses"] > 0
+    assert tokens == stock_tokens and float(np.abs(logits - stock_logits).max()) <= MAX_BOUND
+
+
 def test_a_lane_copy_from_a_changed_file_fails_its_ubatch_and_decoding_goes_on_stock(tmp_path, caplog, rpc_device,
                                                                                      q4_synth):
     """The CPU skips a lane's expert before its copy is read: when that read finds the file
