@@ -17,6 +17,7 @@ every prediction that token's layers made (so a prediction never sees its own an
   (heat's) estimate, of the experts it did not keep.
 - oracle: the dst layer's actual selection, read from the future: an upper BOUND, not a
   predictor.
+- none: reads nothing ahead (the tier as it runs, on this timeline; with overlap_kept, that alone).
 Each reads ahead the R best-scored experts of the dst layer that are not kept in RAM (score > 0);
 R "w" (window): as many as the disk can read before the dst layer's observer if the CPU's
 compute does not change (the rest of this layer's experts and the dst layer's dense weights,
@@ -26,12 +27,16 @@ Timing: one CPU and one disk, the disk serving its requests in order (a read sta
 cancelled). Per layer: its dense weights computed (dense bytes / host); at its observer, the
 misses not read ahead are read (one request latency + bytes / disk, after whatever the disk has
 queued, read-ahead included), the CPU waits for those and for the read-ahead batch that covered
-some of its misses; the next layer's read-ahead is queued (latency + bytes / disk, the next
-layer's expert size); then the selected experts are computed (selected bytes / host). The last
-layer reads ahead the next decode token's layer 0 (none before a prompt or at the end). Uploads
-issued at a boundary are read after the token, the CPU waiting, as moecache.offline.cost.Disk
-has it; without read-ahead the timeline is Disk.token_ms exactly (tested). A read-ahead
-holds at most R experts of one layer in RAM beyond the tier's K until its layer runs.
+some of its misses (a layer that needs nothing from the disk does not wait: optimistic, the
+tier's read-ahead thread is joined anyway) and then computes the selected experts (selected
+bytes / host); the next layer's read-ahead is queued behind the layer's reads (latency + bytes /
+disk, the next layer's expert size). overlap_kept (not what the tier does: it reads a layer's
+misses, then computes): the CPU computes the experts kept in RAM while the misses are read, then
+the misses. The last layer reads ahead the next decode token's layer 0 (none before a prompt or
+at the end). Uploads issued at a boundary are read after the token, the CPU waiting, as
+moecache.offline.cost.Disk has it; without read-ahead (and overlap_kept) the timeline is
+Disk.token_ms exactly (tested). A read-ahead holds at most R experts of one layer in RAM beyond
+the tier's K until its layer runs.
 """
 
 from __future__ import annotations
@@ -134,6 +139,13 @@ class Frequency(Predictor):
             self.heat[layer, row] += 1
 
 
+class Nothing(Predictor):
+    name = "none"
+
+    def scores(self, src, selection, dst, future=None):
+        return np.zeros(self.n_expert)
+
+
 class Oracle(Predictor):
     name = "oracle"
     reads_future = True
@@ -142,7 +154,7 @@ class Oracle(Predictor):
         return _ranked(future, self.n_expert)
 
 
-PREDICTORS = {"temporal": Temporal, "cooccur": Cooccur,
+PREDICTORS = {"none": Nothing, "temporal": Temporal, "cooccur": Cooccur,
               "cooccur-decayed": lambda: Cooccur(HALF_LIFE), "frequency": Frequency, "oracle": Oracle}
 
 
@@ -150,8 +162,10 @@ WINDOW = "w"  # R: what fits the compute window
 
 
 def parse_spec(text: str) -> tuple[str, int | str]:
-    """'PREDICTOR:R' -> (name, R >= 1 or WINDOW); ValueError naming the problem."""
+    """'PREDICTOR:R' -> (name, R >= 1 or WINDOW), 'none' -> ('none', 1); ValueError naming the problem."""
     name, sep, width = text.partition(":")
+    if text == "none":
+        return name, 1
     if name not in PREDICTORS or not sep:
         raise ValueError(f"{text!r}: expected PREDICTOR:R with PREDICTOR one of {', '.join(PREDICTORS)}")
     if width == WINDOW:
@@ -165,12 +179,13 @@ def parse_spec(text: str) -> tuple[str, int | str]:
 class ReadAhead:
     """The RAM tier's decode timeline with read-ahead (module docstring) and its counts."""
 
-    def __init__(self, predictor: str, width: int | str, disk: Disk, host_gbps: float):
+    def __init__(self, predictor: str, width: int | str, disk: Disk, host_gbps: float, overlap_kept: bool = False):
         if predictor not in PREDICTORS:
             raise ValueError(f"unknown read-ahead predictor {predictor!r}; valid: {', '.join(PREDICTORS)}")
         if width != WINDOW and not (isinstance(width, int) and width >= 1):
             raise ValueError(f"the read-ahead width must be an integer >= 1 or {WINDOW!r}, got {width!r}")
         self.name, self.width, self.disk, self.host_gbps = predictor, width, disk, host_gbps
+        self.overlap_kept = overlap_kept
         self.predictor = PREDICTORS[predictor]()
         self.seconds = 0.0   # the decode tokens' modelled time
         self.tokens = 0
@@ -202,6 +217,8 @@ class ReadAhead:
 
     def held_mib(self) -> float:
         """The most RAM a read-ahead holds beyond the tier's K: R (window: n_used) of the largest experts."""
+        if self.name == "none":
+            return 0.0
         return (self.n_used if self.width == WINDOW else self.width) * max(self.expert_bytes) / 2**20
 
     # the replay's calls
@@ -247,7 +264,9 @@ class ReadAhead:
                 disk_free = max(disk_free, clock) + latency + demand * size / disk
                 self.read_bytes += demand * size
                 ready = max(ready, disk_free)
-            clock = max(clock, ready)
+            kept_compute = (rows[layer].size - missed[layer].size) * size / host
+            end = (max(clock + kept_compute, ready) if self.overlap_kept else max(clock, ready) + kept_compute) \
+                + missed[layer].size * size / host
             pending = None
             if layer + 1 < L:
                 target, dst_kept, future = layer + 1, kept[layer + 1], rows[layer + 1]
@@ -258,9 +277,8 @@ class ReadAhead:
             if dst_kept is not None:
                 next_size = self.expert_bytes[target]
                 width = self.width
-                if width == WINDOW:
-                    observer = clock + (rows[layer].size * size + self.dense_bytes[target]) / host
-                    room = observer - max(disk_free, clock) - latency
+                if width == WINDOW:  # until the next observer, after what the disk has queued
+                    room = end + self.dense_bytes[target] / host - max(disk_free, clock) - latency
                     width = min(self.n_used, max(0, int(room * disk / next_size + 1e-9)))  # not lost to rounding
                 scores = self.predictor.scores(layer, rows[layer], target, future)
                 chosen = _best(scores, dst_kept, width)
@@ -269,7 +287,7 @@ class ReadAhead:
                     self.read_ahead += chosen.size
                     self.read_bytes += chosen.size * next_size
                     pending = (chosen, disk_free)
-            clock += rows[layer].size * size / host
+            clock = end
         upload_bytes = sum(int(n) * b for n, b in zip(boundary.tolist(), self.expert_bytes))
         if upload_bytes:
             disk_free = max(disk_free, clock) + upload_bytes / disk
