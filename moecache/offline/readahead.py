@@ -280,7 +280,8 @@ class ReadAhead:
                 if width == WINDOW:  # until the next observer, after what the disk has queued
                     room = end + self.dense_bytes[target] / host - max(disk_free, clock) - latency
                     width = min(self.n_used, max(0, int(room * disk / next_size + 1e-9)))  # not lost to rounding
-                scores = self.predictor.scores(layer, rows[layer], target, future)
+                scores = self.predictor.scores(layer, rows[layer], target,
+                                               future if self.predictor.reads_future else None)
                 chosen = _best(scores, dst_kept, width)
                 if chosen.size:
                     disk_free = max(disk_free, clock) + latency + chosen.size * next_size / disk
