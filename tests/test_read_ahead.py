@@ -97,6 +97,26 @@ def test_precision_and_recall_on_a_hand_trace():
     assert (ra.read_ahead, ra.useful, ra.misses) == (2, 2, 4)
 
 
+def test_nothing_is_read_ahead_across_a_prompt():
+    """The last layer reads ahead the next decode token's layer 0, not a prompt's; a prompt's
+    tokens are learnt from (temporal then predicts the prompt's last token)."""
+    def run(prompt):
+        ra = ReadAhead("oracle", 1, Disk(1.0, 0.0), 1.0)
+        ra.bind([MB, MB], [0, 0], 4, 1)
+        kept, none = np.zeros((2, 4), dtype=bool), np.zeros(2, dtype=np.int64)
+        ra.decode(np.array([[0], [1]]), np.array([[False], [False]]), kept, none)
+        if prompt:
+            ra.prompt(np.array([[2, 3], [3, 2]]))  # two tokens: (2, 3), then (3, 2)
+        ra.decode(np.array([[2], [2]]), np.array([[False], [False]]), kept, none)
+        ra.finish()
+        return ra.read_ahead
+    assert (run(False), run(True)) == (3, 2)
+    temporal = ReadAhead("temporal", 1, Disk(1.0, 0.0), 1.0)
+    temporal.bind([MB, MB], [0, 0], 4, 1)
+    temporal.prompt(np.array([[2, 3], [3, 2]]))
+    assert temporal.predictor.scores(0, np.array([2]), 1).argmax() == 2  # the prompt's last token
+
+
 def test_the_overlap_is_capped_by_the_compute_window():
     """1 MB experts computed at 1 GB/s (1 ms a layer), read at 1 GB/s or 0.5 GB/s, no latency;
     every selection a miss. Without read-ahead a token is 2 x (read + compute): 4 ms, 6 ms."""
