@@ -149,7 +149,7 @@ def parser() -> OneLineParser:
     ap.add_argument("--read-ahead-kb", type=int_arg(minimum=0),
                     help=f"with --ram-mib: the disk's read_ahead_kb (/sys/block/DEV/queue/read_ahead_kb; default "
                          f"{READ_AHEAD_KB}, the kernel's), which llama.cpp's mapping doubles")
-    ap.add_argument("--expert-read-ahead", type=_read_ahead_arg, default=[],
+    ap.add_argument("--expert-read-ahead", type=_read_ahead_arg, default=[], metavar="PREDICTOR:R[,...]",
                     help=f"with --ram-mib: also run the RAM tier reading ahead in decode, PREDICTOR:R, comma "
                          f"separated: R experts the next layer will likely miss, read while this one computes, "
                          f"predicted by {', '.join(PREDICTORS)} (oracle reads the future: a bound)")
