@@ -9,6 +9,7 @@ through moecache.offline.replay.simulate (the models are described there).
                               [--planner] [--csv FILE] [--plot PNG]
     python -m moecache.replay TRACE --ram-mib 932[,1351] --disk-gbps G [--disk-read-us U]
                               [--read-ahead-kb KB] [--host-gbps G] [--policies default]
+                              [--expert-read-ahead none,cooccur:1,oracle:2 [--overlap-kept]]
     python -m moecache.replay TRACE --convert OUT
 
 --slots sizes the per-layer model (K per layer) and the upstream model (at the device bytes of
@@ -24,7 +25,11 @@ INSERTS = K, every prompt ubatch looked up as the live tier does (the per-layer 
 the kernel's two lists, over 4 KiB pages with mmap readahead at --read-ahead-kb). Each prints its
 decode hit rate, the bytes it reads from the file per decode token and MODELLED milliseconds per
 decode token (moecache.offline.cost.Disk) at --host-gbps (the CPU's rate over the experts, default
---hardware's) and the disk's --disk-gbps and --disk-read-us.
+--hardware's) and the disk's --disk-gbps and --disk-read-us. --expert-read-ahead PREDICTOR:R
+adds the RAM tier run again reading ahead, during each layer's compute, the R experts the
+predictor expects the next layer to miss (moecache.offline.readahead: its precision, recall and
+MODELLED ms per decode token on a timeline where the disk overlaps the CPU); --overlap-kept
+times those runs with the CPU computing a layer's kept experts while its misses are read.
 
 --convert writes the trace's compact binary form (moecache.core.binary_trace), which any
 replay reads in place of the CSV: mapped, not parsed, so a long recording replays in a
@@ -53,6 +58,7 @@ from ..core.profile import UsageProfile
 from ..core.traces import DECODE, PREFILL, read_trace
 from ..util import OneLineParser, Progress, atomic_write, gbps_arg, int_arg, int_list_arg
 from .budget import BUDGET_POLICIES
+from .readahead import PREDICTORS, ReadAhead, parse_spec
 from .cost import DEFAULT_HARDWARE, HARDWARE, Disk
 from .replay import (GLOBAL, MIB, MODELS, PAGE_CACHE, PER_LAYER, PREFILL_MODES, UPSTREAM, ReplayResult,
                      per_layer_slots, policy_names, ram_tier_slots, simulate)
@@ -85,6 +91,17 @@ def _us_arg(text):
     return value
 
 
+def _read_ahead_arg(text):
+    """--expert-read-ahead: comma-separated PREDICTOR:R."""
+    try:
+        specs = [parse_spec(v.strip()) for v in text.split(",") if v.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if not specs:
+        raise argparse.ArgumentTypeError(f"{text!r}: give PREDICTOR:R, comma separated")
+    return list(dict.fromkeys(specs))
+
+
 def admission_list_arg(text):
     """--admission: comma-separated admission.ADMISSIONS names."""
     values = [v.strip() for v in text.split(",") if v.strip()]
@@ -96,6 +113,7 @@ def admission_list_arg(text):
 
 _budgets_arg.__name__, _inserts_arg.__name__ = "budget list", "inserts"
 admission_list_arg.__name__, _us_arg.__name__ = "admission list", "latency"
+_read_ahead_arg.__name__ = "read-ahead list"
 RATE_FLAGS = ("host_gbps", "link_gbps", "dram_gbps", "device_gbps", "ids_trip_us", "join_us")
 DISK_READ_US = 40.0  # ASSUMED: a 4 KiB read at queue depth 1 (measured 40 us on the benchmarks' virtual disk)
 READ_AHEAD_KB = 128  # the kernel's default read_ahead_kb (VM_READAHEAD_PAGES)
@@ -131,6 +149,13 @@ def parser() -> OneLineParser:
     ap.add_argument("--read-ahead-kb", type=int_arg(minimum=0),
                     help=f"with --ram-mib: the disk's read_ahead_kb (/sys/block/DEV/queue/read_ahead_kb; default "
                          f"{READ_AHEAD_KB}, the kernel's), which llama.cpp's mapping doubles")
+    ap.add_argument("--expert-read-ahead", type=_read_ahead_arg, default=[], metavar="PREDICTOR:R[,...]",
+                    help=f"with --ram-mib: also run the RAM tier reading ahead in decode, PREDICTOR:R, comma "
+                         f"separated: R experts the next layer will likely miss, read while this one computes, "
+                         f"predicted by {', '.join(PREDICTORS)} (oracle reads the future: a bound)")
+    ap.add_argument("--overlap-kept", action="store_true",
+                    help="with --expert-read-ahead: the CPU computes a layer's experts kept in RAM while its "
+                         "misses are read (the tier reads, then computes); none: that alone")
     ap.add_argument("--prefill", choices=PREFILL_MODES, default="warm",
                     help="per-layer model: each prompt ubatch as a prefill step that uploads its most "
                          "used experts, as the live cache does (warm, the default); no prefill (off); "
@@ -201,7 +226,11 @@ def check_args(args) -> None:
 def _check_ram_args(args):
     """--ram-mib and the disk's flags go together."""
     disk_flags = [flag for flag, value in (("--disk-gbps", args.disk_gbps), ("--disk-read-us", args.disk_read_us),
-                                           ("--read-ahead-kb", args.read_ahead_kb)) if value is not None]
+                                           ("--read-ahead-kb", args.read_ahead_kb),
+                                           ("--expert-read-ahead", args.expert_read_ahead or None))
+                  if value is not None]
+    if args.overlap_kept and not args.expert_read_ahead:
+        raise ValueError("--overlap-kept times the --expert-read-ahead runs: give --expert-read-ahead too")
     if not args.ram_mib:
         if disk_flags:
             raise ValueError(f"{', '.join(disk_flags)} time the --ram-mib models: give --ram-mib too")
@@ -269,9 +298,13 @@ def run(args, trace, profile) -> list[ReplayResult]:
             for k in args.slots] + \
            [(model, p, b, {}, {}) for model in (GLOBAL, UPSTREAM) for p in args.policies
             if p in policy_names(model) for b in args.budget_mib] + \
-           [(PER_LAYER, p, args.ram_slots[b], {"inserts": args.ram_slots[b], "prefill": "lookup", "admission": a},
-             {"ram_mib": b}) for p in args.policies if p in policy_names(PER_LAYER)
-            for a in args.admission or [live_admission(POLICIES[resolve_policy(p)])] for b in args.ram_mib] + \
+           [(PER_LAYER, p, args.ram_slots[b], {"inserts": args.ram_slots[b], "prefill": "lookup", "admission": a,
+                                                **read_ahead}, {"ram_mib": b})
+            for p in args.policies if p in policy_names(PER_LAYER)
+            for a in args.admission or [live_admission(POLICIES[resolve_policy(p)])] for b in args.ram_mib
+            for read_ahead in [{}] + [{"read_ahead": ReadAhead(name, width, args.disk, args.hardware.rates.host_gbps,
+                                                                      args.overlap_kept)}
+                                      for name, width in args.expert_read_ahead]] + \
            [(PAGE_CACHE, p, b, {"read_ahead_kb": args.read_ahead_kb}, {"ram_mib": b})
             for p in policy_names(PAGE_CACHE) for b in args.ram_mib]
     results = []
@@ -344,7 +377,7 @@ def print_tables(args, trace, results) -> None:
 
 def print_ram_table(args, trace, results) -> None:
     """The --ram-mib runs: the RAM tier and stock mmap's page cache, timed on the CPU over the disk."""
-    rows = [r for r in results if r.ram_mib is not None]
+    rows = [r for r in results if r.ram_mib is not None and r.read_ahead is None]
     if not rows:
         return
     host = args.hardware.rates.host_gbps
@@ -365,17 +398,47 @@ def print_ram_table(args, trace, results) -> None:
               f"{'-' if not r.decode_steps else format(read / r.decode_steps / 1e6, '.1f'):>13}"
               f"{'-' if not r.decode_steps else format(waits / r.decode_steps, '.1f'):>11}"
               f"{_ms(ms):>10}{'-' if not ms else format(1e3 / ms, '.2f'):>8}")
+    print_read_ahead_table(args, results)
+
+
+def print_read_ahead_table(args, results) -> None:
+    """The --expert-read-ahead runs beside the tier's run without read-ahead."""
+    rows = [r for r in results if r.read_ahead is not None]
+    if not rows:
+        return
+    plain = {(r.policy, r.admission, r.ram_mib): r.disk_ms(args.hardware.rates.host_gbps, args.disk)
+             for r in results if r.model == PER_LAYER and r.ram_mib is not None and r.read_ahead is None}
+    print("\nthe RAM tier reading ahead in decode (moecache.offline.readahead): while a layer computes, the R experts "
+          "the predictor expects the next layer to miss are read; ahead/tok: experts read ahead per token; precision: "
+          "of those, the share the next layer then missed; recall: the share of misses read ahead; held MiB: RAM "
+          "beyond K; ms/tok: MODELLED, the disk overlapping the CPU, in request order"
+          + (", the CPU computing a layer's kept experts while its misses are read" if args.overlap_kept else "")
+          + "; gain: against the tier without read-ahead above")
+    print(f"{'policy':<16}{'RAM MiB':>9}{'K':>5}{'predictor':>17}{'R':>4}{'ahead/tok':>11}{'prec%':>7}{'recall%':>9}"
+          f"{'MB read/tok':>13}{'held MiB':>10}{'ms/tok':>9}{'gain%':>7}")
+    for r in rows:
+        ra = r.read_ahead
+        ms, before = ra.ms_per_token, plain.get((r.policy, r.admission, r.ram_mib))
+        gain = "-" if not ms or not before else f"{round(100 * (before - ms) / before, 1) + 0.0:.1f}"  # no -0.0
+        print(f"{r.policy:<16}{r.ram_mib:>9g}{r.slots:>5}{ra.name:>17}{ra.width:>4}"
+              f"{'-' if not ra.tokens else format(ra.read_ahead / ra.tokens, '.2f'):>11}"
+              f"{_pct(ra.precision):>7}{_pct(ra.recall):>9}"
+              f"{'-' if not ra.tokens else format(ra.read_bytes / ra.tokens / 1e6, '.1f'):>13}"
+              f"{ra.held_mib():>10.1f}{_ms(ms):>9}{gain:>7}")
 
 
 def modelled_ms(args, r) -> float | None:
-    """A run's MODELLED ms per decode token: on the CPU over the disk (--ram-mib), else on --hardware."""
+    """A run's MODELLED ms per decode token: on the CPU over the disk (--ram-mib; reading ahead: its
+    timeline), else on --hardware."""
+    if r.read_ahead is not None:
+        return r.read_ahead.ms_per_token
     return r.modelled_ms(args.hardware) if r.ram_mib is None else r.disk_ms(args.hardware.rates.host_gbps, args.disk)
 
 
 CSV_COLUMNS = ("model", "policy", "slots", "budget_mib", "inserts", "admission", "decode_steps",
                "hits", "misses", "uploads", "upload_bytes", "hit_rate", "hits_all", "misses_all",
                "hit_rate_all", "upload_bytes_per_token", "modelled_ms_per_token", "seconds", "prefill",
-               "prefill_upload_bytes", "ram_mib", "disk_read_bytes_per_token")
+               "prefill_upload_bytes", "ram_mib", "disk_read_bytes_per_token", "read_ahead")
 
 
 def write_csv(path, results, args) -> None:
@@ -402,8 +465,17 @@ def _write_rows(path, results, args):
                 "modelled_ms_per_token": _ms(modelled_ms(args, r)).replace("-", ""),
                 "seconds": f"{r.seconds:.4f}", "prefill": r.prefill,
                 "prefill_upload_bytes": r.totals_all.get("prefill_upload_bytes") if r.model == PER_LAYER else None,
-                "ram_mib": r.ram_mib, "disk_read_bytes_per_token": None if r.ram_mib is None or not r.decode_steps
-                else f"{r.disk_reads()[0] / r.decode_steps:.0f}"})
+                "ram_mib": r.ram_mib, "disk_read_bytes_per_token": _disk_read_per_token(r),
+                "read_ahead": None if r.read_ahead is None else
+                f"{r.read_ahead.name}:{r.read_ahead.width}{' overlap-kept' if r.read_ahead.overlap_kept else ''}"})
+
+
+def _disk_read_per_token(r):
+    """Bytes a --ram-mib run read from the file per decode token (reading ahead: its reads too)."""
+    if r.ram_mib is None or not r.decode_steps:
+        return None
+    read = r.disk_reads()[0] if r.read_ahead is None else r.read_ahead.read_bytes
+    return f"{read / r.decode_steps:.0f}"
 
 
 def plot(path, trace, results) -> None:

@@ -63,6 +63,7 @@ from .budget import BUDGET_POLICIES, BudgetPolicy, ByteBudgetCache, make_budget_
 from ..core.missplan import OUR_LAYOUT, STOCK_LAYOUT, UPSTREAM_LAYOUT, MissPlanner, Rates
 from .cost import Disk, Hardware, WorkTally
 from .pagecache import PAGE_POLICIES, ExpertLayout
+from .readahead import ReadAhead
 from .steps import GLOBAL, PAGE_CACHE, PER_LAYER, PREFILL_MODES, UPSTREAM
 from .upstream import UpstreamCache
 
@@ -99,6 +100,7 @@ class ReplayResult:
     turns: int = 0
     work: WorkTally | None = None           # decode layer passes (global: None)
     ram_mib: float | None = None            # the RAM tier's and the page cache's budget (set by the caller)
+    read_ahead: ReadAhead | None = None     # per-layer: the decode read-ahead's timeline and counts
 
     @property
     def hit_rate(self) -> float | None:
@@ -164,7 +166,7 @@ def simulate(trace: RouteTrace, model: str, policy, size=None, *, inserts: int |
              admission: str = "boundary", prefill: str | None = None,
              profile: UsageProfile | None = None, seed: int = 0, step_times: bool = False,
              before_step=None, miss_plan: Rates | None = None, lane: bool = True,
-             read_ahead_kb: int | None = None) -> ReplayResult:
+             read_ahead_kb: int | None = None, read_ahead: ReadAhead | None = None) -> ReplayResult:
     """Replay `trace` (RouteTrace.from_routing makes one of bare routing) through one model.
 
     model: "per-layer" (size: K slots per layer), "global" (size: the budget in MiB),
@@ -179,9 +181,12 @@ def simulate(trace: RouteTrace, model: str, policy, size=None, *, inserts: int |
     misses at them, moecache.core.missplan; eager admission; lane=False: without the copy-on-miss
     lane, the paying uploads alone): per-layer only. seed: the random
     policies'. step_times: keep each step's duration; before_step: called before each step (a
-    benchmark evicting the CPU caches)."""
+    benchmark evicting the CPU caches). read_ahead (per-layer; moecache.offline.readahead): times
+    the decode with the RAM tier reading ahead, fed every token and the engine's outcome."""
     if read_ahead_kb is not None and model != PAGE_CACHE:
         raise ValueError("read_ahead_kb is a page-cache model option")
+    if read_ahead is not None and model != PER_LAYER:
+        raise ValueError("read_ahead (the RAM tier's decode read-ahead) is a per-layer model option")
     if model == PER_LAYER:
         prefill = "warm" if prefill is None else prefill
         if prefill not in PREFILL_MODES:
@@ -194,9 +199,20 @@ def simulate(trace: RouteTrace, model: str, policy, size=None, *, inserts: int |
         work = WorkTally(OUR_LAYOUT, trace.expert_bytes, trace.dense_bytes)
 
         def decode_step(ids):
-            _tally_plan(work, cache.step(ids))
+            kept = None if read_ahead is None else cache.expert_slot >= 0  # what this graph finds in memory
+            plan = cache.step(ids)
+            _tally_plan(work, plan)
+            if read_ahead is not None:
+                read_ahead.decode(ids, plan.hit_mask, kept, np.bincount(plan.upload[:, 0], minlength=len(kept)))
         # (prefill step, decode step): a warm prompt is a prefill step, a plain one an observation
         step = (functools.partial(cache.step, prefill=True) if prefill == "warm" else cache.step, decode_step)
+        if read_ahead is not None:
+            read_ahead.bind(trace.expert_bytes, trace.dense_bytes, trace.n_expert, trace.n_expert_used)
+
+            def prompt_step(ids, prompt=step[0]):
+                read_ahead.prompt(ids)
+                return prompt(ids)
+            step = (prompt_step, decode_step)
     elif model == PAGE_CACHE:
         if prefill not in (None, "lookup") or profile is not None or admission != "boundary" or miss_plan is not None:
             raise ValueError("the page-cache model reads every ubatch through the mapping: it takes no prefill, "
@@ -228,8 +244,11 @@ def simulate(trace: RouteTrace, model: str, policy, size=None, *, inserts: int |
     else:
         raise ValueError(f"unknown model {model!r}; valid: {', '.join(MODELS)}")
     decode, final, seconds, times = _drive(step, totals, segments, step_times, before_step)
+    if read_ahead is not None:
+        read_ahead.finish()
     return ReplayResult(model, label, slots, budget, inserts, int((trace.phase == DECODE).sum()),
-                        decode, final, seconds, times, admission, prefill, len(steps.turns(trace)), work)
+                        decode, final, seconds, times, admission, prefill, len(steps.turns(trace)), work,
+                        read_ahead=read_ahead)
 
 
 def _tally_plan(work: WorkTally, plan) -> None:

@@ -1,0 +1,314 @@
+"""Reading ahead in the RAM tier's decode (issue 21, item 2), MODELLED: while layer l computes,
+read the experts the next layer will likely miss, so the disk works while the CPU does.
+`simulate(..., read_ahead=ReadAhead(...))` (per-layer model, the RAM tier's run) feeds it each
+decode token with the engine's outcome; `python -m moecache.replay --ram-mib N --disk-gbps G
+--expert-read-ahead PREDICTOR:R` prints it beside the tier without read-ahead.
+
+Predictors (PREDICTORS) see routing only (the live tier's observer has no activations), and the
+online ones only the past: scores(src layer, its selection in this token, dst layer) ranks the
+dst layer's experts, learn(token) is called once a token's selections are all known, after
+every prediction that token's layers made (so a prediction never sees its own answer).
+- temporal: the dst layer's selection in the previous token, in router rank order.
+- cooccur: how often each dst expert was selected in the same token as (or, for layer 0, in the
+  token after) each of the src selection's experts, over all tokens seen (prompts included),
+  summed as conditional frequencies. cooccur-decayed: the same, counts halved every 16 tokens.
+  Cost: n_layers x n_expert^2 counts.
+- frequency: the dst layer's decayed use count (half-life 16 tokens): the default policy's
+  (heat's) estimate, of the experts it did not keep.
+- oracle: the dst layer's actual selection, read from the future: an upper BOUND, not a
+  predictor.
+- none: reads nothing ahead (the tier as it runs, on this timeline; with overlap_kept, that alone).
+Each reads ahead the R best-scored experts of the dst layer that are not kept in RAM (score > 0);
+R "w" (window): as many as the disk can read before the dst layer's observer if the CPU's
+compute does not change (the rest of this layer's experts and the dst layer's dense weights,
+after what the disk has queued), at most n_used: a read-ahead that never delays a demand read.
+
+Timing: one CPU and one disk, the disk serving its requests in order (a read started is not
+cancelled). Per layer: its dense weights computed (dense bytes / host); at its observer, the
+misses not read ahead are read (one request latency + bytes / disk, after whatever the disk has
+queued, read-ahead included), the CPU waits for those and for the read-ahead batch that covered
+some of its misses (a layer that needs nothing from the disk does not wait: optimistic, the
+tier's read-ahead thread is joined anyway) and then computes the selected experts (selected
+bytes / host); the next layer's read-ahead is queued behind the layer's reads (latency + bytes /
+disk, the next layer's expert size). overlap_kept (not what the tier does: it reads a layer's
+misses, then computes): the CPU computes the experts kept in RAM while the misses are read, then
+the misses. The last layer reads ahead the next decode token's layer 0 (none before a prompt or
+at the end). Uploads issued at a boundary are read after the token, the CPU waiting, as
+moecache.offline.cost.Disk has it; without read-ahead (and overlap_kept) the timeline is
+Disk.token_ms exactly (tested). A read-ahead holds at most R experts of one layer in RAM beyond
+the tier's K until its layer runs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..util import IntegerError, parse_int
+from .cost import Disk
+
+HALF_LIFE = 16.0  # tokens; the default policy's (Heat) half-life
+
+
+class Predictor:
+    """scores(src, selection, dst) -> (n_expert,) higher is likelier, <= 0 never read ahead;
+    learn(rows): one token's selections per layer, after its predictions."""
+
+    name = "?"
+    reads_future = False
+
+    def bind(self, n_layers: int, n_expert: int) -> None:
+        self.n_layers, self.n_expert = n_layers, n_expert
+
+    def scores(self, src: int, selection: np.ndarray, dst: int, future: np.ndarray | None = None) -> np.ndarray:
+        raise NotImplementedError
+
+    def learn(self, rows) -> None:
+        pass
+
+
+def _ranked(selection, n_expert) -> np.ndarray:
+    """Scores n_used..1 for a selection in router rank order, 0 elsewhere."""
+    score = np.zeros(n_expert)
+    score[selection] = np.arange(len(selection), 0, -1)
+    return score
+
+
+class Temporal(Predictor):
+    name = "temporal"
+
+    def bind(self, n_layers, n_expert):
+        super().bind(n_layers, n_expert)
+        self.last = [np.empty(0, dtype=np.int64)] * n_layers
+
+    def scores(self, src, selection, dst, future=None):
+        return _ranked(self.last[dst], self.n_expert)
+
+    def learn(self, rows):
+        self.last = list(rows)
+
+
+class Cooccur(Predictor):
+    name = "cooccur"
+
+    def __init__(self, half_life: float | None = None):
+        self.decay = 1.0 if half_life is None else 0.5 ** (1.0 / half_life)
+
+    def bind(self, n_layers, n_expert):
+        super().bind(n_layers, n_expert)
+        # counts[l, i, j]: tokens where expert i of layer l was followed by expert j of layer
+        # l + 1 (the last layer: by layer 0 of the next token); seen[l, i]: tokens with i at l
+        self.counts = np.zeros((n_layers, n_expert, n_expert))
+        self.seen = np.zeros((n_layers, n_expert))
+        self.previous_last = None
+
+    def scores(self, src, selection, dst, future=None):
+        seen = self.seen[src, selection]
+        known = seen > 0
+        return (self.counts[src, selection[known]] / seen[known, None]).sum(axis=0)
+
+    def learn(self, rows):
+        if self.decay != 1.0:
+            self.counts *= self.decay
+            self.seen *= self.decay
+        L = self.n_layers
+        for layer in range(L - 1):
+            self._count(layer, rows[layer], rows[layer + 1])
+        if self.previous_last is not None:
+            self._count(L - 1, self.previous_last, rows[0])
+        self.previous_last = rows[L - 1]
+
+    def _count(self, layer, sources, targets):
+        self.seen[layer, sources] += 1
+        self.counts[layer, sources[:, None], targets[None, :]] += 1
+
+
+class Frequency(Predictor):
+    name = "frequency"
+
+    def bind(self, n_layers, n_expert):
+        super().bind(n_layers, n_expert)
+        self.heat = np.zeros((n_layers, n_expert))
+        self.decay = 0.5 ** (1.0 / HALF_LIFE)
+
+    def scores(self, src, selection, dst, future=None):
+        return self.heat[dst]
+
+    def learn(self, rows):
+        self.heat *= self.decay
+        for layer, row in enumerate(rows):
+            self.heat[layer, row] += 1
+
+
+class Nothing(Predictor):
+    name = "none"
+
+    def scores(self, src, selection, dst, future=None):
+        return np.zeros(self.n_expert)
+
+
+class Oracle(Predictor):
+    name = "oracle"
+    reads_future = True
+
+    def scores(self, src, selection, dst, future=None):
+        return _ranked(future, self.n_expert)
+
+
+PREDICTORS = {"none": Nothing, "temporal": Temporal, "cooccur": Cooccur,
+              "cooccur-decayed": lambda: Cooccur(HALF_LIFE), "frequency": Frequency, "oracle": Oracle}
+
+
+WINDOW = "w"  # R: what fits the compute window
+
+
+def parse_spec(text: str) -> tuple[str, int | str]:
+    """'PREDICTOR:R' -> (name, R >= 1 or WINDOW), 'none' -> ('none', 1); ValueError naming the problem."""
+    name, sep, width = text.partition(":")
+    if text == "none":
+        return name, 1
+    if name not in PREDICTORS or not sep:
+        raise ValueError(f"{text!r}: expected PREDICTOR:R with PREDICTOR one of {', '.join(PREDICTORS)}")
+    if width == WINDOW:
+        return name, WINDOW
+    try:
+        return name, parse_int(width, "", minimum=1)
+    except IntegerError as e:
+        raise ValueError(f"{text!r}: R {e.detail}") from None
+
+
+class ReadAhead:
+    """The RAM tier's decode timeline with read-ahead (module docstring) and its counts."""
+
+    def __init__(self, predictor: str, width: int | str, disk: Disk, host_gbps: float, overlap_kept: bool = False):
+        if predictor not in PREDICTORS:
+            raise ValueError(f"unknown read-ahead predictor {predictor!r}; valid: {', '.join(PREDICTORS)}")
+        if width != WINDOW and not (isinstance(width, int) and width >= 1):
+            raise ValueError(f"the read-ahead width must be an integer >= 1 or {WINDOW!r}, got {width!r}")
+        self.name, self.width, self.disk, self.host_gbps = predictor, width, disk, host_gbps
+        self.overlap_kept = overlap_kept
+        self.predictor = PREDICTORS[predictor]()
+        self.seconds = 0.0   # the decode tokens' modelled time
+        self.tokens = 0
+        self.read_ahead = self.useful = self.misses = 0  # experts
+        self.read_bytes = 0  # everything the decode read: misses not read ahead, read-ahead, boundary uploads
+        self._held = None    # the last decode token, processed once the next step shows what follows it
+        self._disk_free = 0.0  # when the disk has read everything queued
+        self._pending = None   # (experts, when read) read ahead for the next layer to run
+
+    def bind(self, expert_bytes, dense_bytes, n_expert: int, n_used: int) -> None:
+        if hasattr(self, "expert_bytes"):
+            raise ValueError("a ReadAhead times one replay: make a new one")
+        self.expert_bytes = [int(b) for b in expert_bytes]
+        self.dense_bytes = [int(b) for b in dense_bytes]
+        self.n_used = n_used
+        self.predictor.bind(len(self.expert_bytes), n_expert)
+
+    @property
+    def ms_per_token(self) -> float | None:
+        return 1e3 * self.seconds / self.tokens if self.tokens else None
+
+    @property
+    def precision(self) -> float | None:
+        return self.useful / self.read_ahead if self.read_ahead else None
+
+    @property
+    def recall(self) -> float | None:
+        return self.useful / self.misses if self.misses else None
+
+    def held_mib(self) -> float:
+        """The most RAM a read-ahead holds beyond the tier's K: R (window: n_used) of the largest experts."""
+        if self.name == "none":
+            return 0.0
+        return (self.n_used if self.width == WINDOW else self.width) * max(self.expert_bytes) / 2**20
+
+    # the replay's calls
+    def prompt(self, ids) -> None:
+        """A prompt ubatch ((n_layers, n_tokens x n_used) ids, token by token): learnt from."""
+        self._flush(None)
+        ids = np.asarray(ids)
+        for start in range(0, ids.shape[1], self.n_used):
+            self.predictor.learn(_rows(ids[:, start:start + self.n_used]))
+
+    def decode(self, ids, hit_mask, kept, boundary_uploads) -> None:
+        """One decode token: its (n_layers, n_used) ids, the engine's hit mask, which experts
+        were kept in RAM while it ran ((n_layers, n_expert) bool) and the uploads its
+        boundary issued per layer."""
+        token = (_rows(ids), _rows(ids, ~np.asarray(hit_mask)), np.array(kept, dtype=bool),
+                 np.asarray(boundary_uploads))
+        self._flush(token)
+        self._held = token
+
+    def finish(self) -> None:
+        self._flush(None)
+
+    def _flush(self, following) -> None:
+        """Time the held token, with `following` (the next decode token or None) giving the
+        last layer's read-ahead target and the oracle's answer for it."""
+        if self._held is None:
+            return
+        rows, missed, kept, boundary = self._held
+        self._held = None
+        L, host, disk = len(rows), self.host_gbps * 1e9, self.disk.gbps * 1e9
+        latency = self.disk.read_us / 1e6
+        clock, disk_free, pending = self.seconds, self._disk_free, self._pending
+        for layer in range(L):
+            size = self.expert_bytes[layer]
+            clock += self.dense_bytes[layer] / host
+            ahead, done = pending if pending is not None else (np.empty(0, dtype=np.int64), clock)
+            covered = np.isin(missed[layer], ahead)
+            self.useful += int(covered.sum())
+            self.misses += missed[layer].size
+            ready = done if covered.any() else clock
+            demand = int((~covered).sum())
+            if demand:
+                disk_free = max(disk_free, clock) + latency + demand * size / disk
+                self.read_bytes += demand * size
+                ready = max(ready, disk_free)
+            kept_compute = (rows[layer].size - missed[layer].size) * size / host
+            end = (max(clock + kept_compute, ready) if self.overlap_kept else max(clock, ready) + kept_compute) \
+                + missed[layer].size * size / host
+            pending = None
+            if layer + 1 < L:
+                target, dst_kept, future = layer + 1, kept[layer + 1], rows[layer + 1]
+            else:
+                self.predictor.learn(rows)
+                target = 0
+                dst_kept, future = (None, None) if following is None else (following[2][0], following[0][0])
+            if dst_kept is not None:
+                next_size = self.expert_bytes[target]
+                width = self.width
+                if width == WINDOW:  # until the next observer, after what the disk has queued
+                    room = end + self.dense_bytes[target] / host - max(disk_free, clock) - latency
+                    width = min(self.n_used, max(0, int(room * disk / next_size + 1e-9)))  # not lost to rounding
+                scores = self.predictor.scores(layer, rows[layer], target,
+                                               future if self.predictor.reads_future else None)
+                chosen = _best(scores, dst_kept, width)
+                if chosen.size:
+                    disk_free = max(disk_free, clock) + latency + chosen.size * next_size / disk
+                    self.read_ahead += chosen.size
+                    self.read_bytes += chosen.size * next_size
+                    pending = (chosen, disk_free)
+            clock = end
+        upload_bytes = sum(int(n) * b for n, b in zip(boundary.tolist(), self.expert_bytes))
+        if upload_bytes:
+            disk_free = max(disk_free, clock) + upload_bytes / disk
+            self.read_bytes += upload_bytes
+            clock = disk_free
+        self.seconds, self._disk_free, self._pending = clock, disk_free, pending
+        self.tokens += 1
+
+
+def _rows(ids, mask=None) -> list[np.ndarray]:
+    """Per layer the selected experts (in router rank order; masked: those where mask is True)."""
+    ids = np.asarray(ids)
+    valid = ids >= 0
+    if mask is not None:
+        valid &= mask
+    return [row[v].astype(np.int64) for row, v in zip(ids, valid)]
+
+
+def _best(scores, kept, width) -> np.ndarray:
+    """The `width` best-scored experts not kept, score > 0; ties: the lower id."""
+    candidates = np.flatnonzero((scores > 0) & ~kept)
+    order = np.argsort(-scores[candidates], kind="stable")[:width]
+    return candidates[order]
