@@ -38,8 +38,9 @@ is. The others are asynchronous uploads, usable from the next graph. A lane cand
 fails the test is computed on the CPU: there are no scratch slots. Without a lane and with
 margin 0 this is plain eager admission (worth > victim's).
 
-C writes no table during the graph: the next boundary unpublishes each victim and publishes
-each completed upload (late ones at a later boundary). The engine models the rule itself
+C writes no table during the graph but a lane copy's own entries (the CPU's skip, the device's
+slot): the next boundary unpublishes each victim and publishes each completed upload (late ones
+at a later boundary). The engine models the rule itself
 (`admissions`), so replay and a live run that waits for its uploads agree exactly.
 """
 
