@@ -19,7 +19,7 @@ static inline int64_t id_at(const void *ids, int wide, int64_t i) {
 
 /* An observation (L, n): hit mask, hits and misses per layer, the used table (a new all-zero
  * table, kept as g->used for the boundary's choice; each expert once), usage, counters,
- * prefetch hits, any_miss. Without lookups (a prompt the stock graph ran, which read no slot):
+ * prefetch hits, any_miss, and with a miss planner's table the graph's modelled time. Without lookups (a prompt the stock graph ran, which read no slot):
  * no hit, miss or prefetch hit, and no usage (the profile stays uses per decode step).
  * Returns 1 (nothing changed, obs->bad_id = the offending id) if an id is outside [-1, E). */
 int mc_observe(mc_engine *g, mc_observation *obs) {
@@ -38,6 +38,7 @@ int mc_observe(mc_engine *g, mc_observation *obs) {
     }
     g->used = obs->used;
     int any_miss = 0;
+    double graph_ms = 0.0;
     for (int64_t l = 0; l < L; l++) {
         int64_t n_hit = 0, looked_up = 0;
         for (int64_t j = 0; j < n; j++) {
@@ -61,11 +62,19 @@ int mc_observe(mc_engine *g, mc_observation *obs) {
         }
         obs->counts[l] = n_hit;
         obs->counts[L + l] = looked_up - n_hit;
+        if (obs->graph_table) {
+            const int64_t gn = obs->graph_n, lane = obs->lane ? obs->lane[l] : 0, cpu = looked_up - n_hit - lane;
+            if (graph_ms < 0 || n_hit >= gn || lane < 0 || lane >= gn || cpu < 0 || cpu >= gn)
+                graph_ms = -1.0;
+            else
+                graph_ms += obs->graph_table[((obs->graph_group[l] * gn + n_hit) * gn + lane) * gn + cpu];
+        }
         any_miss |= looked_up != n_hit;
         count(g, MC_HITS, l, n_hit);
         count(g, MC_MISSES, l, looked_up - n_hit);
     }
     obs->any_miss = any_miss;
+    obs->graph_ms = obs->graph_table ? graph_ms : -1.0;
     return 0;
 }
 
@@ -313,12 +322,12 @@ void mc_slot_keys(const mc_engine *g, int64_t *keys) {
  * slot writes libllama makes during a graph that selects ids (L, n), under a boundary's handover
  * and the slot contents it was computed from (slot_expert (L, K), -1 empty). Writes (layer,
  * expert, slot) rows to jobs (at most L * min(n, K)) in the order they start: layer by layer,
- * within a layer the lane's copies first (by worth), then the uploads (router rank), and each
- * layer's lane rows to lane_rows (L). mark: E bytes of scratch, all zero before and after; cand:
+ * within a layer the lane's copies first (by worth), then the uploads (router rank), each
+ * layer's lane rows to lane_rows (L) and its uploads the margin declined to declined (L). mark: E bytes of scratch, all zero before and after; cand:
  * n of scratch. Returns the number of rows, or -1 - i when ids[i] is outside [-1, E). */
 int64_t mc_admit(const mc_handover_table *h, const void *ids, int wide, int64_t n,
                  const int32_t *slot_expert, uint8_t *mark, int64_t *cand, int32_t *jobs,
-                 int64_t *lane_rows) {
+                 int64_t *lane_rows, int64_t *declined) {
     enum { SELECTED = 1, HELD = 2, SEEN = 4 };
     const int64_t L = h->n_layers, K = h->n_slots, E = h->n_expert;
     int64_t n_jobs = 0;
@@ -359,7 +368,7 @@ int64_t mc_admit(const mc_handover_table *h, const void *ids, int wide, int64_t 
             for (int64_t j = best; j > i; j--) cand[j] = cand[j - 1];
             cand[i] = e;
         }
-        int64_t next = 0, started = 0, lane = 0;
+        int64_t next = 0, started = 0, lane = 0, margin_declined = 0;
         for (int64_t i = 0; i < m && started < h->budget[l]; i++) {
             const int64_t e = cand[i];
             /* the running graph reads the slots of the experts it selects: skip those victims */
@@ -371,9 +380,11 @@ int64_t mc_admit(const mc_handover_table *h, const void *ids, int wide, int64_t 
                 int32_t *job = jobs + 3 * n_jobs++;
                 job[0] = (int32_t) l, job[1] = (int32_t) e, job[2] = victims[next];
                 next++, started++, lane += i < n_lane;
+            } else if (i >= n_lane && worth[e] > victim_worth[next]) {
+                margin_declined++;
             }
         }
-        lane_rows[l] = lane;
+        lane_rows[l] = lane, declined[l] = margin_declined;
         for (int64_t j = 0; j < n; j++) {
             const int64_t e = id_at(ids, wide, l * n + j);
             if (e >= 0) mark[e] = 0;

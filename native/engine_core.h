@@ -45,6 +45,14 @@ typedef struct {
     int64_t *counts;            /* out: (2, L) hits, then misses, per layer */
     int32_t any_miss;           /* out */
     int64_t bad_id;             /* out: the id outside [-1, E) when mc_observe refuses */
+    /* the miss planner's modelled time of the graph (moecache.core.missplan.MissPlanner), when
+     * graph_table is set: the sum over layers of graph_table[graph_group[l]][hits][lane][misses -
+     * lane] (the table holds one layer's time by its counts, each in [0, graph_n)) */
+    const double *graph_table;  /* in: NULL: no planner */
+    const int64_t *graph_group; /* in: (L) */
+    int64_t graph_n;            /* in */
+    const int64_t *lane;        /* in: (L) lane copies among the misses, NULL: none */
+    double graph_ms;            /* out: -1 when a count is outside the table */
 } mc_observation;
 
 /* One upload decision: mc_candidates lists the wanted experts, mc_prepare keeps the ones to
@@ -96,4 +104,4 @@ typedef struct {
 } mc_handover_table;
 int64_t mc_admit(const mc_handover_table *h, const void *ids, int wide, int64_t n,
                  const int32_t *slot_expert, uint8_t *mark, int64_t *cand, int32_t *jobs,
-                 int64_t *lane_rows);
+                 int64_t *lane_rows, int64_t *declined);

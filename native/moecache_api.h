@@ -73,6 +73,7 @@ struct llama_moe_cache_handover {
 };
 int32_t llama_moe_cache_hand_over(struct llama_context * ctx, enum llama_moe_cache_tier tier, const struct llama_moe_cache_handover * handover);
 const int32_t * llama_moe_cache_admitted(struct llama_context * ctx, enum llama_moe_cache_tier tier, int32_t * n_rows, int32_t * n_lane);
+const int32_t * llama_moe_cache_declined(struct llama_context * ctx, enum llama_moe_cache_tier tier);
 int64_t llama_moe_cache_wait_uploads(struct llama_context * ctx, enum llama_moe_cache_tier tier);
 int32_t llama_moe_cache_uploads_pending(struct llama_context * ctx, enum llama_moe_cache_tier tier);
 bool    llama_moe_cache_get_counters(struct llama_context * ctx, enum llama_moe_cache_tier tier, int32_t i, struct llama_moe_cache_counters * counters);

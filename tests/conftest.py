@@ -115,10 +115,10 @@ def record_plans(cache):
     plans = []
     step = cache.engine.step
 
-    def recording(ids=None, ready=None, admitted=None, prefill=False, lane_rows=0):
-        plan = step(ids, ready, admitted, prefill=prefill, lane_rows=lane_rows)
+    def recording(ids=None, ready=None, admitted=None, **flags):
+        plan = step(ids, ready, admitted, **flags)
         plan.observed = None if ids is None else np.array(ids)
-        plan.prefill = prefill
+        plan.prefill = flags.get("prefill", False)
         plans.append(plan)
         return plan
 

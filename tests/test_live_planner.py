@@ -1,9 +1,9 @@
 """The miss planner live (issue 22): on the loopback RPC device a slow link keeps every miss on the
 CPU and declines the eager uploads that would not pay back their link time; a fast one sends
 misses through the copy-on-miss lane (copied during the graph that missed them, computed on the
-device in it). The output stays the stock graph's, libllama's slot writes the engine's model of
-them (WAIT=1), its own lane counters the engine's, and the offline replay at the stats' rates
-reproduces the run. The rates are measured at attach unless given; bad values are one-line
+device in it). The output stays the stock graph's, libllama's slot writes and declined uploads the
+engine's model of them (WAIT=1), its own lane counters the engine's, and the offline replay at the
+stats' rates reproduces the run (the declined uploads, which the engine takes from libllama, too). The rates are measured at attach unless given; bad values are one-line
 errors."""
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ def test_a_slow_link_keeps_misses_on_the_cpu_a_fast_one_sends_them_through_the_l
         native, last = cache.native_counters(), unreported_lane(cache)
         cache.close()
         live = runs[name] = cache.stats()
-        # WAIT=1: at every boundary libllama's slot writes equalled the engine's model, or it froze
+        # WAIT=1: at every boundary libllama's slot writes and the uploads its margin declined equalled
+        # the engine's model, or it froze
         assert live["failed"] is None
         assert tokens == stock[0] and np.array_equal(logits, stock[1])
         if rates is None:

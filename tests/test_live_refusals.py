@@ -84,8 +84,8 @@ def test_a_refused_plan_freezes_the_cache_and_decoding_stays_exact(rpc_device, t
     step = cache.engine.step
     applied = []
 
-    def bad_plan(ids=None, ready=None, admitted=None, prefill=False, lane_rows=0):
-        plan = step(ids, ready, admitted, prefill=prefill, lane_rows=lane_rows)
+    def bad_plan(ids=None, ready=None, admitted=None, **flags):
+        plan = step(ids, ready, admitted, **flags)
         if plan.step == 3:
             counters = cache.engine.counters
             applied.append(int(counters["uploads"].sum() + counters["prefill_uploads"].sum()) - len(plan.upload))

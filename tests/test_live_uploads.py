@@ -109,8 +109,8 @@ def record_residency(cache):
     steps = []
     step = cache.engine.step
 
-    def recording(ids=None, ready=None, admitted=None, prefill=False, lane_rows=0):
-        plan = step(ids, ready, admitted, prefill=prefill, lane_rows=lane_rows)
+    def recording(ids=None, ready=None, admitted=None, **flags):
+        plan = step(ids, ready, admitted, **flags)
         if steps:  # about the graph that ran since the last boundary
             steps[-1].update(ids=None if ids is None else np.array(ids), admitted=plan.admitted)
         steps.append({"table": cache.engine.expert_slot.copy(), "writing": cache.engine.in_flight.copy()})

@@ -2,6 +2,7 @@
 they pay; on a hand-made handover, then through the engine in the one replay driver."""
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -69,7 +70,8 @@ IDS = np.array([[0, 1, 5]])
 
 def planned(rates, worth, lane=True):
     """The planner's handover and the slot writes the graph makes under it."""
-    h = MissPlanner(rates, [MB], n_used=3, lane=lane).plan(handover(worth), use_worth=1.0)
+    lane_table, margin = MissPlanner(rates, [MB], n_used=3, lane=lane).rule(8, use_worth=1.0)
+    h = replace(handover(worth), lane=lane_table, margin=margin)
     return h, admissions_with_lane(h, IDS, SLOTS)
 
 
@@ -81,30 +83,67 @@ def test_the_planner_hands_over_the_policys_worths_with_its_lane_table_and_margi
     assert h.lane is None and h.margin == pytest.approx(1.0)
 
 
+def graph(ms, hits=(1,), misses=(2,)):
+    """What the planner reads of an observation (moecache.core.bookkeeping.Observation)."""
+    return SimpleNamespace(graph_ms=ms, hits=np.array(hits), misses=np.array(misses))
+
+
+def copies(n):
+    """n copies in layer 0, as job tables."""
+    return np.zeros((n, 3), dtype=np.int32)
+
+
 def test_the_margin_is_paid_as_far_as_the_link_is_busy():
     planner = MissPlanner(SLOW, [MB], n_used=3)
     assert planner.busy == 1.0 and planner.margin(1.0) == pytest.approx(51)  # before any graph: all of it
+    token = planner.graph_ms([1], [0], [2])
+    assert token == pytest.approx(float(SLOW.layer_ms(OUR_LAYOUT, MB, 0.0, 1, 0, 2)))
     for _ in range(300):  # graphs that copy nothing: an idle link, an upload costs nothing
-        planner.observe([1], [0], [2], [0])
+        planner.observe(graph(token), None, copies(0))
     assert planner.busy < 1e-9 and planner.margin(1.0) < 1e-9
     for _ in range(300):  # uploads that hold the link longer than the graph runs: all of it again
-        planner.observe([1], [0], [2], [50])
+        planner.observe(graph(token), None, copies(50))
     assert planner.busy == 1.0 and planner.margin(1.0) == pytest.approx(51)
-    token = float(SLOW.layer_ms(OUR_LAYOUT, MB, 0.0, 1, 0, 2))
-    half = 0.5 * token * SLOW.link_gbps * 1e6 / MB  # uploads whose link time is half the graph's
-    for _ in range(300):
-        planner.observe([1], [0], [2], [half])
-    assert planner.busy == pytest.approx(0.5) and planner.margin(2.0) == pytest.approx(2 * 51 * 0.5 ** BUSY_POWER)
+    for _ in range(300):  # a graph of several tokens' counts (-1: outside the observation's table) with copies
+        planner.observe(graph(-1, hits=[3], misses=[5]), np.array([1]), copies(1), copies(0))
+    busy = MB / (SLOW.link_gbps * 1e6) / planner.graph_ms([3], [1], [5])
+    assert 0.5 < busy < 1
+    assert planner.busy == pytest.approx(busy) and planner.margin(2.0) == pytest.approx(2 * 51 * busy ** BUSY_POWER)
 
 
-def test_a_graphs_time_from_the_table_is_the_formulas():
-    planner = MissPlanner(SLOW, [MB, 2 * MB, MB], [0.0, MB, 0.0], n_used=2)
+def test_the_link_carries_each_copys_layer_bytes():
+    jobs = np.array([[0, 1, 2], [1, 3, 0], [1, 4, 1]], dtype=np.int32)
+    for layer_bytes, copied in (([MB, 2 * MB], 6 * MB), ([MB, MB], 4 * MB)):
+        planner = MissPlanner(SLOW, layer_bytes, n_used=2)
+        planner.observe(graph(100.0, [0, 0], [1, 1]), None, jobs, jobs[:1])
+        assert planner.busy == pytest.approx(copied / (SLOW.link_gbps * 1e6) / 100.0)
+
+
+def test_a_graphs_time_is_the_formulas_and_the_observation_sums_it_for_one_token():
+    expert_bytes, dense_bytes = (MB, 2 * MB, MB), (0.0, MB, 0.0)
+    planner = MissPlanner(SLOW, expert_bytes, dense_bytes, n_used=2)
     rng = np.random.default_rng(5)
-    for n_max in (2, 2, 2, 9):  # one token's counts (the table), then several tokens' (the formula)
+    for n_max in (2, 9):
         hits, lane, cpu = rng.integers(0, n_max + 1, (3, 3))
         expected = sum(float(SLOW.layer_ms(OUR_LAYOUT, eb, db, h, n, c))
-                       for eb, db, h, n, c in zip((MB, 2 * MB, MB), (0.0, MB, 0.0), hits, lane, cpu))
-        assert planner._graph_ms(hits, lane, cpu) == pytest.approx(expected)
+                       for eb, db, h, n, c in zip(expert_bytes, dense_bytes, hits, lane, cpu))
+        assert planner.graph_ms(hits, lane, lane + cpu) == pytest.approx(expected)
+    # the engine's C observation: the table for one token's counts, -1 beyond it
+    core = CacheEngine(3, 8, 4, make_policy("heat"), admission="eager", miss_planner=planner)._core
+    summed = 0
+    for n in (2, 2, 2, 2, 6, 6):
+        ids = rng.integers(-1, 8, (3, n))
+        misses = core.observe(ids, True).misses
+        lane = np.minimum(rng.integers(0, 3, 3), misses).astype(np.int64)
+        seen = core.observe(ids, True, lane)
+        if max(seen.hits.max(), seen.misses.max()) <= 2:
+            assert seen.graph_ms == pytest.approx(planner.graph_ms(seen.hits, lane, seen.misses))
+            summed += 1
+        else:
+            assert seen.graph_ms == -1
+    assert summed >= 4
+    plain = CacheEngine(3, 8, 4, make_policy("heat"), admission="eager")._core
+    assert plain.observe(rng.integers(-1, 8, (3, 2)), True).graph_ms == -1  # no planner, no table
 
 
 def test_a_slow_link_sends_misses_to_the_cpu_and_makes_no_upload_that_does_not_pay():
@@ -128,8 +167,8 @@ def test_a_fast_link_sends_misses_through_the_lane_when_they_beat_the_victim_and
 
 def plain_rule(h, ids, slot_expert):
     """The handover's rule as moecache.core.admission writes it, one layer and one id at a time:
-    (job rows, lane rows per layer)."""
-    jobs, lanes = [], []
+    (job rows, lane rows per layer, uploads the margin declined per layer)."""
+    jobs, lanes, declined = [], [], []
     for layer, row in enumerate(ids.tolist()):
         held = [e for e in slot_expert[layer].tolist() if e >= 0]
         worth = h.worth[layer]
@@ -139,7 +178,7 @@ def plain_rule(h, ids, slot_expert):
         order = lset + [e for e in cand if e not in lset]
         victims = [(v, w) for v, w in zip(h.victims[layer].tolist(), h.victim_worth[layer].tolist())
                    if v >= 0 and not (slot_expert[layer, v] >= 0 and slot_expert[layer, v] in row)]
-        nxt = started = lane = 0
+        nxt = started = lane = margin_declined = 0
         for e in order:
             if started == h.budget[layer] or nxt == len(victims):
                 break
@@ -148,8 +187,11 @@ def plain_rule(h, ids, slot_expert):
                 nxt += 1
                 started += 1
                 lane += e in lset
+            elif e not in lset and worth[e] > victims[nxt][1]:
+                margin_declined += 1
         lanes.append(lane)
-    return jobs, lanes
+        declined.append(margin_declined)
+    return jobs, lanes, declined
 
 
 def random_handover(rng, L, E, K):
@@ -164,7 +206,7 @@ def random_handover(rng, L, E, K):
 
 def test_the_native_rule_with_a_lane_and_a_margin_is_the_rule_written_out_plainly():
     rng = np.random.default_rng(5)
-    lane_rows = admitted = 0
+    lane_rows = admitted = declined_uploads = 0
     for _ in range(600):
         L, E, K = 3, 12, int(rng.integers(1, 7))
         h, slot_expert = random_handover(rng, L, E, K)
@@ -173,15 +215,16 @@ def test_the_native_rule_with_a_lane_and_a_margin_is_the_rule_written_out_plainl
         ids = rng.integers(-1, E, (L, int(rng.integers(1, 4)) * int(rng.integers(1, 5))))  # tokens x n_used
         got = admissions_with_lane(h, ids.astype(rng.choice([np.int32, np.int64])), slot_expert)
         assert np.array_equal(admissions(h, ids, slot_expert), got.jobs)
-        jobs, lanes = plain_rule(h, ids, slot_expert)
-        assert got.jobs.tolist() == jobs and got.lane.tolist() == lanes
+        jobs, lanes, declined = plain_rule(h, ids, slot_expert)
+        assert got.jobs.tolist() == jobs and got.lane.tolist() == lanes and got.declined.tolist() == declined
         ordered, n_lane = got.lane_first()
         first = [row for layer in range(L) for row in [r for r in jobs if r[0] == layer][:lanes[layer]]]
         assert n_lane == sum(lanes) and ordered[:n_lane].tolist() == first
         assert sorted(ordered.tolist()) == sorted(jobs)
         lane_rows += n_lane
         admitted += len(jobs) - n_lane
-    assert lane_rows > 100 and admitted > 100  # both kinds of slot write happened
+        declined_uploads += sum(declined)
+    assert lane_rows > 100 and admitted > 100 and declined_uploads > 20  # each happened
 
 
 def test_a_margin_acts_as_worths_lowered_by_it_without_a_lane():
@@ -209,15 +252,19 @@ def test_lane_copies_libllama_reports_are_due_first_complete_with_their_graph():
     engine = lane_engine()
     assert engine.handover.lane is not None and engine.uploads_due == 2
     # the graph copied expert 2 through the lane into slot 2 and started an upload of 3 into slot 3
-    plan = engine.step(np.array([[2, 3]]), ready=1, admitted=np.array([[0, 2, 2], [0, 3, 3]]), lane_rows=1)
+    plan = engine.step(np.array([[2, 3]]), ready=1, admitted=np.array([[0, 2, 2], [0, 3, 3]]), lane_rows=1,
+                       declined=np.array([1]))
     assert plan.publish.tolist() == [[0, 2, 2]]  # the lane copy, ahead of the preloads issued before it
     assert engine.expert_slot[0, 2] == 2 and engine.expert_slot[0, 0] == -1
     assert plan.lane.tolist() == [1] and engine.counters["lane_misses"].tolist() == [1]
     assert plan.misses.tolist() == [2]  # a lane miss is a miss
+    assert engine.counters["declined"].tolist() == [1]  # as libllama reported it
+    with pytest.raises(ValueError, match="the uploads its margin declined per layer"):
+        engine.step(np.array([[2, 0]]), admitted=np.empty((0, 3)))
     plan = engine.step(np.array([[2, 0]]), ready=None)
     assert plan.publish.tolist() == [[0, 0, 0], [0, 1, 1], [0, 3, 3]]  # the late ones, in issue order
     with pytest.raises(ValueError, match="lane_rows must be in"):
-        engine.step(np.array([[4, 5]]), admitted=np.array([[0, 4, 2]]), lane_rows=2)
+        engine.step(np.array([[4, 5]]), admitted=np.array([[0, 4, 2]]), lane_rows=2, declined=np.array([0]))
 
 
 def test_modelled_lane_copies_come_from_the_rule_and_are_due_first():
@@ -238,7 +285,7 @@ def test_without_a_lane_libllama_reports_no_lane_copies():
     engine.step(None)
     assert engine.handover.lane is None and engine.handover.margin > 0
     with pytest.raises(ValueError, match="lane_rows must be in"):
-        engine.step(np.array([[2, 3]]), admitted=np.array([[0, 2, 0]]), lane_rows=1)
+        engine.step(np.array([[2, 3]]), admitted=np.array([[0, 2, 0]]), lane_rows=1, declined=np.array([0]))
 
 
 def routing_trace():

@@ -30,7 +30,8 @@ graph about to run, and during that graph C only follows it, per cached layer:
             if no victim is left: stop
             if worth[l, e] - (0 if e in lset else margin) > victim_worth[l][next]:   (strictly)
                 write e into slot victims[l][next]; next += 1; started += 1
-            (else e stays on the CPU; the next candidate may still beat the victim)
+            else: e stays on the CPU (the next candidate may still beat the victim); if e is not
+                in lset and worth[l, e] > victim_worth[l][next], the margin DECLINED its upload
 
 A write of an expert in lset is a LANE copy: made during the graph once the layer's ids are
 known, computed on the device in that same graph (the CPU skips it), complete when the graph
@@ -75,13 +76,6 @@ class Handover:
     # the tables as mc_admit reads them (bookkeeping.NativeHandover), made by the first admissions()
     native: object = field(default=None, init=False, repr=False, compare=False)
 
-    def with_rule(self, lane: np.ndarray | None, margin: float) -> "Handover":
-        """This handover's slots and worths under another lane table and margin."""
-        other = Handover(self.victims, self.victim_worth, self.worth, self.budget, lane, margin)
-        if self.native is not None and lane is self.lane:  # the same tables, converted already
-            other.native = self.native.with_margin(margin)
-        return other
-
 
 _FINITE = np.finfo(np.float64).max
 
@@ -104,8 +98,9 @@ def build_handover(free, evictable, priority, worth, budget) -> Handover:
 class Admissions(NamedTuple):
     """The slot writes of a graph under a handover (admissions_with_lane())."""
 
-    jobs: np.ndarray   # (n, 3) int32 (layer, expert, slot): layer by layer, the lane's first in a layer
-    lane: np.ndarray   # (L,) int64: how many of a layer's rows are lane copies (its first ones)
+    jobs: np.ndarray      # (n, 3) int32 (layer, expert, slot): layer by layer, the lane's first in a layer
+    lane: np.ndarray      # (L,) int64: how many of a layer's rows are lane copies (its first ones)
+    declined: np.ndarray  # (L,) int64: the layer's uploads the margin declined
 
     def lane_first(self) -> tuple[np.ndarray, int]:
         """The rows with every layer's lane copies first (layer by layer), then the uploads:
@@ -130,8 +125,9 @@ def admissions(handover: Handover, ids: np.ndarray, slot_expert: np.ndarray) -> 
 
 
 def admissions_with_lane(handover: Handover, ids: np.ndarray, slot_expert: np.ndarray) -> Admissions:
-    """admissions() and how many of each layer's rows are lane copies. The rule runs in
-    native/engine_core.c (mc_admit), as libllama runs it: in numpy it cost half a replay."""
+    """admissions(), how many of each layer's rows are lane copies and its uploads the margin
+    declined. The rule runs in native/engine_core.c (mc_admit), as libllama runs it: in numpy
+    it cost half a replay."""
     return Admissions(*admit(handover, ids, slot_expert))
 
 
@@ -148,19 +144,29 @@ class EagerAdmission:
         self._budget = np.full(L, K if inserts is None else inserts, dtype=np.int64)
         self.handover: Handover | None = None  # what the graph about to run follows
         self._miss_planner = miss_planner  # moecache.core.missplan.MissPlanner or None
+        if miss_planner is not None and miss_planner.lane:  # its table built now, not in the first step
+            miss_planner.lane_table(E, miss_planner.n_used)
 
-    def admitted(self, ids: np.ndarray, reported, lane_rows: int) -> tuple[np.ndarray, int, np.ndarray]:
+    def admitted(self, ids: np.ndarray, reported, lane_rows: int, declined):
         """The slot writes the graph that selected `ids` made under the current handover,
         lane copies first (Admissions.lane_first): `reported` by libllama, of which the first
-        `lane_rows` are lane copies, or when None the modelled ones. Returns them, their number
-        of lane copies and the lane copies per layer."""
+        `lane_rows` are lane copies, with the (L,) uploads the margin `declined` per layer, or
+        when None the modelled ones. Returns them, their number of lane copies, and per layer
+        the lane copies and the uploads the margin declined (None when reported without a miss
+        planner)."""
         if reported is None:
             modelled = admissions_with_lane(self.handover, ids, self._state.slot_expert)
-            return (*modelled.lane_first(), modelled.lane)
+            return (*modelled.lane_first(), modelled.lane, modelled.declined)
         jobs = np.ascontiguousarray(reported, dtype=np.int32).reshape(-1, 3)
+        L = len(self._budget)
         if not 0 <= lane_rows <= len(jobs) or (lane_rows and self.handover.lane is None):
             raise ValueError(f"lane_rows must be in [0, {len(jobs)}] with a lane in the handover, got {lane_rows}")
-        return jobs, lane_rows, np.bincount(jobs[:lane_rows, 0], minlength=len(self._budget))
+        if self._miss_planner is None:  # no margin: nothing declined
+            declined = None
+        elif declined is None or np.shape(declined) != (L,):
+            raise ValueError(f"reported admissions under a miss planner need the uploads its margin declined per "
+                             f"layer ({L},), got {None if declined is None else np.shape(declined)}")
+        return jobs, lane_rows, np.bincount(jobs[:lane_rows, 0], minlength=L), declined
 
     def hand_over(self, t: int) -> Handover:
         """The handover for the graph about to run, from the policy's view at boundary t."""
@@ -172,17 +178,7 @@ class EagerAdmission:
         else:  # no admission test: every miss is worth a victim
             worth = np.full(self._all_keys.shape, np.inf)
         victims, victim_worth = self._core.handover(priority, worth)
-        self.handover = Handover(victims, victim_worth, worth, self._budget)
-        if self._miss_planner is not None:  # worth_if_used counts the use at t + 1
-            self.handover = self._miss_planner.plan(self.handover, policy.use_worth(t + 1))
+        # the miss planner's lane table and margin; worth_if_used counts the use at t + 1
+        rule = () if self._miss_planner is None else self._miss_planner.rule(worth.shape[1], policy.use_worth(t + 1))
+        self.handover = Handover(victims, victim_worth, worth, self._budget, *rule)
         return self.handover
-
-    def declined(self, ids: np.ndarray, admitted: np.ndarray) -> np.ndarray | None:
-        """Per layer, the slot writes the graph that selected `ids` would have made under the
-        handover without its margin (modelled, from the same slots), less those it made
-        (`admitted`); None without a miss planner."""
-        if self._miss_planner is None:
-            return None
-        L = len(self.handover.budget)
-        no_margin = admissions(self.handover.with_rule(self.handover.lane, 0.0), ids, self._state.slot_expert)
-        return np.bincount(no_margin[:, 0], minlength=L) - np.bincount(admitted[:, 0], minlength=L)

@@ -59,6 +59,7 @@ class Observation(NamedTuple):
     misses: np.ndarray     # (L,) int64
     ids: np.ndarray        # the ids as the C reads them (native_ids)
     any_miss: bool
+    graph_ms: float        # the miss planner's modelled time of the graph (model_graphs), -1: none
 
 
 class Bookkeeping:
@@ -97,9 +98,21 @@ class Bookkeeping:
         self.cand_layer, self.cand_expert = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
         self._choice.cand_layer, self._choice.cand_expert = _i64(self.cand_layer), _i64(self.cand_expert)
 
-    def observe(self, ids: np.ndarray, lookups: bool) -> Observation:
-        """Count an (L, n) observation (mc_observe): hits, misses, uses, usage, prefetch hits.
-        Without lookups (a prompt the stock graph ran) nothing is a hit or a miss."""
+    def model_graphs(self, table: np.ndarray, group: np.ndarray) -> None:
+        """From now on each observation also sums the graph's modelled time from a miss planner's
+        table ((G, n, n, n) float64 of one layer's time by hits, lane copies and misses on the
+        CPU; group: (L,) int64, each layer's row)."""
+        self._graph_arrays = table, group = np.ascontiguousarray(table), np.ascontiguousarray(group, dtype=np.int64)
+        if table.ndim != 4 or len(set(table.shape[1:])) != 1 or group.shape != (self.n_layers,):
+            raise ValueError(f"a (G, n, n, n) table and ({self.n_layers},) groups, got {table.shape}, {group.shape}")
+        obs = self._observation
+        obs.graph_table, obs.graph_group, obs.graph_n = _f64(table), _i64(group), table.shape[1]
+
+    def observe(self, ids: np.ndarray, lookups: bool, lane=None) -> Observation:
+        """Count an (L, n) observation (mc_observe): hits, misses, uses, usage, prefetch hits,
+        and the modelled time of the graph (model_graphs) with lane copies per layer ((L,)
+        int64, among the misses; None: none). Without lookups (a prompt the stock graph ran)
+        nothing is a hit or a miss."""
         L = self.n_layers
         if ids.ndim != 2 or ids.shape[0] != L or ids.dtype.kind not in "iu":
             raise ValueError(f"ids must be an integer array ({L}, n_used), got {ids.dtype} {ids.shape}")
@@ -112,10 +125,11 @@ class Bookkeeping:
         obs.lookups = lookups
         obs.used, obs.hit = _u8(used), _u8(hit_mask)
         obs.counts = _i64(counts)
+        obs.lane = ffi.NULL if lane is None else _i64(lane)
         if lib.mc_observe(self._core, obs):
             raise ValueError(f"expert ids must be in [-1, {self.n_expert}), got {obs.bad_id}")
         self._state.used = used  # what mc_engine.used points at until the next observation
-        return Observation(hit_mask, counts[0], counts[1], native, bool(obs.any_miss))
+        return Observation(hit_mask, counts[0], counts[1], native, bool(obs.any_miss), obs.graph_ms)
 
     def publish(self, jobs: np.ndarray, ready: int) -> int:
         """Publish the first `ready` of these due uploads (the others count as late); returns
@@ -177,8 +191,7 @@ class Bookkeeping:
 
 
 class NativeHandover:
-    """A handover's tables as mc_admit reads them, converted once (the replay admits under each
-    handover once or twice), with the call's scratch."""
+    """A handover's tables as mc_admit reads them, converted once, with the call's scratch."""
 
     def __init__(self, handover):
         L, K = handover.victims.shape
@@ -201,18 +214,10 @@ class NativeHandover:
         self.mark = ffi.new("uint8_t[]", E)
         self.cand = ffi.new("int64_t[]", 1)
 
-    def with_margin(self, margin: float) -> "NativeHandover":
-        """The same tables and scratch under another margin."""
-        other = object.__new__(NativeHandover)
-        other.__dict__.update(self.__dict__)
-        other.table = ffi.new("mc_handover_table *", self.table[0])
-        other.table.margin = margin
-        return other
 
-
-def admit(handover, ids: np.ndarray, slot_expert: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """moecache.core.admission.admissions in C (mc_admit): the (n, 3) int32 job rows and the
-    (L,) int64 lane rows per layer."""
+def admit(handover, ids: np.ndarray, slot_expert: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """moecache.core.admission.admissions in C (mc_admit): the (n, 3) int32 job rows, and per
+    layer the (L,) int64 lane rows and uploads the margin declined."""
     if handover.native is None:
         handover.native = NativeHandover(handover)
     native = handover.native
@@ -227,9 +232,9 @@ def admit(handover, ids: np.ndarray, slot_expert: np.ndarray) -> tuple[np.ndarra
     slots = slot_expert if slot_expert.dtype == np.int32 and slot_expert.flags.c_contiguous else \
         np.ascontiguousarray(slot_expert, dtype=np.int32)
     jobs = np.empty((L * min(n, K), 3), dtype=np.int32)
-    lane_rows = np.empty(L, dtype=np.int64)
+    lane_rows, declined = np.empty((2, L), dtype=np.int64)
     n_jobs = lib.mc_admit(native.table, ffi.from_buffer(ids), ids.itemsize == 8, n, _i32(slots), native.mark,
-                          native.cand, _i32(jobs), _i64(lane_rows))
+                          native.cand, _i32(jobs), _i64(lane_rows), _i64(declined))
     if n_jobs < 0:
         raise ValueError(f"expert ids must be in [-1, {E}), got {ids.flat[-1 - n_jobs]}")
-    return jobs[:n_jobs], lane_rows
+    return jobs[:n_jobs], lane_rows, declined

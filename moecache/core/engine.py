@@ -39,9 +39,9 @@ graph's slot writes are then lane copies, computed on the device in the graph th
 and complete with it, and asynchronous uploads. A lane copy is due at the next boundary ahead of
 every upload due there (step()'s `ready` counts completed uploads in due order, and lane
 copies complete first); StepPlan.lane counts them per layer, counter lane_misses sums them (they
-are misses too), counter declined counts per layer the slot writes the margin removed (the
-graph's under the handover without the margin, less those it made). Without a miss planner
-nothing changes.
+are misses too), counter declined counts per layer the uploads the margin declined (candidates
+outside the lane whose worth beat their victim's, but not by the margin; moecache.core.admission).
+Without a miss planner nothing changes.
 
 Layers are the engine's own indices 0..n_layers-1 (the glue maps them to model layers).
 """
@@ -178,9 +178,10 @@ class CacheEngine(CacheModel):
         self._eager = EagerAdmission(state, self._core, policy, inserts, miss_planner) \
             if admission == "eager" else None
         self.miss_planner = miss_planner
-        if miss_planner is not None:  # the planner's own counters, beside the C's
+        if miss_planner is not None:  # the planner's own counters, beside the C's, and its graph model
             for name in ("declined",) + (("lane_misses",) if miss_planner.lane else ()):
                 state.counters[name] = np.zeros(n_layers, dtype=np.int64)
+            self._core.model_graphs(miss_planner.token_table, miss_planner.layer_group)
         self._queue = _UploadQueue(self._core, publish_delay)
         self.slot_expert, self.expert_slot, self.usage = state.slot_expert, state.expert_slot, state.usage
         self.assigned = read_only(state.assigned)    # (L, E) slot of each published or in-flight expert
@@ -237,7 +238,7 @@ class CacheEngine(CacheModel):
     # --- the boundary -------------------------------------------------------------------
 
     def step(self, ids=None, ready: int | None = None, admitted=None, prefill: bool = False,
-             lane_rows: int = 0) -> StepPlan:
+             lane_rows: int = 0, declined=None) -> StepPlan:
         """ids: (n_layers, n_used) int expert ids the previous graph selected, router-rank
         order (-1 = no selection), or None at the first boundary. ready: how many of the
         uploads due now are complete, counted in the order they were issued (the live glue
@@ -247,18 +248,19 @@ class CacheEngine(CacheModel):
         uploads due are the graph's lane copies (complete), the boundary's from the last
         boundary, then the graph's uploads; admitted: the slot writes libllama reports (rows of
         admission.admissions), of which the first lane_rows are lane copies, then the uploads
-        in the order it started them; None: the modelled ones. prefill: ids are a prompt ubatch
-        the stock graph ran (see the module docstring)."""
+        in the order it started them, and declined, per layer the uploads its margin declined
+        (with a miss planner); None: the modelled ones. prefill: ids are a prompt ubatch the
+        stock graph ran (see the module docstring)."""
         t = self.step_index
         self.step_index += 1
         if prefill and (ids is None or (admitted is not None and len(admitted)) or lane_rows):
             raise ValueError("a prefill step needs the prompt's ids, and the stock graph admits nothing")
         ids = None if ids is None else np.asarray(ids)
-        seen = None if ids is None else self._observe(t, ids, lookups=not prefill)
-        taken, taken_evict = NO_JOBS, NO_JOBS
-        lane = None
-        if seen is not None and not prefill:
-            taken, taken_evict, lane = self._take_admissions(t, ids, admitted, lane_rows)
+        # the graph's slot writes first: its lane copies are part of what the observation models
+        writes = None if ids is None or prefill else self._graph_writes(ids, admitted, lane_rows, declined)
+        lane = None if writes is None else writes[2]
+        seen = None if ids is None else self._observe(t, ids, lookups=not prefill, lane=lane)
+        taken, taken_evict = (NO_JOBS, NO_JOBS) if writes is None else self._take_admissions(t, *writes)
         publish, late = self._queue.publish(ready)
         if prefill:
             evict, upload = self._planner.plan_prompt(t, seen.ids)
@@ -268,7 +270,9 @@ class CacheEngine(CacheModel):
             evict = join_jobs([taken_evict, evict])
         self._queue.push(upload, late)
         if self.miss_planner is not None and seen is not None and not prefill:
-            self._observe_link(seen, lane, taken, upload)
+            # the link's share of the graph's modelled time sets the next margin: its slot writes
+            # (lane copies among them) and this boundary's uploads
+            self.miss_planner.observe(seen, lane, taken, upload)
         if self._eager is not None:
             self._eager.hand_over(t)
         if seen is None:
@@ -276,42 +280,36 @@ class CacheEngine(CacheModel):
                             np.zeros(self.n_layers, dtype=np.int64), publish, evict, upload, taken)
         return StepPlan(t, seen.hit_mask, seen.hits, seen.misses, publish, evict, upload, taken, lane)
 
-    def _observe_link(self, seen, lane, taken, upload) -> None:
-        """The miss planner's view of the decode graph just observed (its margin follows how busy
-        the link is): per layer its hits, lane copies, misses on the CPU and asynchronous uploads."""
-        L = self.n_layers
-        lane = np.zeros(L, dtype=np.int64) if lane is None else lane
-        uploads = np.bincount(taken[:, 0], minlength=L) - lane + np.bincount(upload[:, 0], minlength=L)
-        self.miss_planner.observe(seen.hits, lane, seen.misses - lane, uploads)
-
-    def _observe(self, t, ids, lookups) -> Observation:
-        """Count the observed step (hits unless it made no lookups: a prompt) and hand it to
-        the policy."""
-        seen = self._core.observe(ids, lookups)
+    def _observe(self, t, ids, lookups, lane=None) -> Observation:
+        """Count the observed step (hits unless it made no lookups: a prompt; lane: its lane
+        copies per layer, for the miss planner's model) and hand it to the policy."""
+        seen = self._core.observe(ids, lookups, lane)
         self.policy.observe(t, ids, seen.hit_mask, self._state.used)
         return seen
 
-    def _take_admissions(self, t, ids, reported, lane_rows):
-        """Eager: commit the slot writes the observed graph made under the last handover, due
-        now (lane copies first). Returns them, their victims and the lane copies per layer
-        (None without a lane)."""
+    def _graph_writes(self, ids, reported, lane_rows, reported_declined):
+        """Eager: the slot writes the observed graph made under the last handover (lane copies
+        first), their number of lane copies, the lane copies per layer (None without a lane)
+        and the uploads the margin declined per layer; None without a handover."""
         if self._eager is None or self._eager.handover is None:
             if lane_rows:
                 raise ValueError("lane_rows needs eager admission and a handover with a lane")
-            return NO_JOBS, NO_JOBS, None
-        admitted, n_lane, lane = self._eager.admitted(ids, reported, lane_rows)
-        declined = self._eager.declined(ids, admitted)
-        if declined is not None:
+            return None
+        admitted, n_lane, lane, declined = self._eager.admitted(ids, reported, lane_rows, reported_declined)
+        return admitted, n_lane, None if self._eager.handover.lane is None else lane, declined
+
+    def _take_admissions(self, t, admitted, n_lane, lane, declined):
+        """Eager: count the graph's slot writes (_graph_writes) and commit them, due now (lane
+        copies first). Returns them and their victims."""
+        if self.miss_planner is not None:
             self.counters["declined"] += declined
-        if self._eager.handover.lane is None:
-            lane = None
-        else:
+        if lane is not None:
             self.counters["lane_misses"] += lane
         if not admitted.size:
-            return admitted, NO_JOBS, lane
+            return admitted, NO_JOBS
         evict = self._planner.commit(t, admitted, False)
         self._queue.add_due(admitted, n_lane)
-        return admitted, evict, lane
+        return admitted, evict
 
     @property
     def uploads_due(self) -> int:

@@ -52,8 +52,6 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from .admission import Handover
-
 
 # the payback margin scales with the link's busy share: averaged over the last ~1 / (1 - BUSY_DECAY)
 # decode graphs, raised to BUSY_POWER (chosen on the shipped traces' modelled grid,
@@ -154,29 +152,44 @@ class MissPlanner:
         if lane and (isinstance(n_used, bool) or not isinstance(n_used, (int, np.integer)) or n_used < 1):
             raise ValueError(f"the lane's planner needs n_used, the experts a token selects (>= 1), got {n_used!r}")
         self._tables: dict = {}  # (n_expert, n_used) -> lane table
+        self._payback_uses = rates.payback_uses  # the rates are fixed: once, not at every step
         self._link_ms = self._token_ms = 0.0  # decayed averages of decode graphs (observe)
-        # layer_ms of one decode token's counts (each below n_used + 1), by layer size: [group, hits, lane, cpu]
-        sizes, self._group = np.unique(np.stack([self.expert_bytes, self.dense_bytes]), axis=1, return_inverse=True)
+        # layer_ms of one decode token's counts (each below n_used + 1), by layer size: [group, hits, lane, cpu];
+        # the engine's C observation sums it per graph (Bookkeeping.model_graphs): in numpy that cost a
+        # tenth of a live step
+        sizes, group = np.unique(np.stack([self.expert_bytes, self.dense_bytes]), axis=1, return_inverse=True)
         counts = np.arange((n_used or 0) + 1)
-        self._token_table = self.rates.layer_ms(
+        self.token_table = np.ascontiguousarray(self.rates.layer_ms(
             OUR_LAYOUT, sizes[0][:, None, None, None], sizes[1][:, None, None, None],
-            counts[None, :, None, None], counts[None, None, :, None], counts[None, None, None, :])
+            counts[None, :, None, None], counts[None, None, :, None], counts[None, None, None, :]))
+        self.layer_group = np.ascontiguousarray(group.reshape(-1), dtype=np.int64)
+        # every layer's experts the same size: a copy's bytes without a lookup
+        self._copy_bytes = float(self.expert_bytes[0]) if np.all(self.expert_bytes == self.expert_bytes[0]) else None
 
-    def _graph_ms(self, hits, lane, cpu) -> float:
-        """The modelled time of a decode graph with these per-layer counts (a table for one
-        token's, the formula for more)."""
-        hits, lane, cpu = np.asarray(hits), np.asarray(lane), np.asarray(cpu)
-        if max(hits.max(), lane.max(), cpu.max()) < self._token_table.shape[1]:
-            return float(self._token_table[self._group, hits, lane, cpu].sum())
-        return float(np.sum(self.rates.layer_ms(OUR_LAYOUT, self.expert_bytes, self.dense_bytes, hits, lane, cpu)))
+    def graph_ms(self, hits, lane, misses) -> float:
+        """The modelled time of a decode graph with these per-layer hits, misses and lane copies
+        (among the misses), by the formula (the engine's observation sums token_table for one
+        token's counts)."""
+        hits, lane, misses = np.asarray(hits), np.asarray(lane), np.asarray(misses)
+        return float(np.sum(self.rates.layer_ms(OUR_LAYOUT, self.expert_bytes, self.dense_bytes, hits, lane,
+                                                misses - lane)))
 
-    def observe(self, hits, lane, cpu, uploads) -> None:
-        """A decode graph's per-layer hits, lane copies, misses on the CPU and asynchronous
-        uploads: its modelled time and the link's (for busy)."""
-        token = self._graph_ms(hits, lane, cpu)
-        link = float(np.dot(np.add(lane, uploads), self.expert_bytes)) / (self.rates.link_gbps * 1e6)
+    def observe(self, seen, lane, *copies) -> None:
+        """A decode graph: its observation (the engine's: per layer hits and misses, and
+        graph_ms, its modelled time for one token's counts, else -1), its lane copies per layer
+        (None: none) and the job tables ((n, 3) rows of (layer, expert, slot)) of the copies the
+        link made for it (lane copies and asynchronous uploads); the decayed averages of their
+        times give busy."""
+        graph_ms = seen.graph_ms
+        if graph_ms < 0:  # several tokens' counts: the formula
+            graph_ms = self.graph_ms(seen.hits, np.zeros_like(seen.hits) if lane is None else lane, seen.misses)
+        if self._copy_bytes is not None:
+            link_bytes = self._copy_bytes * sum(map(len, copies))
+        else:
+            link_bytes = float(sum(self.expert_bytes[jobs[:, 0]].sum() for jobs in copies))
+        link = link_bytes / (self.rates.link_gbps * 1e6)
         self._link_ms = BUSY_DECAY * self._link_ms + (1 - BUSY_DECAY) * link
-        self._token_ms = BUSY_DECAY * self._token_ms + (1 - BUSY_DECAY) * token
+        self._token_ms = BUSY_DECAY * self._token_ms + (1 - BUSY_DECAY) * graph_ms
 
     @property
     def busy(self) -> float:
@@ -187,7 +200,7 @@ class MissPlanner:
     def margin(self, use_worth: float) -> float:
         """What an asynchronous upload's worth must beat its victim's by: PAYBACK uses, as far
         as the link is busy (busy ** BUSY_POWER: an upload into an idle link costs nothing)."""
-        return self.rates.payback_uses * use_worth * self.busy ** BUSY_POWER
+        return self._payback_uses * use_worth * self.busy ** BUSY_POWER
 
     def lane_table(self, n_expert: int, n_used: int) -> np.ndarray:
         """(L, E + 1) int32: lane[l, m], how many of m candidates of layer l take the lane, the
@@ -205,11 +218,14 @@ class MissPlanner:
             self._tables[key] = table
         return self._tables[key]
 
-    def plan(self, handover: Handover, use_worth: float) -> Handover:
-        """The policy's handover with the planner's rule: its lane table (with the lane) and the
-        margin, the worths unchanged. use_worth: the handover's worth units of one use
-        (Policy.use_worth)."""
-        if handover.worth.shape[0] != self.expert_bytes.size:
-            raise ValueError(f"the handover has {handover.worth.shape[0]} layers, the planner {self.expert_bytes.size}")
-        lane = self.lane_table(handover.worth.shape[1], self.n_used) if self.lane else None
-        return handover.with_rule(lane, self.margin(use_worth))
+    def rule(self, n_expert: int, use_worth: float) -> tuple[np.ndarray | None, float]:
+        """The planner's rule for an eager handover (moecache.core.admission.Handover's lane and
+        margin): its lane table (None without the lane) and the margin. use_worth: the
+        handover's worth units of one use (Policy.use_worth)."""
+        lane = None
+        if self.lane:  # built at the engine's start: a lookup (every call costs in a live step)
+            lane = self._tables.get((n_expert, self.n_used))
+            if lane is None:
+                lane = self.lane_table(n_expert, self.n_used)
+        busy = 1.0 if self._token_ms == 0 else min(1.0, self._link_ms / self._token_ms)  # self.busy, inline
+        return lane, self._payback_uses * use_worth * busy ** BUSY_POWER

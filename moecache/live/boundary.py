@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..core.admission import admissions
+from ..core.admission import Admissions, admissions_with_lane
 from ..core.engine import CacheEngine
 from . import native
 
@@ -56,20 +56,22 @@ class Boundary:
         self._shape = self.ffi.new("int32_t[2]")  # out-parameters (n_cols, stride), reused every step
         self._handover = self.ffi.new("struct llama_moe_cache_handover *")
         self._constant = None   # the handover's budget and lane table (the engine's, the same every step) as handed over
+        self._declined_view = None  # libllama's per-layer declined uploads, mapped once
 
     def step(self) -> Observed | None:
         """The engine's step on what the last ubatch selected, applied in libllama; None when
         no ubatch ran since the last boundary. Raises RuntimeError when libllama refuses it."""
         engine = self.engine
         admitted, n_lane = self.admitted() if engine.admission == "eager" else (None, 0)
+        declined = self._declined() if engine.miss_planner is not None else None
         ready = self._ready_uploads(admitted)
         ids, prefill = self._observed_ids(), False
         if ids is None:  # the last ubatch may have been a prompt
             ids = self._observed_ids(stock=True)
             prefill = ids is not None
         if admitted is not None and self.wait and not prefill:
-            self._check_admitted(ids, admitted)
-        plan = engine.step(ids, ready, admitted, prefill=prefill, lane_rows=n_lane)
+            self._check_admitted(ids, admitted, declined)
+        plan = engine.step(ids, ready, admitted, prefill=prefill, lane_rows=n_lane, declined=declined)
         self._apply(plan)
         if ids is None:
             return None
@@ -111,24 +113,36 @@ class Boundary:
         self.ffi.memmove(rows, ptr, 12 * n)
         return rows, n_lane
 
-    def _check_admitted(self, ids, admitted) -> None:
-        """With every upload waited for, what libllama admitted must be the engine's model of it
-        (layer by layer; libllama's order follows the graph's, which groups layers otherwise
-        when they sit on several devices)."""
+    def _declined(self) -> np.ndarray:
+        """(n_layers,) int32, the uploads the miss planner's margin declined during the last cached
+        graph: libllama's buffer, valid until the step returns (the engine adds it up at once)."""
+        if self._declined_view is None:  # the buffer lives as long as the cache: map it once
+            ptr = self.lib.llama_moe_cache_declined(self.ctx, self.tier)
+            self._declined_view = np.frombuffer(self.ffi.buffer(ptr, 4 * self.n_layers), dtype=np.int32)
+        return self._declined_view
+
+    def _check_admitted(self, ids, admitted, declined) -> None:
+        """With every upload waited for, what libllama admitted (and the uploads its margin
+        declined) must be the engine's model of it (layer by layer; libllama's order follows
+        the graph's, which groups layers otherwise when they sit on several devices)."""
         engine = self.engine
         if ids is None or engine.handover is None:
-            modelled = np.empty((0, 3), dtype=np.int32)
+            none = np.zeros(self.n_layers, dtype=np.int64)
+            modelled = Admissions(np.empty((0, 3), dtype=np.int32), none, none)
         else:
-            modelled = admissions(engine.handover, ids, engine.slot_expert)
+            modelled = admissions_with_lane(engine.handover, ids, engine.slot_expert)
         by_layer = admitted[np.argsort(admitted[:, 0], kind="stable")]
-        if not np.array_equal(by_layer, modelled):
+        if not np.array_equal(by_layer, modelled.jobs):
             # an empty plan applies nothing; refused, it says why libllama stopped admitting
             nothing = self._rows(())
             if self.lib.llama_moe_cache_apply(self.ctx, self.tier, *nothing, *nothing, *nothing) == \
                     self.lib.LLAMA_MOE_CACHE_FILE_CHANGED:
                 raise file_changed()
             raise RuntimeError(f"libllama admitted {by_layer.tolist()}, the engine's model "
-                               f"{modelled.tolist()}")
+                               f"{modelled.jobs.tolist()}")
+        if declined is not None and not np.array_equal(declined, modelled.declined):
+            raise RuntimeError(f"libllama's margin declined {declined.tolist()} uploads per layer, the engine's "
+                               f"model {modelled.declined.tolist()}")
 
     def _hand_over(self, handover) -> int:
         """The engine's Handover to libllama, for the next graph (one call; libllama copies it)."""
