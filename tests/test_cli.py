@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -77,3 +78,6 @@ def test_run_py_without_a_device_warns_once_and_runs_stock(tiny_path):
     stock = run_py("-m", tiny_path, "-n", "8", "-ngl", "0", "--no-chat", "-p", "The three primary colors are",
                    "--slots", "0")
     assert stock.returncode == 0 and _text(cached) == _text(stock) and _text(stock)
+    # the decode speed counts llama.cpp's token evaluations, not the streamed text pieces
+    decoded = re.search(r"^run\.py: (\d+) tokens decoded, decode (\d+\.\d) tok/s$", stock.stderr, re.MULTILINE)
+    assert decoded and 0 < int(decoded[1]) < 8 and float(decoded[2]) > 0, stock.stderr

@@ -10,7 +10,6 @@ import argparse
 import dataclasses
 import os
 import sys
-import time
 
 from ..util import OneLineParser, gbps_arg, int_arg
 
@@ -103,7 +102,7 @@ def _run(args) -> int:
             print(line, file=sys.stderr)
 
     n_tokens, decode = _generate(llm, args)
-    print(f"run.py: {n_tokens} pieces, decode {decode}", file=sys.stderr)
+    print(f"run.py: {n_tokens} tokens decoded, decode {decode}", file=sys.stderr)
     if cache:
         print(cache.summary(), file=sys.stderr)
     elif not config.enabled:
@@ -147,7 +146,13 @@ def _load(model: str, args, config):
 
 
 def _generate(llm, args) -> tuple[int, str]:
-    """Print the answer as it comes; the pieces printed and the decode speed."""
+    """Print the answer as it comes; the tokens decoded and the decode speed, by llama.cpp's own
+    count and time of its single-token evaluations (as llama.cpp's "eval time"): the streamed
+    text pieces are not tokens, a piece may wait for the next token's bytes (a model whose tokens
+    are not whole UTF-8 characters streams them in bursts)."""
+    import llama_cpp
+
+    before = llama_cpp.llama_perf_context(llm.ctx)
     if args.no_chat:
         stream = llm.create_completion(args.prompt, max_tokens=args.n_predict, temperature=0.0, stream=True)
         pieces = (chunk["choices"][0]["text"] for chunk in stream)
@@ -155,22 +160,17 @@ def _generate(llm, args) -> tuple[int, str]:
         stream = llm.create_chat_completion([{"role": "user", "content": args.prompt}],
                                             max_tokens=args.n_predict, temperature=0.0, stream=True)
         pieces = (chunk["choices"][0]["delta"].get("content", "") for chunk in stream)
-    n_tokens, t_first = 0, None
     try:
         for piece in pieces:
-            if not piece:
-                continue
-            if t_first is None:
-                t_first = time.perf_counter()
-            n_tokens += 1
             print(piece, end="", flush=True)
     except ValueError as e:  # llama_cpp: "Requested tokens (N) exceed context window of M"
         if "context window" not in str(e):
             raise
         raise ValueError(f"argument -c/--ctx-size: {args.ctx_size} is too small for the prompt ({e})") from None
-    t_end = time.perf_counter()
     print()
-    return n_tokens, f"{(n_tokens - 1) / (t_end - t_first):.1f} tok/s" if n_tokens > 1 else "n/a"
+    after = llama_cpp.llama_perf_context(llm.ctx)
+    n_tokens, ms = after.n_eval - before.n_eval, after.t_eval_ms - before.t_eval_ms
+    return n_tokens, f"{n_tokens / ms * 1e3:.1f} tok/s" if n_tokens > 0 and ms > 0 else "n/a"
 
 
 def _attach_or_stock(llm, config):
