@@ -154,6 +154,7 @@ class MissPlanner:
         self._tables: dict = {}  # (n_expert, n_used) -> lane table
         self._payback_uses = rates.payback_uses  # the rates are fixed: once, not at every step
         self._link_ms = self._token_ms = 0.0  # decayed averages of decode graphs (observe)
+        self._busy = 1.0  # their ratio (busy), kept by observe: the step reads it at every handover
         # layer_ms of one decode token's counts (each below n_used + 1), by layer size: [group, hits, lane, cpu];
         # the engine's C observation sums it per graph (Bookkeeping.model_graphs): in numpy that cost a
         # tenth of a live step
@@ -190,17 +191,18 @@ class MissPlanner:
         link = link_bytes / (self.rates.link_gbps * 1e6)
         self._link_ms = BUSY_DECAY * self._link_ms + (1 - BUSY_DECAY) * link
         self._token_ms = BUSY_DECAY * self._token_ms + (1 - BUSY_DECAY) * graph_ms
+        self._busy = 1.0 if self._token_ms == 0 else min(1.0, self._link_ms / self._token_ms)
 
     @property
     def busy(self) -> float:
         """The link's share of the recent decode graphs' time (decayed averages, modelled from
         their counts), at most 1; 1 before any graph."""
-        return 1.0 if self._token_ms == 0 else min(1.0, self._link_ms / self._token_ms)
+        return self._busy
 
     def margin(self, use_worth: float) -> float:
         """What an asynchronous upload's worth must beat its victim's by: PAYBACK uses, as far
         as the link is busy (busy ** BUSY_POWER: an upload into an idle link costs nothing)."""
-        return self._payback_uses * use_worth * self.busy ** BUSY_POWER
+        return self._payback_uses * use_worth * self._busy ** BUSY_POWER
 
     def lane_table(self, n_expert: int, n_used: int) -> np.ndarray:
         """(L, E + 1) int32: lane[l, m], how many of m candidates of layer l take the lane, the
@@ -227,5 +229,4 @@ class MissPlanner:
             lane = self._tables.get((n_expert, self.n_used))
             if lane is None:
                 lane = self.lane_table(n_expert, self.n_used)
-        busy = 1.0 if self._token_ms == 0 else min(1.0, self._link_ms / self._token_ms)  # self.busy, inline
-        return lane, self._payback_uses * use_worth * busy ** BUSY_POWER
+        return lane, self.margin(use_worth)
