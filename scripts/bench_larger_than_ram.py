@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
 import mmap
 import os
 import random
@@ -92,8 +93,9 @@ def parser() -> OneLineParser:
                                          "built or found in the model cache)")
     p.add_argument("--layers", type=int_arg(minimum=1), default=8,
                    help=f"layers of the synthetic {SYNTH_PRESET} when -m is not given (default 8: 2.8 GB)")
-    p.add_argument("--limit-mb", type=int_arg(minimum=1), default=1600,
-                   help="memory limit of the limited runs, MB of 10^6 bytes (default 1600)")
+    p.add_argument("--limit-mb", type=int_arg(minimum=0), default=1600,
+                   help="memory limit of the limited runs, MB of 10^6 bytes (default 1600; 0: no limited "
+                        "rows, the in-RAM rows alone)")
     p.add_argument("-p", "--prompt", default=DEFAULT_PROMPT)
     p.add_argument("-n", "--n-predict", type=int_arg(minimum=1), default=16, help="decode tokens per run (default 16)")
     p.add_argument("-r", "--repetitions", type=int_arg(minimum=1), default=3,
@@ -131,21 +133,26 @@ def _bench(args) -> int:
     report = {"model": os.path.basename(model), "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
               "facts": model_facts(model), "limit_mb": args.limit_mb, "n_predict": args.n_predict,
               "repetitions": args.repetitions, "threads": args.threads, "ctx_size": args.ctx_size,
-              "host": _host(), "notes": [], "disk": None, "rows": [], "bound": None, "cgroup": None}
+              "host": _host(), "notes": [], "disk": None, "rows": [], "paired": {}, "bound": None, "cgroup": None}
+    root = None
     if not args.disk_only:
-        root = args.cgroup_root or own_memory_cgroup()
-        report["cgroup"] = probe_cgroup(root)  # raises CgroupUnavailable: stop before measuring anything
+        if args.limit_mb:
+            root = args.cgroup_root or own_memory_cgroup()
+            report["cgroup"] = probe_cgroup(root)  # raises CgroupUnavailable: stop before measuring anything
+        else:
+            report["notes"].append("no limited rows (--limit-mb 0)")
         if args.ram_mib == "0":
             report["notes"].append("no tier rows (--ram-mib 0)")
     if not args.no_disk:
         report["disk"] = measure_disk(model, args.disk_mib * MIB, args.disk_threads)
     if not args.disk_only:
-        ratio = report["facts"]["file_bytes"] / (args.limit_mb * MB)
+        ratio = report["facts"]["file_bytes"] / (args.limit_mb * MB) if args.limit_mb else math.inf
         if ratio < LARGER_THAN_LIMIT:
             report["notes"].append(f"the model is {ratio:.2f}x the limit, under the {LARGER_THAN_LIMIT}x "
                                    "of a larger-than-RAM run")
         report["rows"] = measure_configs(args, model, root, tier=args.ram_mib != "0",
                                          on_round=lambda rows: save(args, {**report, "rows": rows}))
+        report["paired"] = paired_ratios(report["rows"])
         report["bound"] = io_bound(report)
     save(args, report)
     print(markdown(report))
@@ -350,10 +357,9 @@ def probe_cgroup(root: str) -> dict:
 
 # --- the runs ----------------------------------------------------------------------------------
 
-def measure_configs(args, model: str, cgroup_root: str, *, tier: bool, on_round=None) -> list[dict]:
-    configs = [("stock", "ram"), ("stock", "limited")]
-    if tier:
-        configs += [("tier", "ram"), ("tier", "limited")]
+def measure_configs(args, model: str, cgroup_root: str | None, *, tier: bool, on_round=None) -> list[dict]:
+    placements = ("ram", "limited") if args.limit_mb else ("ram",)
+    configs = [(kind, placement) for kind in (("stock", "tier") if tier else ("stock",)) for placement in placements]
     runs = {config: [] for config in configs}
     progress = Progress(len(configs) * args.repetitions, unit="run", log_lines=True)
     with tempfile.TemporaryDirectory(prefix="moecache-bench-") as scratch:
@@ -521,6 +527,24 @@ def summarize(args, runs: dict) -> list[dict]:
     return rows
 
 
+def paired_ratios(rows: list[dict]) -> dict:
+    """Tier over stock run by run, per placement: the runs of one round ran minutes apart at
+    most, so a slower machine (other jobs, thermal) cancels in their ratio; {placement:
+    {"rounds": n, "decode_tok_s": [median, min, max], "prompt_tok_s": [...]}} over the rounds
+    where both ran."""
+    runs = {(r["kind"], r["placement"]): r["runs"] for r in rows}
+    ratios = {}
+    for placement in ("ram", "limited"):
+        pairs = [(stock, tier) for stock, tier in zip(runs.get(("stock", placement), []), runs.get(("tier", placement), []))
+                 if stock["status"] == tier["status"] == "ok"]
+        if pairs:
+            ratios[placement] = {"rounds": len(pairs)}
+            for key in ("decode_tok_s", "prompt_tok_s"):
+                values = [tier[key] / stock[key] for stock, tier in pairs]
+                ratios[placement][key] = [statistics.median(values), min(values), max(values)]
+    return ratios
+
+
 # --- the disk ----------------------------------------------------------------------------------
 
 def measure_disk(path: str, total_bytes: int, threads: int) -> dict | None:
@@ -605,13 +629,16 @@ def _random_reads(fd: int, pages: int, request: int) -> dict:
 
 
 def io_bound(report: dict) -> dict | None:
-    """Decode and prompt tok/s if only the disk limited the limited run: the experts that fit
-    in the limit beside the rest of the model and the stock run's anonymous memory are resident,
-    each token reads the rest of its experts once (a hit rate equal to the resident share, as
-    with uniform routing), and the prompt reads every non-resident expert once, at the best
-    sequential bandwidth measured."""
+    """What the disk allows the limited runs, at the best sequential bandwidth measured.
+    Decode: the experts that fit in the limit beside the rest of the model and the stock run's
+    anonymous memory are resident, each token reads the rest of its experts once (a hit rate
+    equal to the resident share, as with uniform routing). Prompt: the run is a fresh process
+    holding no expert, so its prompt reads every expert the prompt selects; no design beats the
+    in-RAM stock prompt (`prompt_ceiling_tok_s`), and each limited row's prompt is set beside the
+    time its own reads (median `read_bytes_prompt`) take at that bandwidth alone."""
     disk = report["disk"]
-    limited = next((r for r in report["rows"] if r["kind"] == "stock" and r["placement"] == "limited"), None)
+    rows = {(r["kind"], r["placement"]): r for r in report["rows"]}
+    limited = rows.get(("stock", "limited"))
     if not disk or not limited or limited["anon_bytes"] is None:
         return None
     facts = report["facts"]
@@ -621,13 +648,18 @@ def io_bound(report: dict) -> dict | None:
     per_expert = facts["expert_bytes"] / (facts["moe_layers"] * facts["n_expert"])
     token_bytes = facts["moe_layers"] * facts["n_expert_used"] * per_expert
     miss_bytes = (1 - resident) * token_bytes
-    prompt_tokens = limited["runs"][0].get("prompt_tokens") if limited["runs"] else None
-    prompt_miss_bytes = (1 - resident) * facts["expert_bytes"]
+    prompt_reads = {}
+    for kind in ("stock", "tier"):
+        row = rows.get((kind, "limited"))
+        ok = [r for r in row["runs"] if r["status"] == "ok"] if row else []
+        if ok:
+            read = statistics.median(r["read_bytes_prompt"] for r in ok)
+            prompt_reads[kind] = {"bytes": read, "tok_s": ok[0]["prompt_tokens"] * gbps * 1e9 / read if read else None}
+    in_ram = rows.get(("stock", "ram"))
     return {"gbps": gbps, "resident_share": resident, "expert_bytes_per_token": token_bytes,
             "read_bytes_per_token": miss_bytes,
             "decode_tok_s": gbps * 1e9 / miss_bytes if miss_bytes else None,
-            "prompt_tok_s": (prompt_tokens * gbps * 1e9 / prompt_miss_bytes
-                             if prompt_tokens and prompt_miss_bytes else None)}
+            "prompt_ceiling_tok_s": in_ram["prompt_tok_s"] if in_ram else None, "prompt_reads": prompt_reads}
 
 
 def _host() -> dict:
@@ -656,12 +688,13 @@ def markdown(report: dict) -> str:
     if report["rows"]:
         cgroup = report["cgroup"]
         prompt_tokens = next((r["runs"][0].get("prompt_tokens") for r in report["rows"] if r["ok_runs"]), None)
+        limited = (f"Limited runs: memory cgroup v{cgroup['version']} ({cgroup['limit_file']} = {report['limit_mb']} MB, "
+                   f"the model {facts['file_bytes'] / (report['limit_mb'] * MB):.2f}x the limit), the file evicted "
+                   "from the page cache before each" if cgroup else "No limited runs")
         lines += [
             f"Stock llama-cpp-python, mmap, no repacking, CPU only, threads {report['threads'] or 'default'}, "
             f"n_ctx {report['ctx_size']}.",
-            f"Limited runs: memory cgroup v{cgroup['version']} ({cgroup['limit_file']} = {report['limit_mb']} MB, "
-            f"the model {facts['file_bytes'] / (report['limit_mb'] * MB):.2f}x the limit), the file evicted "
-            f"from the page cache before each; {prompt_tokens} prompt tokens, {report['n_predict']} greedy decode "
+            f"{limited}; {prompt_tokens} prompt tokens, {report['n_predict']} greedy decode "
             f"tokens per run, each run a fresh process; median [min, max] of {report['repetitions']} runs per "
             "configuration, interleaved",
             "",
@@ -686,6 +719,12 @@ def markdown(report: dict) -> str:
                          f"| {_fmt(r['anon_bytes'], '.0f', MB)} | {_fmt(r['decode_read_bytes_per_token'], '.0f', MB)} | {tokens} "
                          f"| {_fmt(r['load_average'], '.1f')} |")
         lines.append("")
+        for placement, ratio in report.get("paired", {}).items():
+            decode, prompt = ratio["decode_tok_s"], ratio["prompt_tok_s"]
+            where = "in RAM" if placement == "ram" else f"at {report['limit_mb']} MB"
+            lines.append(f"Tier over stock {where}, run by run (each round's pair), median [min, max] of "
+                         f"{ratio['rounds']}: decode {decode[0]:.3f}x [{decode[1]:.3f}, {decode[2]:.3f}], "
+                         f"prompt {prompt[0]:.3f}x [{prompt[1]:.3f}, {prompt[2]:.3f}]")
     disk = report["disk"]
     if disk:
         lines.append(f"Disk (O_DIRECT reads of the model file, {disk['bytes_per_measurement'] / MIB:.0f} MiB each "
@@ -697,16 +736,24 @@ def markdown(report: dict) -> str:
     if bound:
         stock = next(r for r in report["rows"] if r["kind"] == "stock" and r["placement"] == "limited")
         lines.append(
-            f"I/O bound of the {report['limit_mb']} MB run: {bound['resident_share']:.0%} of the experts fit beside "
-            f"the rest of the model and the run's anonymous memory; each token's experts are "
+            f"I/O bound of the {report['limit_mb']} MB run's decode: {bound['resident_share']:.0%} of the experts fit "
+            f"beside the rest of the model and the run's anonymous memory; each token's experts are "
             f"{bound['expert_bytes_per_token'] / MB:.0f} MB, the non-resident share of them "
             f"{bound['read_bytes_per_token'] / MB:.0f} MB, read once at {bound['gbps']:.2f} GB/s: "
-            f"{_fmt(bound['decode_tok_s'], '.1f')} tok/s decode, {_fmt(bound['prompt_tok_s'], '.1f')} tok/s prompt "
-            f"(every non-resident expert read once per prompt); stock reaches "
-            f"{_fmt(_share(stock['decode_tok_s'], bound['decode_tok_s']), '.0%')} and "
-            f"{_fmt(_share(stock['prompt_tok_s'], bound['prompt_tok_s']), '.0%')} of it. Stock read "
+            f"{_fmt(bound['decode_tok_s'], '.1f')} tok/s; stock reaches "
+            f"{_fmt(_share(stock['decode_tok_s'], bound['decode_tok_s']), '.0%')} of it. Stock read "
             f"{_fmt(stock['decode_read_bytes_per_token'], '.0f', MB)} MB per decode token: at {bound['gbps']:.2f} GB/s "
             f"alone {_fmt(_share(bound['gbps'] * 1e9, stock['decode_read_bytes_per_token']), '.2f')} tok/s")
+        rows = {r["kind"]: r for r in report["rows"] if r["placement"] == "limited"}
+        reads = "; ".join(
+            f"{kind} read {read['bytes'] / 1e9:.2f} GB in its prompt, at {bound['gbps']:.2f} GB/s alone "
+            f"{_fmt(read['tok_s'], '.1f')} tok/s, and ran at {_fmt(_share(rows[kind]['prompt_tok_s'], read['tok_s']), '.0%')} "
+            f"of that" for kind, read in bound["prompt_reads"].items())
+        ceiling = bound["prompt_ceiling_tok_s"]
+        lines.append(
+            f"The {report['limit_mb']} MB runs' prompts (a fresh process: every expert the prompt selects is read): "
+            f"{reads}. No design's limited prompt beats stock's in RAM ({_fmt(ceiling, '.2f')} tok/s, "
+            f"{_fmt(_share(ceiling, stock['prompt_tok_s']), '.2f')}x the limited stock's)")
     lines += [f"Note: {note}" for note in report["notes"]]
     return "\n".join(lines)
 

@@ -29,7 +29,7 @@ def bench():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--limit-mb", "0"], "argument --limit-mb: 0 must be >= 1"),
+    (["--limit-mb", "-1"], "argument --limit-mb: -1 must be >= 0"),
     (["-n", "x"], "argument -n/--n-predict: 'x' is not an integer"),
     (["--ram-mib", "lots"], "argument --ram-mib: 'lots' is not an integer"),
     (["--ram-mib", "-1"], "argument --ram-mib: -1 must be >= 0"),
@@ -106,19 +106,38 @@ def test_summary_medians_tokens_and_limit(bench):
 
 def test_io_bound(bench):
     MB = bench.MB
+
+    def row(kind, placement, prompt_tok_s, *read_bytes):
+        return {"kind": kind, "placement": placement, "anon_bytes": 100 * MB, "prompt_tok_s": prompt_tok_s,
+                "runs": [{"status": "ok", "prompt_tokens": 10, "read_bytes_prompt": b} for b in read_bytes]}
+
     report = {"limit_mb": 1000, "disk": {"sequential_qd1_gbps": 0.5, "sequential_threads_gbps": 1.0},
               "facts": {"expert_bytes": 1600 * MB, "other_bytes": 100 * MB, "moe_layers": 2, "n_expert": 8,
                         "n_expert_used": 2},
-              "rows": [{"kind": "stock", "placement": "limited", "anon_bytes": 100 * MB,
-                        "runs": [{"prompt_tokens": 10}]}]}
+              "rows": [row("stock", "ram", 40.0, 0), row("stock", "limited", 5.0, 1500 * MB),
+                       row("tier", "limited", 8.0, 900 * MB, 1000 * MB, 1100 * MB)]}
     bound = bench.io_bound(report)
     # 800 MB of the 1600 MB of experts fit; a token uses 2 x 2 experts of 100 MB, reads half
     assert bound["resident_share"] == pytest.approx(0.5)
     assert bound["expert_bytes_per_token"] == pytest.approx(400 * MB)
     assert bound["decode_tok_s"] == pytest.approx(1e9 / (200 * MB))
-    assert bound["prompt_tok_s"] == pytest.approx(10 * 1e9 / (800 * MB))
+    # a fresh process's prompt: each row's own reads (median) at 1 GB/s, under stock's in-RAM prompt
+    assert bound["prompt_ceiling_tok_s"] == 40.0
+    assert bound["prompt_reads"]["tier"] == {"bytes": 1000 * MB, "tok_s": pytest.approx(10.0)}
+    assert bound["prompt_reads"]["stock"]["tok_s"] == pytest.approx(10 / 1.5)
     report["disk"] = None
     assert bench.io_bound(report) is None
+
+
+def test_paired_ratios_pair_each_round(bench):
+    def run(decode, prompt, status="ok"):
+        return {"status": status, "decode_tok_s": decode, "prompt_tok_s": prompt}
+
+    rows = [{"kind": "stock", "placement": "ram", "runs": [run(10, 20), run(20, 40), run(30, 60)]},
+            {"kind": "tier", "placement": "ram", "runs": [run(9, 20), run(20, 44), run(1, 1, "failed: x")]}]
+    assert bench.paired_ratios(rows) == {"ram": {"rounds": 2, "decode_tok_s": [0.95, 0.9, 1.0],
+                                                 "prompt_tok_s": [1.05, 1.0, 1.1]}}
+    assert bench.paired_ratios(rows[:1]) == {}
 
 
 def test_page_cache_share(bench, tmp_path):

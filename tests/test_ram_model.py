@@ -11,7 +11,8 @@ from conftest import N_THREADS, PROMPT, TRACES, replay_cli
 from moecache.core.banks import ram_slots
 from moecache.core.traces import PREFILL, RouteTrace, read_trace
 from moecache.offline.cli import main
-from moecache.offline.cost import Disk
+from moecache.core.missplan import OUR_LAYOUT
+from moecache.offline.cost import Disk, WorkTally
 from moecache.offline.pagecache import PAGE, ExpertLayout, LruPageCache, TwoListPageCache
 from moecache.offline.replay import MIB, PAGE_CACHE, PER_LAYER, ram_tier_slots, simulate
 
@@ -155,13 +156,25 @@ def test_two_lists_activate_a_page_used_at_two_scans():
 
 def test_disk_time_is_compute_waits_and_bytes():
     disk = Disk(gbps=1.0, read_us=50)
-    # 2e6 bytes at 2 GB/s: 1 ms; 4 waits of 50 us: 0.2 ms; 3e6 bytes at 1 GB/s: 3 ms; over 2 tokens
+    # mmap: 2e6 bytes at 2 GB/s: 1 ms; 4 waits of 50 us: 0.2 ms; 3e6 bytes at 1 GB/s: 3 ms; over 2 tokens
     assert disk.token_ms(2.0, 2e6, 3e6, 4, 2) == pytest.approx((1 + 0.2 + 3) / 2)
+    # the tier: 1 MB experts at 2 GB/s, 1 MB of dense weights. A pass with 3 kept and 1 miss: 0.5
+    # ms dense, then max(1.5 ms kept, 0.05 + 1 ms read), then 0.5 ms for the miss; 2 kept and 2
+    # misses: 0.5 + max(1, 0.05 + 2) + 1; no miss: no read, no wait; a boundary upload: 1 ms
+    work = WorkTally(OUR_LAYOUT, [10**6], [10**6])
+    work.add(0, 3, 0, 1)
+    work.add(0, 2, 0, 2)
+    work.add(0, 4, 0, 0)
+    work.add_boundary_uploads(np.array([1]))
+    assert disk.tier_token_ms(2.0, work, 2) == pytest.approx((2.5 + 3.55 + 2.5 + 1) / 2)
     run = ram_tier_replay(read_trace(str(SYNTH)), 932)
     read, waits = run.disk_reads()
     assert read == run.totals["misses"] * 2654208  # eager, no prefetch: every read is a miss
-    assert run.disk_ms(5.26, Disk(0.95, 40)) == pytest.approx(
+    assert run.disk_ms(5.26, Disk(0.95, 40)) == Disk(0.95, 40).tier_token_ms(5.26, run.work, run.decode_steps)
+    # never slower than reading, then computing
+    assert run.disk_ms(5.26, Disk(0.95, 40)) < (
         (run.totals["lookup_bytes"] / 5.26e6 + waits * 0.04 + read / 0.95e6) / run.decode_steps)
+
 
 
 def test_page_cache_runs_through_the_one_driver():
@@ -181,7 +194,7 @@ def test_cli_prints_the_tier_beside_stock_mmap(capsys):
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if line.startswith(("RAM tier", "mmap"))]
     assert [row[:2] for row in rows] == [["RAM", "tier"], ["mmap", "lru"], ["mmap", "two-list"]]
-    assert rows[0][-6:] == ["46", "83.4", "28.1", "6.3", "62.16", "16.09"]
+    assert rows[0][-6:] == ["46", "83.4", "28.1", "6.3", "44.77", "22.34"]
     assert "per-layer cache" not in out  # --ram-mib alone runs no device model
 
 

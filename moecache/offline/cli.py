@@ -9,7 +9,7 @@ through moecache.offline.replay.simulate (the models are described there).
                               [--planner] [--csv FILE] [--plot PNG]
     python -m moecache.replay TRACE --ram-mib 932[,1351] --disk-gbps G [--disk-read-us U]
                               [--read-ahead-kb KB] [--host-gbps G] [--policies default]
-                              [--expert-read-ahead none,cooccur:1,oracle:2 [--overlap-kept]]
+                              [--expert-read-ahead none,cooccur:1,oracle:2]
     python -m moecache.replay TRACE --convert OUT
 
 --slots sizes the per-layer model (K per layer) and the upstream model (at the device bytes of
@@ -28,8 +28,7 @@ decode token (moecache.offline.cost.Disk) at --host-gbps (the CPU's rate over th
 --hardware's) and the disk's --disk-gbps and --disk-read-us. --expert-read-ahead PREDICTOR:R
 adds the RAM tier run again reading ahead, during each layer's compute, the R experts the
 predictor expects the next layer to miss (moecache.offline.readahead: its precision, recall and
-MODELLED ms per decode token on a timeline where the disk overlaps the CPU); --overlap-kept
-times those runs with the CPU computing a layer's kept experts while its misses are read.
+MODELLED ms per decode token on a timeline where the disk overlaps the CPU).
 
 --convert writes the trace's compact binary form (moecache.core.binary_trace), which any
 replay reads in place of the CSV: mapped, not parsed, so a long recording replays in a
@@ -153,9 +152,6 @@ def parser() -> OneLineParser:
                     help=f"with --ram-mib: also run the RAM tier reading ahead in decode, PREDICTOR:R, comma "
                          f"separated: R experts the next layer will likely miss, read while this one computes, "
                          f"predicted by {', '.join(PREDICTORS)} (oracle reads the future: a bound)")
-    ap.add_argument("--overlap-kept", action="store_true",
-                    help="with --expert-read-ahead: the CPU computes a layer's experts kept in RAM while its "
-                         "misses are read (the tier reads, then computes); none: that alone")
     ap.add_argument("--prefill", choices=PREFILL_MODES, default="warm",
                     help="per-layer model: each prompt ubatch as a prefill step that uploads its most "
                          "used experts, as the live cache does (warm, the default); no prefill (off); "
@@ -229,8 +225,6 @@ def _check_ram_args(args):
                                            ("--read-ahead-kb", args.read_ahead_kb),
                                            ("--expert-read-ahead", args.expert_read_ahead or None))
                   if value is not None]
-    if args.overlap_kept and not args.expert_read_ahead:
-        raise ValueError("--overlap-kept times the --expert-read-ahead runs: give --expert-read-ahead too")
     if not args.ram_mib:
         if disk_flags:
             raise ValueError(f"{', '.join(disk_flags)} time the --ram-mib models: give --ram-mib too")
@@ -302,8 +296,7 @@ def run(args, trace, profile) -> list[ReplayResult]:
                                                 **read_ahead}, {"ram_mib": b})
             for p in args.policies if p in policy_names(PER_LAYER)
             for a in args.admission or [live_admission(POLICIES[resolve_policy(p)])] for b in args.ram_mib
-            for read_ahead in [{}] + [{"read_ahead": ReadAhead(name, width, args.disk, args.hardware.rates.host_gbps,
-                                                                      args.overlap_kept)}
+            for read_ahead in [{}] + [{"read_ahead": ReadAhead(name, width, args.disk, args.hardware.rates.host_gbps)}
                                       for name, width in args.expert_read_ahead]] + \
            [(PAGE_CACHE, p, b, {"read_ahead_kb": args.read_ahead_kb}, {"ram_mib": b})
             for p in policy_names(PAGE_CACHE) for b in args.ram_mib]
@@ -384,8 +377,9 @@ def print_ram_table(args, trace, results) -> None:
     print(f"\nlarger than RAM, CPU only: the RAM tier (LLAMA_MOE_CACHE_RAM_MIB: K experts per layer kept, eager "
           f"admission, INSERTS = K, prompts looked up) and stock mmap's page cache (4 KiB pages, read_ahead_kb "
           f"{args.read_ahead_kb}, doubled by llama.cpp's mapping)\n"
-          f"ms/tok: MODELLED = (computed bytes / host + waits x read latency + bytes read / disk) per decode token "
-          f"(moecache.offline.cost.Disk): host {host:.2f} GB/s, {args.disk.describe()}; hit%: decode lookups whose "
+          f"ms/tok: MODELLED per decode token (moecache.offline.cost.Disk): mmap (computed bytes / host + waits x read "
+          f"latency + bytes read / disk), the tier per layer (dense / host + max(kept / host, read latency + misses / "
+          f"disk) + misses / host): host {host:.2f} GB/s, {args.disk.describe()}; hit%: decode lookups whose "
           f"expert was in memory (mmap: read without a page fault)")
     print(f"{'model':<12}{'policy':<16}{'admission':>10}{'RAM MiB':>9}{'K':>5}{'hit% dec':>10}{'MB read/tok':>13}"
           f"{'waits/tok':>11}{'ms/tok':>10}{'tok/s':>8}")
@@ -411,9 +405,8 @@ def print_read_ahead_table(args, results) -> None:
     print("\nthe RAM tier reading ahead in decode (moecache.offline.readahead): while a layer computes, the R experts "
           "the predictor expects the next layer to miss are read; ahead/tok: experts read ahead per token; precision: "
           "of those, the share the next layer then missed; recall: the share of misses read ahead; held MiB: RAM "
-          "beyond K; ms/tok: MODELLED, the disk overlapping the CPU, in request order"
-          + (", the CPU computing a layer's kept experts while its misses are read" if args.overlap_kept else "")
-          + "; gain: against the tier without read-ahead above")
+          "beyond K; ms/tok: MODELLED, the disk overlapping the CPU, in request order; gain: against the tier "
+          "without read-ahead above")
     print(f"{'policy':<16}{'RAM MiB':>9}{'K':>5}{'predictor':>17}{'R':>4}{'ahead/tok':>11}{'prec%':>7}{'recall%':>9}"
           f"{'MB read/tok':>13}{'held MiB':>10}{'ms/tok':>9}{'gain%':>7}")
     for r in rows:
@@ -466,8 +459,7 @@ def _write_rows(path, results, args):
                 "seconds": f"{r.seconds:.4f}", "prefill": r.prefill,
                 "prefill_upload_bytes": r.totals_all.get("prefill_upload_bytes") if r.model == PER_LAYER else None,
                 "ram_mib": r.ram_mib, "disk_read_bytes_per_token": _disk_read_per_token(r),
-                "read_ahead": None if r.read_ahead is None else
-                f"{r.read_ahead.name}:{r.read_ahead.width}{' overlap-kept' if r.read_ahead.overlap_kept else ''}"})
+                "read_ahead": None if r.read_ahead is None else f"{r.read_ahead.name}:{r.read_ahead.width}"})
 
 
 def _disk_read_per_token(r):

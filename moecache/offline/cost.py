@@ -17,17 +17,21 @@ a token is
 averaged over the run's decode tokens (the uploads are background work: they fit where the
 link and host memory have room, over the run, not token by token).
 
-Models larger than RAM (the RAM tier and stock mmap's page cache, CPU only) are timed by `Disk`:
-a token is
+Models larger than RAM (the RAM tier and stock mmap's page cache, CPU only) are timed by `Disk`.
+Stock mmap's page cache (`Disk.token_ms`): a token is
 
     (computed bytes / host  +  waits x read_us  +  read bytes / disk) / tokens
 
 every selected expert and each layer's dense bytes computed on the CPU at the host rate, each
-read a layer waits for costing one request's latency (the tier issues a layer's misses at once
-at queue depth: one wait per layer with misses; a page fault waits alone: one per fault), and
-every byte read from the file (readahead and boundary uploads included) at the disk's rate for
-large requests. Nothing overlaps: the CPU waits for its reads (the tier reads before the layer
-computes, a fault stops the thread), the readahead's and the uploads' bytes hold the one disk.
+fault waiting alone for one request's latency, and every byte read from the file (readahead
+included) at the disk's rate for large requests: nothing overlaps, a fault stops the thread.
+The RAM tier (`Disk.tier_token_ms`) reads a layer's misses at once at queue depth while the CPU
+computes the layer's experts kept in memory, then computes the misses: per layer pass
+
+    dense / host  +  max(kept / host, read_us + misses / disk)  +  misses / host
+
+(no read, no wait, where the layer missed nothing), and the uploads issued at a boundary read
+after the token at the disk's rate, the CPU waiting.
 
 Hardware classes (HARDWARE): named Rates with the sources of each figure; every efficiency
 (the share of a peak rate a kernel or a copy reaches) is an ASSUMPTION, stated once below and
@@ -125,9 +129,19 @@ class Disk:
         return f"disk {self.gbps:g} GB/s, {self.read_us:g} us a request"
 
     def token_ms(self, host_gbps: float, compute_bytes: float, read_bytes: float, waits: int, tokens: int) -> float:
-        """Modelled milliseconds per token (module docstring)."""
+        """Modelled milliseconds per token of stock mmap's page cache (module docstring)."""
         return (compute_bytes / (host_gbps * 1e6) + waits * self.read_us / 1e3
                 + read_bytes / (self.gbps * 1e6)) / tokens
+
+    def tier_token_ms(self, host_gbps: float, work: "WorkTally", tokens: int) -> float:
+        """Modelled milliseconds per token of the RAM tier's layer passes (module docstring)."""
+        host, disk = host_gbps * 1e6, self.gbps * 1e6  # bytes per ms
+        total = work.boundary_upload_bytes / disk
+        for (layer, hits, lane, cpu), passes in work.passes.items():
+            size, misses = work.expert_bytes[layer], lane + cpu
+            read = self.read_us / 1e3 + misses * size / disk if misses else 0.0
+            total += passes * (work.dense_bytes[layer] / host + max(hits * size / host, read) + misses * size / host)
+        return total / tokens
 
 
 # Synchronisation latencies: ASSUMPTIONS until measured (scripts/gpu_check.sh, issue 22): the

@@ -17,7 +17,7 @@ every prediction that token's layers made (so a prediction never sees its own an
   (heat's) estimate, of the experts it did not keep.
 - oracle: the dst layer's actual selection, read from the future: an upper BOUND, not a
   predictor.
-- none: reads nothing ahead (the tier as it runs, on this timeline; with overlap_kept, that alone).
+- none: reads nothing ahead (the tier as it runs, on this timeline).
 Each reads ahead the R best-scored experts of the dst layer that are not kept in RAM (score > 0);
 R "w" (window): as many as the disk can read before the dst layer's observer if the CPU's
 compute does not change (the rest of this layer's experts and the dst layer's dense weights,
@@ -26,17 +26,16 @@ after what the disk has queued), at most n_used: a read-ahead that never delays 
 Timing: one CPU and one disk, the disk serving its requests in order (a read started is not
 cancelled). Per layer: its dense weights computed (dense bytes / host); at its observer, the
 misses not read ahead are read (one request latency + bytes / disk, after whatever the disk has
-queued, read-ahead included), the CPU waits for those and for the read-ahead batch that covered
-some of its misses (a layer that needs nothing from the disk does not wait: optimistic, the
-tier's read-ahead thread is joined anyway) and then computes the selected experts (selected
-bytes / host); the next layer's read-ahead is queued behind the layer's reads (latency + bytes /
-disk, the next layer's expert size). overlap_kept (not what the tier does: it reads a layer's
-misses, then computes): the CPU computes the experts kept in RAM while the misses are read, then
-the misses. The last layer reads ahead the next decode token's layer 0 (none before a prompt or
-at the end). Uploads issued at a boundary are read after the token, the CPU waiting, as
-moecache.offline.cost.Disk has it; without read-ahead (and overlap_kept) the timeline is
-Disk.token_ms exactly (tested). A read-ahead holds at most R experts of one layer in RAM beyond
-the tier's K until its layer runs.
+queued, read-ahead included); the CPU computes the layer's experts kept in RAM meanwhile, as the
+tier does, then waits for those reads and for the read-ahead batch that covered some of its
+misses (a layer that needs nothing from the disk does not wait: optimistic, the tier's
+read-ahead thread is joined anyway) and computes the misses (bytes / host); the next layer's
+read-ahead is queued behind the layer's reads (latency + bytes / disk, the next layer's expert
+size). The last layer reads ahead the next decode token's layer 0 (none before a prompt or at
+the end). Uploads issued at a boundary are read after the token, the CPU waiting, as
+moecache.offline.cost.Disk has it; without read-ahead the timeline is Disk.tier_token_ms
+exactly (tested). A read-ahead holds at most R experts of one layer in RAM beyond the tier's K
+until its layer runs.
 """
 
 from __future__ import annotations
@@ -179,13 +178,12 @@ def parse_spec(text: str) -> tuple[str, int | str]:
 class ReadAhead:
     """The RAM tier's decode timeline with read-ahead (module docstring) and its counts."""
 
-    def __init__(self, predictor: str, width: int | str, disk: Disk, host_gbps: float, overlap_kept: bool = False):
+    def __init__(self, predictor: str, width: int | str, disk: Disk, host_gbps: float):
         if predictor not in PREDICTORS:
             raise ValueError(f"unknown read-ahead predictor {predictor!r}; valid: {', '.join(PREDICTORS)}")
         if width != WINDOW and not (isinstance(width, int) and width >= 1):
             raise ValueError(f"the read-ahead width must be an integer >= 1 or {WINDOW!r}, got {width!r}")
         self.name, self.width, self.disk, self.host_gbps = predictor, width, disk, host_gbps
-        self.overlap_kept = overlap_kept
         self.predictor = PREDICTORS[predictor]()
         self.seconds = 0.0   # the decode tokens' modelled time
         self.tokens = 0
@@ -265,8 +263,7 @@ class ReadAhead:
                 self.read_bytes += demand * size
                 ready = max(ready, disk_free)
             kept_compute = (rows[layer].size - missed[layer].size) * size / host
-            end = (max(clock + kept_compute, ready) if self.overlap_kept else max(clock, ready) + kept_compute) \
-                + missed[layer].size * size / host
+            end = max(clock + kept_compute, ready) + missed[layer].size * size / host
             pending = None
             if layer + 1 < L:
                 target, dst_kept, future = layer + 1, kept[layer + 1], rows[layer + 1]

@@ -148,10 +148,13 @@ class ReplayResult:
 
     def disk_ms(self, host_gbps: float, disk: Disk) -> float | None:
         """MODELLED milliseconds per decode token of a RAM tier or page-cache run, every expert
-        computed on the CPU at host_gbps, its reads from `disk` (cost.Disk); None without decode
+        computed on the CPU at host_gbps, its reads from `disk` (cost.Disk: the tier computes a
+        layer's kept experts while its misses are read, a page fault waits); None without decode
         tokens."""
         if not self.decode_steps:
             return None
+        if self.model == PER_LAYER:
+            return disk.tier_token_ms(host_gbps, self.work, self.decode_steps)
         return disk.token_ms(host_gbps, self.work.compute_bytes(), *self.disk_reads(), self.decode_steps)
 
     def stock_ms(self, hardware: Hardware) -> float | None:
