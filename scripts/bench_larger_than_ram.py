@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import math
 import mmap
 import os
 import random
@@ -146,8 +145,8 @@ def _bench(args) -> int:
     if not args.no_disk:
         report["disk"] = measure_disk(model, args.disk_mib * MIB, args.disk_threads)
     if not args.disk_only:
-        ratio = report["facts"]["file_bytes"] / (args.limit_mb * MB) if args.limit_mb else math.inf
-        if ratio < LARGER_THAN_LIMIT:
+        ratio = report["facts"]["file_bytes"] / (args.limit_mb * MB) if args.limit_mb else None
+        if ratio is not None and ratio < LARGER_THAN_LIMIT:
             report["notes"].append(f"the model is {ratio:.2f}x the limit, under the {LARGER_THAN_LIMIT}x "
                                    "of a larger-than-RAM run")
         report["rows"] = measure_configs(args, model, root, tier=args.ram_mib != "0",
