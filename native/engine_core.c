@@ -19,9 +19,12 @@ static inline int64_t id_at(const void *ids, int wide, int64_t i) {
 
 /* An observation (L, n): hit mask, hits and misses per layer, the used table (a new all-zero
  * table, kept as g->used for the boundary's choice; each expert once), usage, counters,
- * prefetch hits, any_miss, and with a miss planner's table the graph's modelled time. Without lookups (a prompt the stock graph ran, which read no slot):
- * no hit, miss or prefetch hit, and no usage (the profile stays uses per decode step).
- * Returns 1 (nothing changed, obs->bad_id = the offending id) if an id is outside [-1, E). */
+ * prefetch hits, any_miss; with a miss planner's table, a decode graph's lane copies per layer,
+ * declined uploads, modelled time and link time, taken into the link's averages. Without
+ * lookups (a prompt the stock graph ran, which read no slot): no hit, miss or prefetch hit, no
+ * usage (the profile stays uses per decode step) and nothing for the planner.
+ * Returns 1 (nothing changed, obs->bad_id = the offending id) if an id is outside [-1, E), 2
+ * (nothing changed, obs->bad_id = the layer) if a copy's layer is outside [0, L). */
 int mc_observe(mc_engine *g, mc_observation *obs) {
     const int64_t L = g->n_layers, E = g->n_expert, n = obs->n, total = L * n;
     const void *ids = obs->ids;
@@ -36,9 +39,26 @@ int mc_observe(mc_engine *g, mc_observation *obs) {
         obs->bad_id = lowest < -1 ? lowest : highest;
         return 1;
     }
+    const int planned = obs->graph_table && lookups;
+    for (int64_t i = 0; planned && i < obs->n_writes + obs->n_uploads; i++) {
+        const int32_t l = i < obs->n_writes ? obs->writes[3 * i] : obs->uploads[3 * (i - obs->n_writes)];
+        if (l < 0 || l >= L) {
+            obs->bad_id = l;
+            return 2;
+        }
+    }
     g->used = obs->used;
     int any_miss = 0;
-    double graph_ms = 0.0;
+    double graph_ms = 0.0, link_bytes = 0.0;
+    if (planned) {
+        for (int64_t l = 0; l < L; l++) obs->lane[l] = 0;
+        for (int64_t i = 0; i < obs->n_writes; i++) {
+            const int32_t l = obs->writes[3 * i];
+            obs->lane[l] += i < obs->n_lane;
+            link_bytes += obs->link->copy_bytes[l];
+        }
+        for (int64_t i = 0; i < obs->n_uploads; i++) link_bytes += obs->link->copy_bytes[obs->uploads[3 * i]];
+    }
     for (int64_t l = 0; l < L; l++) {
         int64_t n_hit = 0, looked_up = 0;
         for (int64_t j = 0; j < n; j++) {
@@ -62,20 +82,31 @@ int mc_observe(mc_engine *g, mc_observation *obs) {
         }
         obs->counts[l] = n_hit;
         obs->counts[L + l] = looked_up - n_hit;
-        if (obs->graph_table) {
-            const int64_t gn = obs->graph_n, lane = obs->lane ? obs->lane[l] : 0, cpu = looked_up - n_hit - lane;
-            if (graph_ms < 0 || n_hit >= gn || lane < 0 || lane >= gn || cpu < 0 || cpu >= gn)
+        if (planned) {
+            const int64_t gn = obs->graph_n, lane = obs->lane[l], cpu = looked_up - n_hit - lane;
+            if (graph_ms < 0 || n_hit >= gn || lane >= gn || cpu < 0 || cpu >= gn)
                 graph_ms = -1.0;
             else
                 graph_ms += obs->graph_table[((obs->graph_group[l] * gn + n_hit) * gn + lane) * gn + cpu];
+            count(g, MC_LANE_MISSES, l, lane);
+            if (obs->declined) count(g, MC_DECLINED, l, obs->declined[l]);
         }
         any_miss |= looked_up != n_hit;
         count(g, MC_HITS, l, n_hit);
         count(g, MC_MISSES, l, looked_up - n_hit);
     }
     obs->any_miss = any_miss;
-    obs->graph_ms = obs->graph_table ? graph_ms : -1.0;
+    obs->graph_ms = planned ? graph_ms : -1.0;
+    obs->link_ms = planned ? link_bytes / obs->link->bytes_per_ms : 0.0;
+    if (planned && graph_ms >= 0) mc_link_update(obs->link, graph_ms, obs->link_ms);
     return 0;
+}
+
+/* A decode graph's modelled time and link time into the link's decayed averages. */
+void mc_link_update(mc_link *link, double graph_ms, double link_ms) {
+    link->link_ms = link->decay * link->link_ms + (1 - link->decay) * link_ms;
+    link->graph_ms = link->decay * link->graph_ms + (1 - link->decay) * graph_ms;
+    link->busy = link->graph_ms == 0 ? 1.0 : fmin(1.0, link->link_ms / link->graph_ms);
 }
 
 /* Publish the first `ready` due uploads (n job rows of layer, expert, slot); the others are
@@ -327,7 +358,7 @@ void mc_slot_keys(const mc_engine *g, int64_t *keys) {
  * n of scratch. Returns the number of rows, or -1 - i when ids[i] is outside [-1, E). */
 int64_t mc_admit(const mc_handover_table *h, const void *ids, int wide, int64_t n,
                  const int32_t *slot_expert, uint8_t *mark, int64_t *cand, int32_t *jobs,
-                 int64_t *lane_rows, int64_t *declined) {
+                 int32_t *lane_rows, int32_t *declined) {
     enum { SELECTED = 1, HELD = 2, SEEN = 4 };
     const int64_t L = h->n_layers, K = h->n_slots, E = h->n_expert;
     int64_t n_jobs = 0;
@@ -384,7 +415,7 @@ int64_t mc_admit(const mc_handover_table *h, const void *ids, int wide, int64_t 
                 margin_declined++;
             }
         }
-        lane_rows[l] = lane, declined[l] = margin_declined;
+        lane_rows[l] = (int32_t) lane, declined[l] = (int32_t) margin_declined;
         for (int64_t j = 0; j < n; j++) {
             const int64_t e = id_at(ids, wide, l * n + j);
             if (e >= 0) mark[e] = 0;

@@ -15,6 +15,8 @@ typedef enum {
     MC_PREFETCH_WASTE,
     MC_LATE,              /* due uploads not complete at their boundary */
     MC_PREFILL_UPLOADS,   /* uploads of a prompt's experts (counted by the engine in Python) */
+    MC_DECLINED,          /* uploads a miss planner's margin declined (mc_observe) */
+    MC_LANE_MISSES,       /* misses a miss planner's lane computed on the device (mc_observe) */
     MC_N_COUNTERS
 } mc_counter;
 
@@ -34,6 +36,15 @@ typedef struct {
     int64_t *counts;            /* (MC_N_COUNTERS, L) */
 } mc_engine;
 
+/* A miss planner's view of the link: decayed averages of the decode graphs' link time and
+ * modelled time, busy their ratio (at most 1; 1 before any graph). */
+typedef struct mc_link {
+    const double *copy_bytes;   /* (L) one copy's bytes, by layer */
+    double bytes_per_ms;        /* the link's rate */
+    double decay;               /* an average's weight on its past */
+    double link_ms, graph_ms, busy;
+} mc_link;
+
 /* One observation: what mc_observe reads (in) and counts (out). */
 typedef struct {
     const void *ids;            /* in: (L, n) expert ids, router-rank order, -1 = none */
@@ -45,14 +56,23 @@ typedef struct {
     int64_t *counts;            /* out: (2, L) hits, then misses, per layer */
     int32_t any_miss;           /* out */
     int64_t bad_id;             /* out: the id outside [-1, E) when mc_observe refuses */
-    /* the miss planner's modelled time of the graph (moecache.core.missplan.MissPlanner), when
-     * graph_table is set: the sum over layers of graph_table[graph_group[l]][hits][lane][misses -
-     * lane] (the table holds one layer's time by its counts, each in [0, graph_n)) */
+    /* with a miss planner (moecache.core.missplan.MissPlanner), for a decode graph (lookups):
+     * the graph's slot writes and the boundary's uploads that ran beside it (job rows of layer,
+     * expert, slot), the uploads its margin declined, and its modelled time, the sum over layers
+     * of graph_table[graph_group[l]][hits][lane][misses - lane] (one layer's time by its counts,
+     * each in [0, graph_n)); the link's averages (mc_link) take the graph when link is set */
+    const int32_t *writes;      /* in: (n_writes, 3), the first n_lane lane copies */
+    int64_t n_writes, n_lane;   /* in */
+    const int32_t *uploads;     /* in: (n_uploads, 3) */
+    int64_t n_uploads;          /* in */
+    const int32_t *declined;    /* in: (L), NULL: none */
     const double *graph_table;  /* in: NULL: no planner */
     const int64_t *graph_group; /* in: (L) */
     int64_t graph_n;            /* in */
-    const int64_t *lane;        /* in: (L) lane copies among the misses, NULL: none */
-    double graph_ms;            /* out: -1 when a count is outside the table */
+    struct mc_link *link;       /* in: NULL: no planner */
+    int64_t *lane;              /* out: (L) lane copies among the misses (from writes) */
+    double graph_ms;            /* out: -1 when a count is outside the table (mc_link_update left to the caller) */
+    double link_ms;             /* out: the writes' and uploads' time on the link */
 } mc_observation;
 
 /* One upload decision: mc_candidates lists the wanted experts, mc_prepare keeps the ones to
@@ -80,6 +100,7 @@ typedef enum {
 } mc_victims;
 
 int mc_observe(mc_engine *g, mc_observation *obs);
+void mc_link_update(mc_link *link, double graph_ms, double link_ms);
 int64_t mc_publish(mc_engine *g, const int32_t *jobs, int64_t n, int64_t ready);
 int64_t mc_candidates(mc_engine *g, const void *ids, int wide, int64_t n, const int64_t *cap,
                       mc_choice *c);
@@ -104,4 +125,4 @@ typedef struct {
 } mc_handover_table;
 int64_t mc_admit(const mc_handover_table *h, const void *ids, int wide, int64_t n,
                  const int32_t *slot_expert, uint8_t *mark, int64_t *cand, int32_t *jobs,
-                 int64_t *lane_rows, int64_t *declined);
+                 int32_t *lane_rows, int32_t *declined);

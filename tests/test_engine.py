@@ -441,7 +441,7 @@ def test_counter_names_are_the_c_enums_in_the_reported_order():
     from moecache.core.engine import COUNTERS
 
     assert COUNTERS == ("hits", "misses", "uploads", "evictions", "prefetch_uploads", "prefetch_hits",
-                        "prefetch_waste", "late", "prefill_uploads")
+                        "prefetch_waste", "late", "prefill_uploads", "declined", "lane_misses")
     assert [getattr(lib, f"MC_{name.upper()}") for name in COUNTERS] == list(range(len(COUNTERS)))
     assert lib.MC_N_COUNTERS == len(COUNTERS)
 

@@ -2,7 +2,6 @@
 they pay; on a hand-made handover, then through the engine in the one replay driver."""
 
 from dataclasses import replace
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -70,53 +69,95 @@ IDS = np.array([[0, 1, 5]])
 
 def planned(rates, worth, lane=True):
     """The planner's handover and the slot writes the graph makes under it."""
-    lane_table, margin = MissPlanner(rates, [MB], n_used=3, lane=lane).rule(8, use_worth=1.0)
+    planner = MissPlanner(rates, [MB], n_used=3, lane=lane)
+    lane_table, margin = planner.lane_table(8, 3) if lane else None, planner.margin(1.0, busy=1.0)
     h = replace(handover(worth), lane=lane_table, margin=margin)
     return h, admissions_with_lane(h, IDS, SLOTS)
 
 
 def test_the_planner_hands_over_the_policys_worths_with_its_lane_table_and_margin():
     h, _ = planned(SLOW, {0: 10.0, 1: 3.0})
-    assert np.array_equal(h.worth, handover({0: 10.0, 1: 3.0}).worth)  # unshaped
     assert h.margin == pytest.approx(51) and h.lane.shape == (1, 9) and not h.lane.any()
-    h, _ = planned(FAST, {0: 10.0, 1: 3.0}, lane=False)
-    assert h.lane is None and h.margin == pytest.approx(1.0)
+    for lane in (True, False):  # an engine's handover: the policy's worths, the planner's table and margin
+        planner = MissPlanner(FAST, [MB, MB], n_used=2, lane=lane)
+        engine = CacheEngine(2, 8, 4, make_policy("heat"), admission="eager", miss_planner=planner)
+        engine.step(None)
+        h = engine.handover
+        plain = CacheEngine(2, 8, 4, make_policy("heat"), admission="eager")
+        plain.step(None)
+        assert np.array_equal(h.worth, plain.handover.worth) and plain.handover.margin == 0
+        assert h.lane is (planner.lane_table(8, 2) if lane else None)
+        assert h.margin == pytest.approx(planner.margin(engine.policy.use_worth(1), busy=1.0)) and h.margin > 0
 
 
-def graph(ms, hits=(1,), misses=(2,)):
-    """What the planner reads of an observation (moecache.core.bookkeeping.Observation)."""
-    return SimpleNamespace(graph_ms=ms, hits=np.array(hits), misses=np.array(misses))
+def planned_core(planner, n_expert=8):
+    """The C side of an engine running this planner: its observations model the graphs."""
+    return CacheEngine(len(planner.expert_bytes), n_expert, 4, make_policy("heat"), admission="eager",
+                       miss_planner=planner)._core
 
 
-def copies(n):
-    """n copies in layer 0, as job tables."""
-    return np.zeros((n, 3), dtype=np.int32)
+def copies(n, layer=0):
+    """n copies in one layer, as a job table."""
+    return np.tile(np.array([[layer, 7, 0]], dtype=np.int32), (n, 1))
 
 
 def test_the_margin_is_paid_as_far_as_the_link_is_busy():
     planner = MissPlanner(SLOW, [MB], n_used=3)
-    assert planner.busy == 1.0 and planner.margin(1.0) == pytest.approx(51)  # before any graph: all of it
-    token = planner.graph_ms([1], [0], [2])
-    assert token == pytest.approx(float(SLOW.layer_ms(OUR_LAYOUT, MB, 0.0, 1, 0, 2)))
+    assert planner.margin(1.0, busy=1.0) == pytest.approx(51) and planner.margin(1.0, busy=0.0) == 0
+    assert planner.margin(2.0, busy=0.5) == pytest.approx(2 * 51 * 0.5 ** BUSY_POWER)
+    core = planned_core(planner)
+    assert core.busy == 1.0  # before any graph: all of it
+    token = IDS  # one token: 0 hits, 3 misses on an empty cache
+    graph_ms = planner.graph_ms([0], [0], [3])
     for _ in range(300):  # graphs that copy nothing: an idle link, an upload costs nothing
-        planner.observe(graph(token), None, copies(0))
-    assert planner.busy < 1e-9 and planner.margin(1.0) < 1e-9
+        seen = core.observe(token, True)
+        assert seen.graph_ms == pytest.approx(graph_ms) and seen.link_ms == 0
+    assert core.busy < 1e-9
     for _ in range(300):  # uploads that hold the link longer than the graph runs: all of it again
-        planner.observe(graph(token), None, copies(50))
-    assert planner.busy == 1.0 and planner.margin(1.0) == pytest.approx(51)
-    for _ in range(300):  # a graph of several tokens' counts (-1: outside the observation's table) with copies
-        planner.observe(graph(-1, hits=[3], misses=[5]), np.array([1]), copies(1), copies(0))
-    busy = MB / (SLOW.link_gbps * 1e6) / planner.graph_ms([3], [1], [5])
-    assert 0.5 < busy < 1
-    assert planner.busy == pytest.approx(busy) and planner.margin(2.0) == pytest.approx(2 * 51 * busy ** BUSY_POWER)
+        core.observe(token, True, uploads=copies(50))
+    assert core.busy == 1.0
+    assert core.observe(token, False, uploads=copies(50)).graph_ms == -1  # a prompt: not a decode graph
+    assert core.busy == 1.0
+    for _ in range(300):  # several tokens' counts: outside the table (-1); the caller gives the formula's time
+        seen = core.observe(np.array([[0, 1, 2, 3, 4, 5]]), True, copies(1), 1)
+        assert seen.graph_ms == -1 and seen.lane.tolist() == [1]
+        core.link_update(planner.graph_ms(seen.hits, seen.lane, seen.misses), seen.link_ms)
+    busy = MB / (SLOW.link_gbps * 1e6) / planner.graph_ms([0], [1], [6])
+    assert 0.5 < busy < 1 and core.busy == pytest.approx(busy)
 
 
-def test_the_link_carries_each_copys_layer_bytes():
-    jobs = np.array([[0, 1, 2], [1, 3, 0], [1, 4, 1]], dtype=np.int32)
+def test_an_engine_takes_several_tokens_graphs_by_the_formula():
+    planner = MissPlanner(FAST, [MB, MB], n_used=2)
+    engine = CacheEngine(2, 8, 4, make_policy("heat"), admission="eager", miss_planner=planner)
+    engine.step(None)
+    rng = np.random.default_rng(3)
+    for _ in range(20):  # graphs of three tokens: the table holds one token's counts
+        engine.step(rng.integers(0, 8, (2, 6)))
+    assert 0 < engine._core.busy < 1
+
+
+def test_the_link_carries_each_copys_layer_bytes_and_the_counters_the_planners():
+    writes = np.array([[0, 1, 2], [1, 3, 0], [1, 4, 1]], dtype=np.int32)  # the first a lane copy
+    ids = np.array([[1, 5], [3, 4]])
     for layer_bytes, copied in (([MB, 2 * MB], 6 * MB), ([MB, MB], 4 * MB)):
         planner = MissPlanner(SLOW, layer_bytes, n_used=2)
-        planner.observe(graph(100.0, [0, 0], [1, 1]), None, jobs, jobs[:1])
-        assert planner.busy == pytest.approx(copied / (SLOW.link_gbps * 1e6) / 100.0)
+        core = planned_core(planner)
+        seen = core.observe(ids, True, writes, 1, writes[:1], np.array([2, 0], dtype=np.int32))
+        assert seen.link_ms == pytest.approx(copied / (SLOW.link_gbps * 1e6))
+        assert seen.lane.tolist() == [1, 0]
+        assert seen.graph_ms == pytest.approx(planner.graph_ms(seen.hits, seen.lane, seen.misses))
+        assert core.busy == pytest.approx(min(1.0, seen.link_ms / seen.graph_ms))
+    engine = CacheEngine(2, 8, 4, make_policy("heat"), admission="eager", miss_planner=planner)
+    core = engine._core
+    core.observe(ids, True, writes, 1, declined=np.array([2, 0], dtype=np.int32))
+    core.observe(ids, False, writes, 1, declined=np.array([2, 0], dtype=np.int32))  # a prompt: not counted
+    assert engine.counters["lane_misses"].tolist() == [1, 0] and engine.counters["declined"].tolist() == [2, 0]
+    with pytest.raises(ValueError, match="a copy of layer 2"):
+        core.observe(ids, True, np.array([[2, 1, 0]], dtype=np.int32))
+    # without a lane no lane counter, without a planner neither
+    assert "lane_misses" not in CacheEngine(2, 8, 4, make_policy("heat"), admission="eager",
+                                            miss_planner=MissPlanner(SLOW, [MB, MB], lane=False)).counters
+    assert not {"lane_misses", "declined"} & CacheEngine(2, 8, 4, make_policy("heat"), admission="eager").counters.keys()
 
 
 def test_a_graphs_time_is_the_formulas_and_the_observation_sums_it_for_one_token():
@@ -129,13 +170,15 @@ def test_a_graphs_time_is_the_formulas_and_the_observation_sums_it_for_one_token
                        for eb, db, h, n, c in zip(expert_bytes, dense_bytes, hits, lane, cpu))
         assert planner.graph_ms(hits, lane, lane + cpu) == pytest.approx(expected)
     # the engine's C observation: the table for one token's counts, -1 beyond it
-    core = CacheEngine(3, 8, 4, make_policy("heat"), admission="eager", miss_planner=planner)._core
+    core = planned_core(planner)
     summed = 0
     for n in (2, 2, 2, 2, 6, 6):
         ids = rng.integers(-1, 8, (3, n))
         misses = core.observe(ids, True).misses
-        lane = np.minimum(rng.integers(0, 3, 3), misses).astype(np.int64)
-        seen = core.observe(ids, True, lane)
+        lane = np.minimum(rng.integers(0, 3, 3), misses)
+        writes = np.concatenate([copies(k, layer) for layer, k in enumerate(lane)])
+        seen = core.observe(ids, True, writes, len(writes))
+        assert seen.lane.tolist() == lane.tolist()
         if max(seen.hits.max(), seen.misses.max()) <= 2:
             assert seen.graph_ms == pytest.approx(planner.graph_ms(seen.hits, lane, seen.misses))
             summed += 1
@@ -143,7 +186,8 @@ def test_a_graphs_time_is_the_formulas_and_the_observation_sums_it_for_one_token
             assert seen.graph_ms == -1
     assert summed >= 4
     plain = CacheEngine(3, 8, 4, make_policy("heat"), admission="eager")._core
-    assert plain.observe(rng.integers(-1, 8, (3, 2)), True).graph_ms == -1  # no planner, no table
+    seen = plain.observe(rng.integers(-1, 8, (3, 2)), True)
+    assert seen.graph_ms == -1 and seen.lane is None  # no planner, no table
 
 
 def test_a_slow_link_sends_misses_to_the_cpu_and_makes_no_upload_that_does_not_pay():

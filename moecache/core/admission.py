@@ -99,8 +99,8 @@ class Admissions(NamedTuple):
     """The slot writes of a graph under a handover (admissions_with_lane())."""
 
     jobs: np.ndarray      # (n, 3) int32 (layer, expert, slot): layer by layer, the lane's first in a layer
-    lane: np.ndarray      # (L,) int64: how many of a layer's rows are lane copies (its first ones)
-    declined: np.ndarray  # (L,) int64: the layer's uploads the margin declined
+    lane: np.ndarray      # (L,) int32: how many of a layer's rows are lane copies (its first ones)
+    declined: np.ndarray  # (L,) int32: the layer's uploads the margin declined
 
     def lane_first(self) -> tuple[np.ndarray, int]:
         """The rows with every layer's lane copies first (layer by layer), then the uploads:
@@ -144,19 +144,19 @@ class EagerAdmission:
         self._budget = np.full(L, K if inserts is None else inserts, dtype=np.int64)
         self.handover: Handover | None = None  # what the graph about to run follows
         self._miss_planner = miss_planner  # moecache.core.missplan.MissPlanner or None
-        if miss_planner is not None and miss_planner.lane:  # its table built now, not in the first step
-            miss_planner.lane_table(E, miss_planner.n_used)
+        # its lane table (None without the lane), built now: every call costs in a live step
+        self._lane = miss_planner.lane_table(E, miss_planner.n_used) \
+            if miss_planner is not None and miss_planner.lane else None
 
     def admitted(self, ids: np.ndarray, reported, lane_rows: int, declined):
         """The slot writes the graph that selected `ids` made under the current handover,
         lane copies first (Admissions.lane_first): `reported` by libllama, of which the first
         `lane_rows` are lane copies, with the (L,) uploads the margin `declined` per layer, or
-        when None the modelled ones. Returns them, their number of lane copies, and per layer
-        the lane copies and the uploads the margin declined (None when reported without a miss
-        planner)."""
+        when None the modelled ones. Returns them, their number of lane copies and the (L,)
+        int32 uploads the margin declined (None when reported without a miss planner)."""
         if reported is None:
             modelled = admissions_with_lane(self.handover, ids, self._state.slot_expert)
-            return (*modelled.lane_first(), modelled.lane, modelled.declined)
+            return (*modelled.lane_first(), modelled.declined)
         jobs = np.ascontiguousarray(reported, dtype=np.int32).reshape(-1, 3)
         L = len(self._budget)
         if not 0 <= lane_rows <= len(jobs) or (lane_rows and self.handover.lane is None):
@@ -166,7 +166,9 @@ class EagerAdmission:
         elif declined is None or np.shape(declined) != (L,):
             raise ValueError(f"reported admissions under a miss planner need the uploads its margin declined per "
                              f"layer ({L},), got {None if declined is None else np.shape(declined)}")
-        return jobs, lane_rows, np.bincount(jobs[:lane_rows, 0], minlength=L), declined
+        else:
+            declined = np.ascontiguousarray(declined, dtype=np.int32)
+        return jobs, lane_rows, declined
 
     def hand_over(self, t: int) -> Handover:
         """The handover for the graph about to run, from the policy's view at boundary t."""
@@ -178,7 +180,9 @@ class EagerAdmission:
         else:  # no admission test: every miss is worth a victim
             worth = np.full(self._all_keys.shape, np.inf)
         victims, victim_worth = self._core.handover(priority, worth)
-        # the miss planner's lane table and margin; worth_if_used counts the use at t + 1
-        rule = () if self._miss_planner is None else self._miss_planner.rule(worth.shape[1], policy.use_worth(t + 1))
-        self.handover = Handover(victims, victim_worth, worth, self._budget, *rule)
+        # the miss planner's lane table and margin (worth_if_used counts the use at t + 1), as far as
+        # the link is busy
+        margin = 0.0 if self._miss_planner is None else \
+            self._miss_planner.margin(policy.use_worth(t + 1), self._core.busy)
+        self.handover = Handover(victims, victim_worth, worth, self._budget, self._lane, margin)
         return self.handover

@@ -36,6 +36,9 @@ def _u8(array):  # numpy bool
     return ffi.from_buffer("uint8_t[]", array)
 
 
+NO_JOBS = np.empty((0, 3), dtype=np.int32)  # a job table of nothing (moecache.core.state's job tables)
+
+
 def _f64(array):
     return ffi.NULL if array is None else ffi.from_buffer("double[]", array)
 
@@ -59,7 +62,11 @@ class Observation(NamedTuple):
     misses: np.ndarray     # (L,) int64
     ids: np.ndarray        # the ids as the C reads them (native_ids)
     any_miss: bool
-    graph_ms: float        # the miss planner's modelled time of the graph (model_graphs), -1: none
+    # a miss planner's decode graph (model_graphs), else None, -1, 0: its lane copies per layer
+    # ((L,) int64, among the misses), its modelled time (-1: a count outside the table) and link time
+    lane: np.ndarray | None
+    graph_ms: float
+    link_ms: float
 
 
 class Bookkeeping:
@@ -98,21 +105,42 @@ class Bookkeeping:
         self.cand_layer, self.cand_expert = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
         self._choice.cand_layer, self._choice.cand_expert = _i64(self.cand_layer), _i64(self.cand_expert)
 
-    def model_graphs(self, table: np.ndarray, group: np.ndarray) -> None:
-        """From now on each observation also sums the graph's modelled time from a miss planner's
-        table ((G, n, n, n) float64 of one layer's time by hits, lane copies and misses on the
-        CPU; group: (L,) int64, each layer's row)."""
-        self._graph_arrays = table, group = np.ascontiguousarray(table), np.ascontiguousarray(group, dtype=np.int64)
-        if table.ndim != 4 or len(set(table.shape[1:])) != 1 or group.shape != (self.n_layers,):
-            raise ValueError(f"a (G, n, n, n) table and ({self.n_layers},) groups, got {table.shape}, {group.shape}")
+    def model_graphs(self, table: np.ndarray, group: np.ndarray, copy_bytes: np.ndarray, link_gbps: float,
+                     decay: float) -> None:
+        """From now on each decode observation also models the graph for a miss planner
+        (mc_observe): its time, summed from a table ((G, n, n, n) float64 of one layer's time by
+        hits, lane copies and misses on the CPU; group: (L,) int64, each layer's row), and the
+        time its copies held the link (copy_bytes (L,) per copy, at link_gbps), both taken into
+        decayed averages (weight `decay` on the past) whose ratio is `busy`."""
+        table, group = np.ascontiguousarray(table), np.ascontiguousarray(group, dtype=np.int64)
+        copy_bytes = np.ascontiguousarray(copy_bytes, dtype=np.float64)
+        L = self.n_layers
+        if table.ndim != 4 or len(set(table.shape[1:])) != 1 or group.shape != (L,) or copy_bytes.shape != (L,):
+            raise ValueError(f"a (G, n, n, n) table, ({L},) groups and ({L},) copy bytes, got {table.shape}, "
+                             f"{group.shape}, {copy_bytes.shape}")
+        self._graph_arrays = table, group, copy_bytes  # what the C points at
+        self._link = ffi.new("mc_link *", (_f64(copy_bytes), link_gbps * 1e6, decay, 0.0, 0.0, 1.0))
         obs = self._observation
         obs.graph_table, obs.graph_group, obs.graph_n = _f64(table), _i64(group), table.shape[1]
+        obs.link = self._link
 
-    def observe(self, ids: np.ndarray, lookups: bool, lane=None) -> Observation:
-        """Count an (L, n) observation (mc_observe): hits, misses, uses, usage, prefetch hits,
-        and the modelled time of the graph (model_graphs) with lane copies per layer ((L,)
-        int64, among the misses; None: none). Without lookups (a prompt the stock graph ran)
-        nothing is a hit or a miss."""
+    @property
+    def busy(self) -> float:
+        """The link's share of the recent decode graphs' modelled time (model_graphs), at most 1;
+        1 before any graph."""
+        return self._link.busy
+
+    def link_update(self, graph_ms: float, link_ms: float) -> None:
+        """Take a decode graph whose time the table could not give into the link's averages."""
+        lib.mc_link_update(self._link, graph_ms, link_ms)
+
+    def observe(self, ids: np.ndarray, lookups: bool, writes=NO_JOBS, n_lane: int = 0, uploads=NO_JOBS,
+                declined=None) -> Observation:
+        """Count an (L, n) observation (mc_observe): hits, misses, uses, usage, prefetch hits.
+        Without lookups (a prompt the stock graph ran) nothing is a hit or a miss. With
+        model_graphs, a decode graph's slot writes ((n, 3) int32 job rows, the first n_lane lane
+        copies, among the misses), the boundary's uploads that ran beside it and the (L,) int32
+        uploads its margin declined (None: none) are counted and modelled."""
         L = self.n_layers
         if ids.ndim != 2 or ids.shape[0] != L or ids.dtype.kind not in "iu":
             raise ValueError(f"ids must be an integer array ({L}, n_used), got {ids.dtype} {ids.shape}")
@@ -125,11 +153,21 @@ class Bookkeeping:
         obs.lookups = lookups
         obs.used, obs.hit = _u8(used), _u8(hit_mask)
         obs.counts = _i64(counts)
-        obs.lane = ffi.NULL if lane is None else _i64(lane)
-        if lib.mc_observe(self._core, obs):
+        lane = None
+        if obs.graph_table and lookups:
+            lane = np.empty(L, dtype=np.int64)
+            obs.lane = _i64(lane)
+            obs.writes, obs.n_writes, obs.n_lane = _i32(writes), len(writes), n_lane
+            obs.uploads, obs.n_uploads = _i32(uploads), len(uploads)
+            obs.declined = ffi.NULL if declined is None else _i32(declined)
+        status = lib.mc_observe(self._core, obs)
+        if status == 1:
             raise ValueError(f"expert ids must be in [-1, {self.n_expert}), got {obs.bad_id}")
+        if status:
+            raise ValueError(f"a copy of layer {obs.bad_id}: layers are in [0, {L})")
         self._state.used = used  # what mc_engine.used points at until the next observation
-        return Observation(hit_mask, counts[0], counts[1], native, bool(obs.any_miss), obs.graph_ms)
+        return Observation(hit_mask, counts[0], counts[1], native, bool(obs.any_miss), lane, obs.graph_ms,
+                           obs.link_ms)
 
     def publish(self, jobs: np.ndarray, ready: int) -> int:
         """Publish the first `ready` of these due uploads (the others count as late); returns
@@ -217,7 +255,7 @@ class NativeHandover:
 
 def admit(handover, ids: np.ndarray, slot_expert: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """moecache.core.admission.admissions in C (mc_admit): the (n, 3) int32 job rows, and per
-    layer the (L,) int64 lane rows and uploads the margin declined."""
+    layer the (L,) int32 lane rows and uploads the margin declined."""
     if handover.native is None:
         handover.native = NativeHandover(handover)
     native = handover.native
@@ -232,9 +270,9 @@ def admit(handover, ids: np.ndarray, slot_expert: np.ndarray) -> tuple[np.ndarra
     slots = slot_expert if slot_expert.dtype == np.int32 and slot_expert.flags.c_contiguous else \
         np.ascontiguousarray(slot_expert, dtype=np.int32)
     jobs = np.empty((L * min(n, K), 3), dtype=np.int32)
-    lane_rows, declined = np.empty((2, L), dtype=np.int64)
+    lane_rows, declined = np.empty((2, L), dtype=np.int32)
     n_jobs = lib.mc_admit(native.table, ffi.from_buffer(ids), ids.itemsize == 8, n, _i32(slots), native.mark,
-                          native.cand, _i32(jobs), _i64(lane_rows), _i64(declined))
+                          native.cand, _i32(jobs), _i32(lane_rows), _i32(declined))
     if n_jobs < 0:
         raise ValueError(f"expert ids must be in [-1, {E}), got {ids.flat[-1 - n_jobs]}")
     return jobs[:n_jobs], lane_rows, declined

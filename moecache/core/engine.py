@@ -55,6 +55,7 @@ import numpy as np
 
 from .admission import ADMISSIONS, EagerAdmission, Handover
 from .bookkeeping import COUNTERS, Bookkeeping, Observation
+from .missplan import BUSY_DECAY
 from .model import CacheModel
 from .planner import UploadPlanner
 from .policies import Policy
@@ -178,10 +179,14 @@ class CacheEngine(CacheModel):
         self._eager = EagerAdmission(state, self._core, policy, inserts, miss_planner) \
             if admission == "eager" else None
         self.miss_planner = miss_planner
-        if miss_planner is not None:  # the planner's own counters, beside the C's, and its graph model
-            for name in ("declined",) + (("lane_misses",) if miss_planner.lane else ()):
-                state.counters[name] = np.zeros(n_layers, dtype=np.int64)
-            self._core.model_graphs(miss_planner.token_table, miss_planner.layer_group)
+        if miss_planner is None:  # the planner's counters only where it runs
+            del state.counters["declined"], state.counters["lane_misses"]
+        else:  # the C's observation models each decode graph for it
+            if not miss_planner.lane:
+                del state.counters["lane_misses"]
+            self._core.model_graphs(miss_planner.token_table, miss_planner.layer_group, miss_planner.expert_bytes,
+                                    miss_planner.rates.link_gbps, BUSY_DECAY)
+        self._beside = NO_JOBS  # the last decode boundary's uploads, which ran beside the next graph
         self._queue = _UploadQueue(self._core, publish_delay)
         self.slot_expert, self.expert_slot, self.usage = state.slot_expert, state.expert_slot, state.usage
         self.assigned = read_only(state.assigned)    # (L, E) slot of each published or in-flight expert
@@ -256,11 +261,10 @@ class CacheEngine(CacheModel):
         if prefill and (ids is None or (admitted is not None and len(admitted)) or lane_rows):
             raise ValueError("a prefill step needs the prompt's ids, and the stock graph admits nothing")
         ids = None if ids is None else np.asarray(ids)
-        # the graph's slot writes first: its lane copies are part of what the observation models
+        # the graph's slot writes first: the observation models them
         writes = None if ids is None or prefill else self._graph_writes(ids, admitted, lane_rows, declined)
-        lane = None if writes is None else writes[2]
-        seen = None if ids is None else self._observe(t, ids, lookups=not prefill, lane=lane)
-        taken, taken_evict = (NO_JOBS, NO_JOBS) if writes is None else self._take_admissions(t, *writes)
+        seen = None if ids is None else self._observe(t, ids, lookups=not prefill, writes=writes)
+        taken, taken_evict = (NO_JOBS, NO_JOBS) if writes is None else self._take_admissions(t, *writes[:2])
         publish, late = self._queue.publish(ready)
         if prefill:
             evict, upload = self._planner.plan_prompt(t, seen.ids)
@@ -269,42 +273,44 @@ class CacheEngine(CacheModel):
         if taken_evict.size:
             evict = join_jobs([taken_evict, evict])
         self._queue.push(upload, late)
-        if self.miss_planner is not None and seen is not None and not prefill:
-            # the link's share of the graph's modelled time sets the next margin: its slot writes
-            # (lane copies among them) and this boundary's uploads
-            self.miss_planner.observe(seen, lane, taken, upload)
+        # a decode boundary's uploads run beside the next graph, on the link its observation models
+        # (a prompt's and the first boundary's fill the cache once: not the decode's traffic)
+        self._beside = upload if seen is not None and not prefill else NO_JOBS
         if self._eager is not None:
             self._eager.hand_over(t)
         if seen is None:
             return StepPlan(t, None, np.zeros(self.n_layers, dtype=np.int64),
                             np.zeros(self.n_layers, dtype=np.int64), publish, evict, upload, taken)
+        lane = seen.lane if self.miss_planner is not None and self.miss_planner.lane else None
         return StepPlan(t, seen.hit_mask, seen.hits, seen.misses, publish, evict, upload, taken, lane)
 
-    def _observe(self, t, ids, lookups, lane=None) -> Observation:
-        """Count the observed step (hits unless it made no lookups: a prompt; lane: its lane
-        copies per layer, for the miss planner's model) and hand it to the policy."""
-        seen = self._core.observe(ids, lookups, lane)
+    def _observe(self, t, ids, lookups, writes=None) -> Observation:
+        """Count the observed step (hits unless it made no lookups: a prompt) and hand it to the
+        policy; with a miss planner, a decode graph's slot writes (_graph_writes) and the
+        uploads that ran beside it are modelled too (Bookkeeping.model_graphs)."""
+        if self.miss_planner is None:
+            seen = self._core.observe(ids, lookups)
+        else:
+            jobs, n_lane, declined = (NO_JOBS, 0, None) if writes is None else writes
+            seen = self._core.observe(ids, lookups, jobs, n_lane, self._beside, declined)
+            if seen.graph_ms < 0 and lookups:  # several tokens' counts: the formula
+                self._core.link_update(self.miss_planner.graph_ms(seen.hits, seen.lane, seen.misses), seen.link_ms)
         self.policy.observe(t, ids, seen.hit_mask, self._state.used)
         return seen
 
     def _graph_writes(self, ids, reported, lane_rows, reported_declined):
         """Eager: the slot writes the observed graph made under the last handover (lane copies
-        first), their number of lane copies, the lane copies per layer (None without a lane)
-        and the uploads the margin declined per layer; None without a handover."""
+        first), their number of lane copies and the uploads the margin declined per layer;
+        None without a handover."""
         if self._eager is None or self._eager.handover is None:
             if lane_rows:
                 raise ValueError("lane_rows needs eager admission and a handover with a lane")
             return None
-        admitted, n_lane, lane, declined = self._eager.admitted(ids, reported, lane_rows, reported_declined)
-        return admitted, n_lane, None if self._eager.handover.lane is None else lane, declined
+        return self._eager.admitted(ids, reported, lane_rows, reported_declined)
 
-    def _take_admissions(self, t, admitted, n_lane, lane, declined):
-        """Eager: count the graph's slot writes (_graph_writes) and commit them, due now (lane
-        copies first). Returns them and their victims."""
-        if self.miss_planner is not None:
-            self.counters["declined"] += declined
-        if lane is not None:
-            self.counters["lane_misses"] += lane
+    def _take_admissions(self, t, admitted, n_lane):
+        """Eager: commit the graph's slot writes (_graph_writes), due now (lane copies first).
+        Returns them and their victims."""
         if not admitted.size:
             return admitted, NO_JOBS
         evict = self._planner.commit(t, admitted, False)

@@ -35,9 +35,11 @@ runs it, native/engine_core.c's mc_admit models it): per layer of a graph, once 
   costs (at `miss_gbps`, the rate the CPU and the lane serve misses together) must exceed
   the time its copy holds the link (at `upload_gbps`): PAYBACK = miss_gbps / upload_gbps
   uses, as far as the link is busy: the handover's `margin` is PAYBACK x busy ** BUSY_POWER,
-  busy the link's share of the recent decode graphs' modelled time (lane copies and uploads
-  against the graph's layer_ms, decayed averages of the counts `observe` is given: the same in
-  a live run and its replay). An upload into an idle link costs nothing; near saturation it
+  busy the link's share of the recent decode graphs' modelled time: the link time of each
+  graph's slot writes (lane copies among them) and of the boundary's uploads that ran beside
+  it, against the graph's layer_ms, decayed averages the engine's C observation keeps
+  (Bookkeeping.model_graphs; the same in a live run and its replay). An upload into an idle
+  link costs nothing; near saturation it
   costs its full link time. The handover's budget (INSERTS) caps the layer's slot writes, lane
   copies and uploads alike.
 
@@ -153,8 +155,6 @@ class MissPlanner:
             raise ValueError(f"the lane's planner needs n_used, the experts a token selects (>= 1), got {n_used!r}")
         self._tables: dict = {}  # (n_expert, n_used) -> lane table
         self._payback_uses = rates.payback_uses  # the rates are fixed: once, not at every step
-        self._link_ms = self._token_ms = 0.0  # decayed averages of decode graphs (observe)
-        self._busy = 1.0  # their ratio (busy), kept by observe: the step reads it at every handover
         # layer_ms of one decode token's counts (each below n_used + 1), by layer size: [group, hits, lane, cpu];
         # the engine's C observation sums it per graph (Bookkeeping.model_graphs): in numpy that cost a
         # tenth of a live step
@@ -164,8 +164,6 @@ class MissPlanner:
             OUR_LAYOUT, sizes[0][:, None, None, None], sizes[1][:, None, None, None],
             counts[None, :, None, None], counts[None, None, :, None], counts[None, None, None, :]))
         self.layer_group = np.ascontiguousarray(group.reshape(-1), dtype=np.int64)
-        # every layer's experts the same size: a copy's bytes without a lookup
-        self._copy_bytes = float(self.expert_bytes[0]) if np.all(self.expert_bytes == self.expert_bytes[0]) else None
 
     def graph_ms(self, hits, lane, misses) -> float:
         """The modelled time of a decode graph with these per-layer hits, misses and lane copies
@@ -175,34 +173,10 @@ class MissPlanner:
         return float(np.sum(self.rates.layer_ms(OUR_LAYOUT, self.expert_bytes, self.dense_bytes, hits, lane,
                                                 misses - lane)))
 
-    def observe(self, seen, lane, *copies) -> None:
-        """A decode graph: its observation (the engine's: per layer hits and misses, and
-        graph_ms, its modelled time for one token's counts, else -1), its lane copies per layer
-        (None: none) and the job tables ((n, 3) rows of (layer, expert, slot)) of the copies the
-        link made for it (lane copies and asynchronous uploads); the decayed averages of their
-        times give busy."""
-        graph_ms = seen.graph_ms
-        if graph_ms < 0:  # several tokens' counts: the formula
-            graph_ms = self.graph_ms(seen.hits, np.zeros_like(seen.hits) if lane is None else lane, seen.misses)
-        if self._copy_bytes is not None:
-            link_bytes = self._copy_bytes * sum(map(len, copies))
-        else:
-            link_bytes = float(sum(self.expert_bytes[jobs[:, 0]].sum() for jobs in copies))
-        link = link_bytes / (self.rates.link_gbps * 1e6)
-        self._link_ms = BUSY_DECAY * self._link_ms + (1 - BUSY_DECAY) * link
-        self._token_ms = BUSY_DECAY * self._token_ms + (1 - BUSY_DECAY) * graph_ms
-        self._busy = 1.0 if self._token_ms == 0 else min(1.0, self._link_ms / self._token_ms)
-
-    @property
-    def busy(self) -> float:
-        """The link's share of the recent decode graphs' time (decayed averages, modelled from
-        their counts), at most 1; 1 before any graph."""
-        return self._busy
-
-    def margin(self, use_worth: float) -> float:
+    def margin(self, use_worth: float, busy: float) -> float:
         """What an asynchronous upload's worth must beat its victim's by: PAYBACK uses, as far
         as the link is busy (busy ** BUSY_POWER: an upload into an idle link costs nothing)."""
-        return self._payback_uses * use_worth * self._busy ** BUSY_POWER
+        return self._payback_uses * use_worth * busy ** BUSY_POWER
 
     def lane_table(self, n_expert: int, n_used: int) -> np.ndarray:
         """(L, E + 1) int32: lane[l, m], how many of m candidates of layer l take the lane, the
@@ -219,14 +193,3 @@ class MissPlanner:
             table.flags.writeable = False
             self._tables[key] = table
         return self._tables[key]
-
-    def rule(self, n_expert: int, use_worth: float) -> tuple[np.ndarray | None, float]:
-        """The planner's rule for an eager handover (moecache.core.admission.Handover's lane and
-        margin): its lane table (None without the lane) and the margin. use_worth: the
-        handover's worth units of one use (Policy.use_worth)."""
-        lane = None
-        if self.lane:  # built at the engine's start: a lookup (every call costs in a live step)
-            lane = self._tables.get((n_expert, self.n_used))
-            if lane is None:
-                lane = self.lane_table(n_expert, self.n_used)
-        return lane, self.margin(use_worth)

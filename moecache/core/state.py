@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .bookkeeping import COUNTERS
+from .bookkeeping import COUNTERS, NO_JOBS
 
-NO_JOBS = np.empty((0, 3), dtype=np.int32)
 NO_LAYERS = np.empty(0, dtype=np.int64)
 
 
