@@ -39,9 +39,8 @@ runs it, native/engine_core.c's mc_admit models it): per layer of a graph, once 
   graph's slot writes (lane copies among them) and of the boundary's uploads that ran beside
   it, against the graph's layer_ms, decayed averages the engine's C observation keeps
   (Bookkeeping.model_graphs; the same in a live run and its replay). An upload into an idle
-  link costs nothing; near saturation it
-  costs its full link time. The handover's budget (INSERTS) caps the layer's slot writes, lane
-  copies and uploads alike.
+  link costs nothing; near saturation it costs its full link time. The handover's budget
+  (INSERTS) caps the layer's slot writes, lane copies and uploads alike.
 
 Without the lane (`lane=False`) the handover carries the margin alone: every miss on the CPU,
 the payback rule for the uploads.
