@@ -19,10 +19,16 @@ N_TOKENS = 24
 TINY = dict(n_layer=2, n_expert=8, n_expert_used=2, n_embd=64, n_head=4, n_head_kv=2)
 
 
-def _cached_run(path, *, repack):
+# the miss planner's rates set so that every miss it may take goes through the copy-on-miss lane:
+# copied into a slot during the graph that selected it and computed there by the device half
+LANE = dict(policy="heat", planner=1, link_gbps=1000, host_gbps=1)
+
+
+def _cached_run(path, *, repack, n_tokens=N_TOKENS, **settings):
     llm = load(path, repack=repack)
-    cache = attach(llm, slots=2, inserts=2, policy="lru", wait=1)  # deterministic counts
-    tokens, logits = greedy(llm, PROMPT, N_TOKENS)
+    settings = {"policy": "lru", **settings}
+    cache = attach(llm, slots=2, inserts=2, wait=1, **settings)  # deterministic counts
+    tokens, logits = greedy(llm, PROMPT, n_tokens)
     return cache, tokens, logits
 
 
@@ -65,3 +71,28 @@ def test_gpt_oss_with_its_mxfp4_experts(rpc_device, repack):
     totals = cache.stats()["totals"]
     assert totals["hits"] > 0 and totals["uploads"] > 0, totals
 
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_lane_decode_is_bit_identical(rpc_device, arch):
+    """The lane writes a slot and its table entry while the graph runs: the device half must read
+    them after the CPU half's observer wrote them, on the device (gpt-oss's down bias once pulled
+    its device half onto the CPU, over a copy of the slots taken before the lane wrote them)."""
+    path = str(tiny_moe(arch=arch, **TINY))
+    stock_tokens, stock_logits = greedy(load(path), PROMPT, N_TOKENS)
+    cache, tokens, logits = _cached_run(path, repack=False, **LANE)
+
+    assert tokens == stock_tokens
+    assert np.array_equal(logits, stock_logits), f"max |diff| {np.abs(logits - stock_logits).max()}"
+    assert cache.failed is None and cache.stats()["totals"]["lane_misses"] > 0
+
+
+@pytest.mark.parametrize("expert_type", ["f32", "mxfp4"])
+def test_gpt_oss_lane_is_bit_identical_over_96_tokens(rpc_device, expert_type):
+    path = str(tiny_moe(arch="gpt-oss", expert_type=expert_type, **TINY))
+    stock_tokens, stock_logits = greedy(load(path), PROMPT, 96)
+    cache, tokens, logits = _cached_run(path, repack=False, n_tokens=96, **LANE)
+
+    assert tokens == stock_tokens
+    assert np.array_equal(logits, stock_logits), f"max |diff| {np.abs(logits - stock_logits).max()}"
+    assert cache.stats()["totals"]["lane_misses"] > 0

@@ -208,6 +208,43 @@ def test_ram_tier_stops_decoding_when_the_model_file_changes(tmp_path, change, d
     assert "the model file changed" in tier.failed
 
 
+@pytest.mark.parametrize("change", ["unlinked", "replaced by a rename"])
+@pytest.mark.parametrize("device", [False, True], ids=["alone", "under a device cache"])
+def test_ram_tier_decodes_on_when_the_model_file_loses_its_name(tmp_path, change, device, request):
+    """A file unlinked, or another renamed over its path (an atomic update): the descriptor and the
+    mapping the tier reads still hold the model's bytes, as stock mmap's mapping does, so decoding
+    goes on, with the logits of a run where the file stayed."""
+    from moecache.models import tiny_moe
+
+    path = tmp_path / "model.gguf"
+    path.write_bytes(tiny_moe(n_layer=2, n_expert=8, n_embd=128).read_bytes())
+
+    def open_tier():
+        if device:
+            request.getfixturevalue("rpc_device")
+            llm = load(str(path), from_file=True)
+            return llm, attach(llm, slots=1, ram_mib=1, wait=1).below
+        llm = load_from_file(str(path))
+        return llm, attach(llm, ram_mib=1, wait=1)
+
+    llm, tier = open_tier()
+    expected = greedy(llm, PROMPT, 16)
+    llm.close()
+
+    llm, tier = open_tier()
+    assert 0 < tier.slots < tier.layers[0].n_expert  # reads go on after the change
+    llm.eval(llm.tokenize(PROMPT))
+    if change == "unlinked":
+        path.unlink()
+    else:
+        other = tmp_path / "update.gguf"
+        other.write_bytes(bytes(b ^ 0xFF for b in path.read_bytes()))
+        os.replace(other, path)
+    tokens, logits = greedy(llm, PROMPT, 16)
+    assert tier.failed is None
+    assert tokens == expected[0] and np.array_equal(logits, expected[1])
+
+
 # --- both tiers: a device cache over the RAM tier ----------------------------------------------
 
 
