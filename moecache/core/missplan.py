@@ -19,7 +19,8 @@ landed: always for upstream llama.cpp's cache (it reads the ids back to plan its
 computes every expert), for ours only when the lane copied something (the slots the device
 reads must hold the copies); our hits alone start right after the router (the device table
 remaps the ids on the device). The join is paid by every layer whose graph has a CPU node:
-stock --cpu-moe and ours always, upstream only where it bypasses its cache. Expert counts
+stock --cpu-moe and ours always, upstream where it bypasses its cache or (b12191) with a CPU
+share. Expert counts
 are in experts of the layer (expert_bytes each), rates in GB/s (1e9 bytes), latencies in us.
 
 The plan (`MissPlanner`) is a rule the handover carries (moecache.core.admission states it; libllama
@@ -73,6 +74,8 @@ class Layout:
 STOCK_LAYOUT = Layout("stock --cpu-moe", device_waits=False, host_node=True)
 OUR_LAYOUT = Layout("moecache", device_waits=False, host_node=True)
 UPSTREAM_LAYOUT = Layout("upstream llama.cpp", device_waits=True, host_node=False)
+# b12191's --moe-cache-cpu-share F > 0: its graph computes a share of the misses on the CPU
+UPSTREAM_CPU_SHARE_LAYOUT = Layout("upstream llama.cpp, CPU share", device_waits=True, host_node=True)
 
 
 @dataclass(frozen=True)
@@ -192,3 +195,4 @@ class MissPlanner:
             table.flags.writeable = False
             self._tables[key] = table
         return self._tables[key]
+
