@@ -196,3 +196,25 @@ class MissPlanner:
             self._tables[key] = table
         return self._tables[key]
 
+
+def planner_by_default(policy, admission: str) -> bool:
+    """Whether a context that sets no LLAMA_MOE_CACHE_PLANNER runs the miss planner: wherever it
+    can run, eager admission with a policy whose worth counts uses (policy.counts_uses: heat,
+    lfu), at any rates.
+
+    Contract (for the live config, which calls it once per context): policy is the context's
+    Policy class or object, admission its resolved timing ("eager" or "boundary"). True: build
+    the engine with MissPlanner at the rates attach measured (or LLAMA_MOE_CACHE_LINK_GBPS /
+    _HOST_GBPS), exactly as LLAMA_MOE_CACHE_PLANNER=1 does; False: no planner. An explicit
+    LLAMA_MOE_CACHE_PLANNER=0 or 1 overrides it. The replay's moecache.offline.replay.
+    zero_configuration runs the same rule.
+
+    Why the rates and the layer shapes do not enter (MODELLED, docs/policies.md, "The planner by
+    default"): over scripts/compare_upstream.py's grid (both shipped traces, K = 8, 16, 32, each
+    hardware class) the planner is never slower than the same context without it (0.20 to 0.998
+    of its time). Over a sweep of 96 more rate sets (link 1 to 100 GB/s, host 10 to 120, device
+    300 or 1500, ids trip 5 or 30 us) it was slower in 20 of 576 cells, by 3.8% at most (its
+    margin declined uploads that would have paid), and no threshold on the rates and shapes (the
+    payback, the link's share of a nominal token) kept those off without turning grid cells off
+    that it speeds up by up to 5x."""
+    return admission == "eager" and bool(policy.counts_uses)

@@ -53,6 +53,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..core.admission import live_admission
 from ..core.banks import equal_bytes, ram_slots, slots_for_budget
 from ..core.engine import CacheEngine
 from ..core.model import hit_rate
@@ -62,7 +63,7 @@ from ..core.traces import DECODE, RouteTrace, require_memory
 from . import steps
 from .budget import BUDGET_POLICIES, BudgetPolicy, ByteBudgetCache, make_budget_policy
 from ..core.missplan import (OUR_LAYOUT, STOCK_LAYOUT, UPSTREAM_CPU_SHARE_LAYOUT, UPSTREAM_LAYOUT, MissPlanner,
-                             Rates)
+                             Rates, planner_by_default)
 from .cost import Disk, Hardware, WorkTally
 from .pagecache import PAGE_POLICIES, ExpertLayout
 from .readahead import ReadAhead
@@ -259,6 +260,16 @@ def simulate(trace: RouteTrace, model: str, policy, size=None, *, inserts: int |
     return ReplayResult(model, label, slots, budget, inserts, int((trace.phase == DECODE).sum()),
                         decode, final, seconds, times, admission, prefill, len(steps.turns(trace)), work,
                         read_ahead=read_ahead, cpu_share=cpu_share if model == UPSTREAM else None)
+
+
+def zero_configuration(trace: RouteTrace, slots: int, rates: Rates) -> ReplayResult:
+    """What LLAMA_MOE_CACHE_SLOTS=K alone runs on a machine whose attach measured `rates`: the
+    default policy at its live admission, INSERTS 2, the prompt warming the cache, and the miss
+    planner where moecache.core.missplan.planner_by_default turns it on."""
+    policy = POLICIES[resolve_policy("default")]
+    admission = live_admission(policy)
+    return simulate(trace, PER_LAYER, "default", slots, admission=admission, prefill="warm",
+                    miss_plan=rates if planner_by_default(policy, admission) else None)
 
 
 def _tally_plan(work: WorkTally, plan) -> None:
