@@ -212,9 +212,8 @@ def planner_by_default(policy, admission: str) -> bool:
     Why the rates and the layer shapes do not enter (MODELLED, docs/policies.md, "The planner by
     default"): over scripts/compare_upstream.py's grid (both shipped traces, K = 8, 16, 32, each
     hardware class) the planner is never slower than the same context without it (0.20 to 0.998
-    of its time). Over a sweep of 96 more rate sets (link 1 to 100 GB/s, host 10 to 120, device
-    300 or 1500, ids trip 5 or 30 us) it was slower in 20 of 576 cells, by 3.8% at most (its
-    margin declined uploads that would have paid), and no threshold on the rates and shapes (the
-    payback, the link's share of a nominal token) kept those off without turning grid cells off
-    that it speeds up by up to 5x."""
+    of its time). Over scripts/planner_sweep.py's 96 more rate sets it was slower in 20 of 594
+    cells, by 3.8% at most (its margin declined uploads that would have paid), and no threshold
+    on a static figure of the rates and shapes kept those off without turning off grid cells
+    that it speeds up."""
     return admission == "eager" and bool(policy.counts_uses)
