@@ -1,8 +1,6 @@
 """The upstream llama.cpp MoE cache model, both versions (b12191's ClassLRU with its CPU share,
 b11480's LRU): their rules pinned on tiny hand-made traces."""
 
-import math
-
 import numpy as np
 import pytest
 
