@@ -135,3 +135,14 @@ def test_the_comparison_script_ends_with_the_geomean_line(capsys):
                          lines[-1])
     assert match and int(match[2]) == len(rows) and int(match[3]) == sum(r > 1.0 for r in ratios)
     assert float(match[1]) == pytest.approx(math.exp(sum(map(math.log, ratios)) / len(ratios)), abs=0.01)
+
+
+def test_upstream_with_a_cpu_share_computes_misses_beside_its_copies_and_joins():
+    from moecache.core.missplan import UPSTREAM_CPU_SHARE_LAYOUT
+    # ids 0.01; the CPU's miss (0.02) beside the copy (0.04); the device after the copy: 3 x 0.002;
+    # the CPU's branch ends at 0.01 + 0.04 + 0.005, before the device's
+    assert layer(UPSTREAM_CPU_SHARE_LAYOUT, hits=2, lane=1, cpu=1) == pytest.approx(0.01 + 0.01 + 0.04 + 0.006)
+    # a slow CPU share outlasts the device: its join is on the critical path
+    assert layer(UPSTREAM_CPU_SHARE_LAYOUT, hits=1, cpu=4) == pytest.approx(0.01 + 0.01 + 0.08 + 0.005)
+    # all hits: the graph's CPU node still sends its (empty) result back
+    assert layer(UPSTREAM_CPU_SHARE_LAYOUT, hits=1) == pytest.approx(0.01 + 0.01 + 0.005)

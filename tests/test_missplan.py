@@ -381,3 +381,20 @@ def test_the_replay_runs_the_planner_without_its_lane_beside_it():
     hardware = Hardware("fast", "", FAST, "")
     assert fast_lane.totals["lane_misses"] > 0
     assert fast_lane.modelled_ms(hardware) < fast_no_lane.modelled_ms(hardware)
+
+
+def test_the_planner_is_on_by_default_wherever_it_can_run():
+    from moecache.core.missplan import planner_by_default
+    from moecache.core.policies import POLICIES
+    assert planner_by_default(POLICIES["heat"], "eager") and planner_by_default(make_policy("lfu"), "eager")
+    assert not planner_by_default(POLICIES["heat"], "boundary")
+    assert not any(planner_by_default(POLICIES[name], "eager") for name in ("lru", "gdsf", "random", "arc", "sieve"))
+
+
+def test_zero_configuration_replays_the_default_with_the_planner_it_turns_on():
+    from moecache.offline.replay import zero_configuration
+    trace = RouteTrace.from_routing(synthetic_routing(24, 4, 16, 2, seed=3), 16, expert_bytes=[4 * MB] * 4)
+    ours = zero_configuration(trace, 4, SLOW)
+    planned = simulate(trace, PER_LAYER, "heat", 4, admission="eager", prefill="warm", miss_plan=SLOW)
+    assert ours.totals == planned.totals and ours.admission == "eager" and ours.totals["declined"] > 0
+    assert ours.totals != simulate(trace, PER_LAYER, "heat", 4, admission="eager", prefill="warm").totals

@@ -19,7 +19,8 @@ landed: always for upstream llama.cpp's cache (it reads the ids back to plan its
 computes every expert), for ours only when the lane copied something (the slots the device
 reads must hold the copies); our hits alone start right after the router (the device table
 remaps the ids on the device). The join is paid by every layer whose graph has a CPU node:
-stock --cpu-moe and ours always, upstream only where it bypasses its cache. Expert counts
+stock --cpu-moe and ours always, upstream where it bypasses its cache or (b12191) with a CPU
+share. Expert counts
 are in experts of the layer (expert_bytes each), rates in GB/s (1e9 bytes), latencies in us.
 
 The plan (`MissPlanner`) is a rule the handover carries (moecache.core.admission states it; libllama
@@ -73,6 +74,8 @@ class Layout:
 STOCK_LAYOUT = Layout("stock --cpu-moe", device_waits=False, host_node=True)
 OUR_LAYOUT = Layout("moecache", device_waits=False, host_node=True)
 UPSTREAM_LAYOUT = Layout("upstream llama.cpp", device_waits=True, host_node=False)
+# b12191's --moe-cache-cpu-share F > 0: its graph computes a share of the misses on the CPU
+UPSTREAM_CPU_SHARE_LAYOUT = Layout("upstream llama.cpp, CPU share", device_waits=True, host_node=True)
 
 
 @dataclass(frozen=True)
@@ -192,3 +195,25 @@ class MissPlanner:
             table.flags.writeable = False
             self._tables[key] = table
         return self._tables[key]
+
+
+def planner_by_default(policy, admission: str) -> bool:
+    """Whether a context that sets no LLAMA_MOE_CACHE_PLANNER runs the miss planner: wherever it
+    can run, eager admission with a policy whose worth counts uses (policy.counts_uses: heat,
+    lfu), at any rates.
+
+    Contract (for the live config, which calls it once per context): policy is the context's
+    Policy class or object, admission its resolved timing ("eager" or "boundary"). True: build
+    the engine with MissPlanner at the rates attach measured (or LLAMA_MOE_CACHE_LINK_GBPS /
+    _HOST_GBPS), exactly as LLAMA_MOE_CACHE_PLANNER=1 does; False: no planner. An explicit
+    LLAMA_MOE_CACHE_PLANNER=0 or 1 overrides it. The replay's moecache.offline.replay.
+    zero_configuration runs the same rule.
+
+    Why the rates and the layer shapes do not enter (MODELLED, docs/policies.md, "The planner by
+    default"): over scripts/compare_upstream.py's grid (both shipped traces, K = 8, 16, 32, each
+    hardware class) the planner is never slower than the same context without it (0.20 to 0.998
+    of its time). Over scripts/planner_sweep.py's 96 more rate sets it was slower in 20 of 594
+    cells, by 3.8% at most (its margin declined uploads that would have paid), and no threshold
+    on a static figure of the rates and shapes kept those off without turning off grid cells
+    that it speeds up."""
+    return admission == "eager" and bool(policy.counts_uses)

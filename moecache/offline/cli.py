@@ -6,7 +6,7 @@ through moecache.offline.replay.simulate (the models are described there).
                               [--budget-mib 3000,4000]
                               [--hardware pcie4-x16] [--host-gbps G] [--link-gbps G]
                               [--dram-gbps G] [--device-gbps G] [--ids-trip-us U] [--join-us U]
-                              [--planner] [--csv FILE] [--plot PNG]
+                              [--planner] [--cpu-share 0,0.9|tuned] [--csv FILE] [--plot PNG]
     python -m moecache.replay TRACE --ram-mib 932[,1351] --disk-gbps G [--disk-read-us U]
                               [--read-ahead-kb KB] [--host-gbps G] [--policies default]
                               [--expert-read-ahead none,cooccur:1,oracle:2]
@@ -16,7 +16,9 @@ through moecache.offline.replay.simulate (the models are described there).
 each K); --budget-mib sizes the global and the upstream models, and the per-layer model at
 the largest K whose slots fit it: K per layer plus one zero slot per bank of equal expert
 sizes, as LLAMA_MOE_CACHE_MIB sizes the live cache (moecache.live.sizing). A policy name runs
-in every requested model whose registry has it.
+in every requested model whose registry has it. The upstream model runs llama.cpp's cache by
+version: upstream (tag b12191: ClassLRU, at each --cpu-share F; "tuned": the shares its tuner
+picks from) or upstream-b11480 (its plain LRU).
 
 --ram-mib models a model larger than RAM, on the CPU: the RAM tier (LLAMA_MOE_CACHE_RAM_MIB=N,
 moecache.live.ramtier) at the K whose experts fit N MiB over the layers, eager admission with
@@ -61,6 +63,7 @@ from .readahead import PREDICTORS, ReadAhead, parse_spec
 from .cost import DEFAULT_HARDWARE, HARDWARE, Disk
 from .replay import (GLOBAL, MIB, MODELS, PAGE_CACHE, PER_LAYER, PREFILL_MODES, UPSTREAM, ReplayResult,
                      per_layer_slots, policy_names, ram_tier_slots, simulate)
+from .upstream import TUNER_SHARES, UPSTREAM_TAGS
 
 
 def _budgets_arg(text):
@@ -77,6 +80,19 @@ def _budgets_arg(text):
 def _inserts_arg(text):
     """--inserts: an integer >= 1, or 'unlimited' (None)."""
     return None if text == "unlimited" else int_arg(minimum=1)(text)
+
+
+def _shares_arg(text):
+    """--cpu-share: comma-separated numbers in [0, 1), or 'tuned' (the upstream tuner's)."""
+    if text == "tuned":
+        return list(TUNER_SHARES)
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
+    if not values or not all(0 <= v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: shares must be numbers in [0, 1), or 'tuned'")
+    return list(dict.fromkeys(values))
 
 
 def _us_arg(text):
@@ -110,7 +126,7 @@ def admission_list_arg(text):
     return values
 
 
-_budgets_arg.__name__, _inserts_arg.__name__ = "budget list", "inserts"
+_budgets_arg.__name__, _inserts_arg.__name__, _shares_arg.__name__ = "budget list", "inserts", "share list"
 admission_list_arg.__name__, _us_arg.__name__ = "admission list", "latency"
 _read_ahead_arg.__name__ = "read-ahead list"
 RATE_FLAGS = ("host_gbps", "link_gbps", "dram_gbps", "device_gbps", "ids_trip_us", "join_us")
@@ -128,7 +144,8 @@ def parser() -> OneLineParser:
     ap.add_argument("--policies", default="lru,belady,default",
                     help=f"comma separated; per-layer (--slots, --budget-mib): default ({DEFAULT_POLICY}), "
                          f"{', '.join(POLICIES)}; global (--budget-mib): {', '.join(BUDGET_POLICIES)}; both: "
-                         f"upstream (llama.cpp's own cache, at each K's device bytes and each budget)")
+                         f"{', '.join(MODELS[UPSTREAM])} (llama.cpp's own cache at tags "
+                         f"{', '.join(UPSTREAM_TAGS.values())}, at each K's device bytes and each budget)")
     ap.add_argument("--inserts", type=_inserts_arg, default=2,
                     help="uploads per layer per step, or 'unlimited'")
     ap.add_argument("--admission", type=admission_list_arg,
@@ -175,6 +192,10 @@ def parser() -> OneLineParser:
                     help="per-layer model: plan each graph's misses at the hardware's rates, as the live "
                          "planner does (LLAMA_MOE_CACHE_PLANNER=1: the copy-on-miss lane, uploads only "
                          "when they pay; eager admission and a policy that counts uses: heat, lfu)")
+    ap.add_argument("--cpu-share", type=_shares_arg, default=[0.0],
+                    help="upstream (b12191): --moe-cache-cpu-share F, the share of the misses its full cache "
+                         "computes on the CPU, comma separated, or 'tuned': "
+                         + ", ".join(f"{v:g}" for v in TUNER_SHARES) + ", its tuner's (default 0)")
     ap.add_argument("--seed", type=int_arg(minimum=0), default=0, help="seed of the random policies")
     ap.add_argument("--csv", help="also write the results here")
     ap.add_argument("--plot", help="also plot hit%% vs cache size here (needs matplotlib)")
@@ -206,6 +227,8 @@ def check_args(args) -> None:
         valid = "; ".join(f"{flag}: {', '.join(names)}" for flag, names in models)
         raise ValueError(f"unknown policy {', '.join(unknown)} for "
                          f"{' and '.join(f for f, _ in models)}; valid {valid}")
+    if args.cpu_share != [0.0] and "upstream" not in args.policies:
+        raise ValueError("--cpu-share is b12191's: give --policies upstream")
     args.hardware = HARDWARE[args.hardware].override(**{name: getattr(args, name) for name in RATE_FLAGS})
     if args.planner:
         _check_planner(args)
@@ -288,10 +311,11 @@ def run(args, trace, profile) -> list[ReplayResult]:
     runs = [(PER_LAYER, p, k, options, {}) for p, options in per_layer for k in args.slots] + \
            [(PER_LAYER, p, args.budget_slots[b], options, {"budget_mib": b}) for p, options in per_layer
             for b in args.budget_mib] + \
-           [(UPSTREAM, p, equal(k), {}, {"slots": k}) for p in args.policies if p in policy_names(UPSTREAM)
-            for k in args.slots] + \
-           [(model, p, b, {}, {}) for model in (GLOBAL, UPSTREAM) for p in args.policies
-            if p in policy_names(model) for b in args.budget_mib] + \
+           [(UPSTREAM, p, equal(k), share, {"slots": k}) for p in args.policies if p in policy_names(UPSTREAM)
+            for k in args.slots for share in _shares(p, args)] + \
+           [(GLOBAL, p, b, {}, {}) for p in args.policies if p in policy_names(GLOBAL) for b in args.budget_mib] + \
+           [(UPSTREAM, p, b, share, {}) for p in args.policies if p in policy_names(UPSTREAM)
+            for b in args.budget_mib for share in _shares(p, args)] + \
            [(PER_LAYER, p, args.ram_slots[b], {"inserts": args.ram_slots[b], "prefill": "lookup", "admission": a,
                                                 **read_ahead}, {"ram_mib": b})
             for p in args.policies if p in policy_names(PER_LAYER)
@@ -309,6 +333,12 @@ def run(args, trace, profile) -> list[ReplayResult]:
             results.append(result)
             progress.advance(f"{policy} {size:g}")
     return results
+
+
+def _shares(policy, args) -> list[dict]:
+    """The upstream runs' options: each --cpu-share for a version that has one."""
+    shares = args.cpu_share if MODELS[UPSTREAM][policy].takes_cpu_share else [0.0]
+    return [{"cpu_share": share} for share in shares]
 
 
 def _pct(rate):
@@ -346,9 +376,11 @@ def print_tables(args, trace, results) -> None:
             print("\nglobal cache (BigMoeOnEdge model): one byte budget over all layers, immediate admission")
             head = f"{'policy':<16}{'MiB':>6}"
         else:
-            print("\nupstream llama.cpp cache (--moe-cache-mib): one LRU per group of layers, every miss "
-                  "copied synchronously; K: at the device bytes of K per-layer slots")
-            head = f"{'policy':<16}{'K':>6}{'MiB':>8}"
+            print("\nupstream llama.cpp cache (--moe-cache-mib), one pool per group of layers, misses copied "
+                  f"synchronously: upstream = tag {UPSTREAM_TAGS['upstream']} (ClassLRU; F: its "
+                  f"--moe-cache-cpu-share), upstream-b11480 = tag {UPSTREAM_TAGS['upstream-b11480']} (one LRU); "
+                  "K: at the device bytes of K per-layer slots")
+            head = f"{'policy':<16}{'K':>6}{'MiB':>8}{'F':>6}"
         warm = model == PER_LAYER and args.prefill == "warm"  # prompt uploads, counted apart
         print(f"{head}{'hit% dec':>10}{'hit% cum':>10}{'MiB up/tok':>12}" + (f"{'MiB pre/turn':>14}" if warm else "")
               + f"{'ms/tok':>8}{'Mlookup/s':>11}")
@@ -360,7 +392,7 @@ def print_tables(args, trace, results) -> None:
             elif model == GLOBAL:
                 label = f"{r.policy:<16}{r.budget_mib:>6g}"
             else:
-                label = f"{r.policy:<16}{'-' if r.slots is None else r.slots:>6}{r.budget_mib:>8.0f}"
+                label = f"{r.policy:<16}{'-' if r.slots is None else r.slots:>6}{r.budget_mib:>8.0f}{r.cpu_share:>6g}"
             per_token = "-" if r.upload_bytes_per_token is None else f"{r.upload_bytes_per_token / MIB:.1f}"
             per_turn = "-" if r.prefill_upload_bytes_per_turn is None else f"{r.prefill_upload_bytes_per_turn / MIB:.1f}"
             print(f"{label}{_pct(r.hit_rate):>10}{_pct(r.hit_rate_all):>10}{per_token:>12}"
@@ -431,7 +463,7 @@ def modelled_ms(args, r) -> float | None:
 CSV_COLUMNS = ("model", "policy", "slots", "budget_mib", "inserts", "admission", "decode_steps",
                "hits", "misses", "uploads", "upload_bytes", "hit_rate", "hits_all", "misses_all",
                "hit_rate_all", "upload_bytes_per_token", "modelled_ms_per_token", "seconds", "prefill",
-               "prefill_upload_bytes", "ram_mib", "disk_read_bytes_per_token", "read_ahead")
+               "prefill_upload_bytes", "ram_mib", "disk_read_bytes_per_token", "read_ahead", "cpu_share")
 
 
 def write_csv(path, results, args) -> None:
@@ -447,6 +479,7 @@ def _write_rows(path, results, args):
         for r in results:
             writer.writerow({
                 "model": r.model, "policy": r.policy, "slots": r.slots, "budget_mib": r.budget_mib,
+                "cpu_share": r.cpu_share,
                 "inserts": ("unlimited" if r.inserts is None else r.inserts) if r.model == PER_LAYER else None,
                 "admission": r.admission, "decode_steps": r.decode_steps,
                 **{name: r.totals[name] for name in ("hits", "misses", "uploads", "upload_bytes")},
@@ -479,12 +512,14 @@ def plot(path, trace, results) -> None:
     models = [m for m in MODELS if any(r.model == m for r in results)]
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
     for ax, model in zip(axes[0], models):
-        for policy, admission in dict.fromkeys((r.policy, r.admission) for r in results if r.model == model):
+        for policy, admission, share in dict.fromkeys((r.policy, r.admission, r.cpu_share) for r in results
+                                                      if r.model == model):
             rows = [r for r in results if r.model == model and r.policy == policy
-                    and r.admission == admission and r.hit_rate is not None]
+                    and r.admission == admission and r.cpu_share == share and r.hit_rate is not None]
             xs = [r.slots if model == PER_LAYER else r.budget_mib for r in rows]
+            label = policy if admission in (None, "boundary") else f"{policy} {admission}"
             ax.plot(xs, [100 * r.hit_rate for r in rows], marker="o",
-                    label=policy if admission in (None, "boundary") else f"{policy} {admission}",
+                    label=f"{label} F={share:g}" if share else label,
                     linestyle="--" if policy == "belady" else "-")
         ax.set_xlabel("slots per layer (K)" if model == PER_LAYER else "budget (MiB)")
         ax.set_ylabel("decode hit %")

@@ -21,6 +21,11 @@ Issue 4's candidate defaults (DEFAULT_CANDIDATES, tried against heat):
 
 Eager-admission candidates (compare_upstream.py): HeatSeenBefore, HeatMargin. Diagnostics
 that read the future: PopularityOracle, HeatOracleAdmission.
+
+Issue 37's candidate defaults against upstream's ClassLRU (CLASSLRU_CANDIDATES, compare_upstream.py's
+"Candidate defaults against ClassLRU"): ClassLruRule (ClassLRU's own rule in each layer),
+ClassHeat (ClassLRU's classes of a long memory times heat), HeatSum (decayed counts at two
+half-lives, added), with heat's admission test or without it, at INSERTS 2 or unlimited.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from ..core.policies import Belady, DecayedLfu, Heat, NextUse, Policy, make_poli
 from ..core.profile import UsageProfile
 from ..core.traces import RouteTrace, synthetic_routing
 from .replay import PER_LAYER, ReplayResult, simulate
+from .upstream import CRF_HALF_LIFE, N_CLASSES
 
 SYNTHETIC = [  # the tables' synthetic locality routing: (label, layers, experts, top-k, options), seeds 3..
     ("8 of 128, sticky", 24, 128, 8, {}),
@@ -46,6 +52,13 @@ def synthetic_routings(rows=SYNTHETIC, n_steps: int = 300):
     in order."""
     for seed, (label, layers, experts, k, options) in enumerate(rows, start=3):
         yield label, seed, synthetic_routing(n_steps, layers, experts, k, seed=seed, **options), experts
+
+
+def synthetic_traces(rows=(*SYNTHETIC, SKEWED), expert_bytes: int = 1 << 20):
+    """(label, trace) of each synthetic routing, its experts `expert_bytes` each (sizes that keep
+    upstream's 128-byte bank alignment out of an equal-bytes comparison)."""
+    for label, _, routing, experts in synthetic_routings(rows):
+        yield label, RouteTrace.from_routing(routing, experts, expert_bytes=[expert_bytes] * routing.shape[1])
 
 
 def preloaded_only(trace: RouteTrace, policy: str, slots: int, profile: UsageProfile) -> ReplayResult:
@@ -274,3 +287,133 @@ class HeatOracleAdmission(Heat):
         # the miss is observed next, so "again" is after that observation
         soon = self.oracle.next_use(keys, self.oracle.seen + 1) - self.oracle.seen <= self.horizon
         return np.where(soon, super().worth_if_used(step, keys), -np.inf)
+
+
+class ClassLruRule(Policy):
+    """Candidate: upstream's ClassLRU rule (moecache.offline.upstream.ClassLru) in each layer:
+    a CRF (uses decayed with a half-life of CRF_HALF_LIFE steps), class min(floor(log2 CRF), 7)
+    as of the last use, evict the largest age / 2^class; every miss admitted."""
+    name = "classlru-rule"
+
+    def bind(self, n_layers, n_expert, n_slots):
+        super().bind(n_layers, n_expert, n_slots)
+        self.crf = np.zeros((n_layers, n_expert))
+        self.last = np.zeros((n_layers, n_expert))
+        self.scale = np.ones((n_layers, n_expert))  # 2^class
+
+    def observe(self, step, ids, hit_mask, used):
+        np.putmask(self.crf, used, self.crf * 2.0 ** ((self.last - step) / CRF_HALF_LIFE) + 1.0)
+        np.putmask(self.last, used, step)
+        self.scale = 2.0 ** np.minimum(np.floor(np.log2(np.maximum(self.crf, 1.0))), N_CLASSES - 1)
+
+    def priority(self, step, keys):
+        return (self.last.take(keys) - step) / self.scale.take(keys)
+
+
+class DecayedCounts(Policy):
+    """Base: each expert's uses decayed at several half-lives, as uses per step (a count times
+    1 - decay), combined by score(); every miss admitted."""
+
+    def __init__(self, half_lives):
+        self.decay = np.array([2.0 ** (-1.0 / h) for h in half_lives])
+
+    def bind(self, n_layers, n_expert, n_slots):
+        super().bind(n_layers, n_expert, n_slots)
+        self.rates = np.zeros((len(self.decay), n_layers, n_expert))
+        self.S = self.score(self.rates)
+
+    def observe(self, step, ids, hit_mask, used):
+        self.rates *= self.decay[:, None, None]
+        self.rates += (1.0 - self.decay)[:, None, None] * used
+        self.S = self.score(self.rates)
+
+    def priority(self, step, keys):
+        return self.S.take(keys)
+
+    def if_used(self) -> np.ndarray:
+        """(L, E) each expert's score with one more use counted (compared with the residents'
+        scores of the same moment)."""
+        return self.score(self.rates + (1.0 - self.decay)[:, None, None])
+
+
+class HeatSum(DecayedCounts):
+    """Candidate: a short and a long memory added: sum of weight x rate at each half-life. Its
+    score is linear in uses, so the miss planner can price an upload in them (counts_uses)."""
+    name = "heat-sum"
+    counts_uses = True
+
+    def __init__(self, half_lives=(10, 64), weights=(1.0, 2.0)):
+        super().__init__(half_lives)
+        self.weights = np.array(weights, dtype=float)
+
+    def score(self, rates):
+        return np.tensordot(self.weights, rates, 1)
+
+    def use_worth(self, step):
+        return float(self.weights @ (1.0 - self.decay))
+
+
+class ClassHeat(DecayedCounts):
+    """Candidate: ClassLRU's classes of a long memory (half-life CRF_HALF_LIFE) times heat's
+    short one (half-life 16): a frequent expert's class protects it, recency (heat) orders it
+    within its class."""
+    name = "class-heat"
+
+    def __init__(self):
+        super().__init__((16.0, CRF_HALF_LIFE))
+
+    def score(self, rates):
+        count = rates[1] / (1.0 - self.decay[1])  # the CRF, in uses
+        return rates[0] * 2.0 ** np.minimum(np.floor(np.log2(np.maximum(count, 1.0))), N_CLASSES - 1)
+
+
+class HeatSumAdmission(HeatSum):
+    """Candidate: heat-sum with heat's admission test: a miss is uploaded only over a victim
+    whose score is below the miss's with this use counted and `credit` more uses."""
+    name = "heat-sum-admission"
+    admits = True
+
+    def __init__(self, half_lives=(10, 64), weights=(1.0, 2.0), credit: float = 0.0):
+        super().__init__(half_lives, weights)
+        self.credit = credit
+
+    def admit(self, step, keys):
+        return self.S.take(keys)
+
+    def worth_if_used(self, step, keys):
+        return self.if_used().take(keys) + self.credit * self.use_worth(step)
+
+
+class ClassHeatAdmission(ClassHeat):
+    """Candidate: class x heat with heat's admission test (the miss's score with this use counted
+    against its victim's)."""
+    name = "class-heat-admission"
+    admits = True
+
+    def admit(self, step, keys):
+        return self.S.take(keys)
+
+    def worth_if_used(self, step, keys):
+        return self.if_used().take(keys)
+
+
+CLASSLRU_CANDIDATES = [  # issue 37: (label, policy factory, inserts), eager, prompt warm
+    ("heat (today's default)", lambda: make_policy("heat"), 2),
+    ("heat, unlimited inserts", lambda: make_policy("heat"), None),
+    ("heat, a miss credited 1 more use", lambda: HeatMargin(-1.0), 2),
+    ("heat, a miss credited 2 more uses", lambda: HeatMargin(-2.0), 2),
+    ("lfu (half-life 32, no admission test)", lambda: make_policy("lfu"), 2),
+    ("lfu, unlimited inserts", lambda: make_policy("lfu"), None),
+    ("lru, unlimited inserts", lambda: make_policy("lru"), None),
+    ("ClassLRU's rule per layer", ClassLruRule, 2),
+    ("ClassLRU's rule per layer, unlimited inserts", ClassLruRule, None),
+    ("class x heat, heat's admission test, unlimited", ClassHeatAdmission, None),
+    ("class x heat, unlimited inserts", ClassHeat, None),
+    ("heat-sum 10+64 (1:2)", HeatSum, 2),
+    ("heat-sum 10+64 (1:2), heat's admission test, unlimited", HeatSumAdmission, None),
+    ("heat-sum 8+64 (1:2), admission test with 2 uses' credit, unlimited",
+     lambda: HeatSumAdmission((8, 64), (1.0, 2.0), credit=2.0), None),
+    ("heat-sum 16+64 (1:0.5), unlimited inserts", lambda: HeatSum((16, 64), (1.0, 0.5)), None),
+    ("heat-sum 8+64 (1:2), unlimited inserts", lambda: HeatSum((8, 64), (1.0, 2.0)), None),
+    ("heat-sum 10+64 (1:2), unlimited inserts", HeatSum, None),
+]

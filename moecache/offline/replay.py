@@ -16,9 +16,10 @@ per-layer (size: K slots per layer): our live cache. It runs moecache.core.engin
     (engine.step(ids, prefill=True): no lookups, up to K of the prompt's experts uploaded,
     counted apart); "off" feeds no prefill; "plain" feeds each turn's prompt as one batched
     observation of the cache, lookups and uploads counted as any other.
-upstream (policy "upstream", size: a budget in MiB): upstream llama.cpp's own cache
-    (moecache.offline.upstream), prompts in ubatches of 512 tokens, then one ubatch per decode
-    token.
+upstream (policies "upstream", tag b12191's ClassLRU, and "upstream-b11480", its plain LRU;
+    size: a budget in MiB): upstream llama.cpp's own cache (moecache.offline.upstream), prompts
+    in ubatches of 512 tokens, then one ubatch per decode token; cpu_share: b12191's
+    --moe-cache-cpu-share F (tuned_upstream: each share its tuner picks from).
 page-cache (policies "lru", "two-list"; size: a budget in MiB): stock mmap's page cache of a
     model larger than RAM (moecache.offline.pagecache): the file's 4 KiB pages under LRU or the
     kernel's two lists, with its mmap readahead (read_ahead_kb), every ubatch read through the
@@ -52,6 +53,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..core.admission import live_admission
 from ..core.banks import equal_bytes, ram_slots, slots_for_budget
 from ..core.engine import CacheEngine
 from ..core.model import hit_rate
@@ -60,16 +62,16 @@ from ..core.profile import UsageProfile
 from ..core.traces import DECODE, RouteTrace, require_memory
 from . import steps
 from .budget import BUDGET_POLICIES, BudgetPolicy, ByteBudgetCache, make_budget_policy
-from ..core.missplan import OUR_LAYOUT, STOCK_LAYOUT, UPSTREAM_LAYOUT, MissPlanner, Rates
+from ..core.missplan import (OUR_LAYOUT, STOCK_LAYOUT, UPSTREAM_CPU_SHARE_LAYOUT, UPSTREAM_LAYOUT, MissPlanner,
+                             Rates, planner_by_default)
 from .cost import Disk, Hardware, WorkTally
 from .pagecache import PAGE_POLICIES, ExpertLayout
 from .readahead import ReadAhead
 from .steps import GLOBAL, PAGE_CACHE, PER_LAYER, PREFILL_MODES, UPSTREAM
-from .upstream import UpstreamCache
+from .upstream import TUNER_SHARES, UPSTREAM_POLICIES, UpstreamCache
 
 MIB = 1 << 20
-MODELS = {PER_LAYER: POLICIES, GLOBAL: BUDGET_POLICIES, UPSTREAM: {"upstream": UpstreamCache},
-          PAGE_CACHE: PAGE_POLICIES}
+MODELS = {PER_LAYER: POLICIES, GLOBAL: BUDGET_POLICIES, UPSTREAM: UPSTREAM_POLICIES, PAGE_CACHE: PAGE_POLICIES}
 ENGINE_BYTES_PER_ENTRY = 48  # the engine's and a policy's (layer, expert) tables, per entry
 
 
@@ -101,6 +103,7 @@ class ReplayResult:
     work: WorkTally | None = None           # decode layer passes (global: None)
     ram_mib: float | None = None            # the RAM tier's and the page cache's budget (set by the caller)
     read_ahead: ReadAhead | None = None     # per-layer: the decode read-ahead's timeline and counts
+    cpu_share: float | None = None          # upstream: --moe-cache-cpu-share F
 
     @property
     def hit_rate(self) -> float | None:
@@ -169,11 +172,13 @@ def simulate(trace: RouteTrace, model: str, policy, size=None, *, inserts: int |
              admission: str = "boundary", prefill: str | None = None,
              profile: UsageProfile | None = None, seed: int = 0, step_times: bool = False,
              before_step=None, miss_plan: Rates | None = None, lane: bool = True,
-             read_ahead_kb: int | None = None, read_ahead: ReadAhead | None = None) -> ReplayResult:
+             read_ahead_kb: int | None = None, read_ahead: ReadAhead | None = None,
+             cpu_share: float = 0.0) -> ReplayResult:
     """Replay `trace` (RouteTrace.from_routing makes one of bare routing) through one model.
 
     model: "per-layer" (size: K slots per layer), "global" (size: the budget in MiB),
-    "upstream" (policy "upstream"; size: the budget in MiB, equal_bytes() for a K's) or
+    "upstream" (policy "upstream" or "upstream-b11480"; size: the budget in MiB, equal_bytes()
+    for a K's; cpu_share: b12191's F) or
     "page-cache" (policy "lru" or "two-list"; size: the budget in MiB; read_ahead_kb: the
     device's).
     policy: a name of that model's registry ("default": DEFAULT_POLICY), a policy object of
@@ -190,6 +195,8 @@ def simulate(trace: RouteTrace, model: str, policy, size=None, *, inserts: int |
         raise ValueError("read_ahead_kb is a page-cache model option")
     if read_ahead is not None and model != PER_LAYER:
         raise ValueError("read_ahead (the RAM tier's decode read-ahead) is a per-layer model option")
+    if cpu_share and model != UPSTREAM:
+        raise ValueError("cpu_share (--moe-cache-cpu-share) is an upstream model option")
     if model == PER_LAYER:
         prefill = "warm" if prefill is None else prefill
         if prefill not in PREFILL_MODES:
@@ -235,8 +242,9 @@ def simulate(trace: RouteTrace, model: str, policy, size=None, *, inserts: int |
             cache, label = _global_cache(trace, policy, size, seed)
             work, step = None, (cache.step, cache.step)
         else:
-            cache, label = _upstream_cache(trace, policy, size)
-            work = WorkTally(UPSTREAM_LAYOUT, trace.expert_bytes, trace.dense_bytes)
+            cache, label = _upstream_cache(trace, policy, size, cpu_share)
+            work = WorkTally(UPSTREAM_CPU_SHARE_LAYOUT if cpu_share else UPSTREAM_LAYOUT, trace.expert_bytes,
+                             trace.dense_bytes)
 
             def decode_step(ubatch):
                 work.add(*cache.step(ubatch))
@@ -251,7 +259,17 @@ def simulate(trace: RouteTrace, model: str, policy, size=None, *, inserts: int |
         read_ahead.finish()
     return ReplayResult(model, label, slots, budget, inserts, int((trace.phase == DECODE).sum()),
                         decode, final, seconds, times, admission, prefill, len(steps.turns(trace)), work,
-                        read_ahead=read_ahead)
+                        read_ahead=read_ahead, cpu_share=cpu_share if model == UPSTREAM else None)
+
+
+def zero_configuration(trace: RouteTrace, slots: int, rates: Rates) -> ReplayResult:
+    """What LLAMA_MOE_CACHE_SLOTS=K alone runs on a machine whose attach measured `rates`: the
+    default policy at its live admission, INSERTS 2, the prompt warming the cache, and the miss
+    planner where moecache.core.missplan.planner_by_default turns it on."""
+    policy = POLICIES[resolve_policy("default")]
+    admission = live_admission(policy)
+    return simulate(trace, PER_LAYER, "default", slots, admission=admission, prefill="warm",
+                    miss_plan=rates if planner_by_default(policy, admission) else None)
 
 
 def _tally_plan(work: WorkTally, plan) -> None:
@@ -357,12 +375,24 @@ def _global_cache(trace, policy, budget_mib, seed):
     return ByteBudgetCache(policy, budget, trace.expert_bytes, trace.n_expert), label
 
 
-def _upstream_cache(trace, policy, budget_mib):
+def _upstream_cache(trace, policy, budget_mib, cpu_share):
     if policy not in MODELS[UPSTREAM]:
         raise ValueError(f"unknown policy {policy!r} for the upstream model; valid: "
                          f"{', '.join(MODELS[UPSTREAM])}")
-    return UpstreamCache(trace.expert_bytes, trace.n_expert, trace.n_expert_used,
-                         _budget_bytes(UPSTREAM, budget_mib)), policy
+    return UpstreamCache(trace.expert_bytes, trace.n_expert, trace.n_expert_used, _budget_bytes(UPSTREAM, budget_mib),
+                         pool=MODELS[UPSTREAM][policy], cpu_share=cpu_share), policy
+
+
+def tuned_upstream(trace: RouteTrace, budget_mib: float, policy: str = "upstream") -> list[ReplayResult]:
+    """The upstream model at each CPU share its tuner picks from (scripts/moe-cache-tune.py's);
+    fastest() then gives its tuner's best on a hardware class."""
+    return [simulate(trace, UPSTREAM, policy, budget_mib, cpu_share=share) for share in TUNER_SHARES]
+
+
+def fastest(results, hardware: Hardware) -> ReplayResult:
+    """The result with the fewest modelled milliseconds per decode token on `hardware` (the
+    first of equals)."""
+    return min(results, key=lambda r: r.modelled_ms(hardware))
 
 
 def _page_cache(trace, policy, budget_mib, read_ahead_kb):
