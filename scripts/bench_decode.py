@@ -3,19 +3,21 @@
 
     python scripts/bench_decode.py -m MODEL [-p PROMPT] [-n 32] [-r 3] [-t THREADS] [-ngl -1]
         [--slots 0,8,16,32,64] [--mib 1024,4096] [--policy default] [--inserts 2]
-        [--plain] [--all-device] [--planner] [--md FILE] [--json FILE] [--png FILE]
+        [--plain] [--all-device] [--planner-off] [--md FILE] [--json FILE] [--png FILE]
 
 Configurations, each in a freshly loaded model (the previous one freed first):
   stock         experts in host memory, the rest on the device, no cache: llama.cpp's
                 --cpu-moe, whose loader repacks the host experts for its faster CPU kernels
                 where it can; the K=0 baseline every ratio is against
   K=k           the stock placement plus a cache of k experts per layer (--slots, largest first;
-                values above the model's expert count are skipped with a note)
+                values above the model's expert count are skipped with a note), configured as
+                LLAMA_MOE_CACHE_SLOTS=k alone: the miss planner on where it runs by default, its
+                link and host rates measured at attach and printed in the notes
   MiB=n         the same with the cache sized by device memory (--mib, largest first): the
                 largest K whose slots fit n MiB over all devices (LLAMA_MOE_CACHE_MIB=n)
-  planner K=k   (--planner) after each K=k, the same cache with the miss planner on
-                (LLAMA_MOE_CACHE_PLANNER=1: an eager upload only when it pays back its link
-                time), its link and host rates measured at attach and printed in the notes
+  planner off K=k  (--planner-off) after each K=k, the same cache without the miss planner
+                (LLAMA_MOE_CACHE_PLANNER=0: every miss on the CPU, every eager upload that beats
+                its victim)
   all-device    (--all-device) n_gpu_layers=-1 without overrides, everything on the device;
                 "did not fit" when loading fails
 --plain loads the host experts of stock and cache rows alike in plain buffers
@@ -47,6 +49,7 @@ from moecache.util import OneLineParser, Progress, atomic_write, int_arg, int_li
 
 PROG = "bench_decode.py"
 DEFAULT_PROMPT = "Explain how a mixture-of-experts model decides which experts handle each token."
+PLANNER_OFF = "planner off "  # the name prefix of the rows without the miss planner
 
 
 class BenchError(ValueError):
@@ -73,8 +76,8 @@ def parser() -> OneLineParser:
     p.add_argument("--plain", action="store_true",
                    help="host experts in plain buffers, not repacked (stock and cache rows alike)")
     p.add_argument("--all-device", action="store_true", help="also measure everything on the device")
-    p.add_argument("--planner", action="store_true",
-                   help="after each K=k, the same cache with the miss planner on (its rates measured at attach)")
+    p.add_argument("--planner-off", action="store_true",
+                   help="after each K=k, the same cache with the miss planner off (LLAMA_MOE_CACHE_PLANNER=0)")
     p.add_argument("--md", metavar="FILE", help="write the markdown table here")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON here")
     p.add_argument("--png", metavar="FILE", help="plot tok/s and hit rate against K (needs matplotlib)")
@@ -146,8 +149,8 @@ def run(args, on_row=None) -> dict:
 
     configs = [("stock", 0)]
     # largest cache first: it is the row that matters most if a time limit stops the run
-    configs += [(f"{planner}K={k}", k) for k in sorted(args.slots, reverse=True) if k > 0
-                for planner in ("", "planner ")[:1 + args.planner]]
+    configs += [(f"{variant}K={k}", k) for k in sorted(args.slots, reverse=True) if k > 0
+                for variant in ("", PLANNER_OFF)[:1 + args.planner_off]]
     budgets = {f"MiB={n}": n for n in sorted(args.mib, reverse=True)}  # sized at attach
     configs += [(name, 0) for name in budgets]
     if args.all_device:
@@ -174,7 +177,7 @@ def run(args, on_row=None) -> dict:
             progress.advance(f"{name} skipped", 1 + args.repetitions)
             continue
         row, info = measure(args, name, slots, progress, mib=budgets.get(name),
-                            planner=name.startswith("planner "))
+                            planner_off=name.startswith(PLANNER_OFF))
         rows.append(row)
         if row.get("planner"):
             notes.append(f"{name}: {row['planner']}")
@@ -208,9 +211,10 @@ def _report(args, device, rows, notes, n_expert, prompt_tokens) -> dict:
     }
 
 
-def measure(args, name, slots, progress, mib=None, planner=False):
+def measure(args, name, slots, progress, mib=None, planner_off=False):
     """One configuration: load, warm up, time; returns (row, model info or None). A cache of
-    `slots` per layer, or of the largest K that `mib` MiB hold; planner: with the miss planner on."""
+    `slots` per layer, or of the largest K that `mib` MiB hold; planner_off: without the miss
+    planner (LLAMA_MOE_CACHE_PLANNER=0), else as the default decides."""
     import llama_cpp
 
     from moecache.live.activate import attach
@@ -250,7 +254,7 @@ def measure(args, name, slots, progress, mib=None, planner=False):
         if slots or mib:
             try:
                 cache = attach(llm, **({"mib": mib} if mib else {"slots": slots}), inserts=args.inserts,
-                               policy=args.policy, **({"planner": 1} if planner else {}))
+                               policy=args.policy, **({"planner": 0} if planner_off else {}))
             except (CacheUnavailable, ConfigError) as e:  # ConfigError: a budget below one slot per layer
                 row["status"] = f"no cache: {e}"
                 progress.advance(f"{name} no cache", 1 + args.repetitions)

@@ -39,8 +39,8 @@
 #   bench 180   scripts/bench_decode.py: stock (repacked, as --cpu-moe), K=64,32,16, all-device (its table
 #               and JSON are rewritten after every configuration: a timeout keeps what ran)
 #   planner 150 the miss planner (issue 22), NEVER RUN ON A GPU YET: scripts/bench_decode.py
-#               --planner at K=32, stock, K=32 and "planner K=32" (LLAMA_MOE_CACHE_PLANNER=1);
-#               prints the link rate (timed copies of one expert's bytes to the GPU) and the host
+#               --planner-off at K=32: stock, K=32 (the default: the planner on) and "planner off
+#               K=32" (LLAMA_MOE_CACHE_PLANNER=0); prints the link rate (timed copies of one expert's bytes to the GPU) and the host
 #               read rate it measured at attach, which calibrate the model's (docs/policies.md)
 # Output: machine.txt (CPU, memory, GPU, driver, nvcc), phases.tsv (phase, exit status, seconds),
 # <phase>.log, exact.json, bench.{md,json,png}, planner.{md,json}.
@@ -191,7 +191,7 @@ phase bench python3 "$repo/scripts/bench_decode.py" -m "$model" "${bench_args[@]
 # issue 22: the planner's measured rates and its decode beside the same cache without it; not run
 # on a GPU yet (the rehearsal ran it on the RPC device)
 phase planner python3 "$repo/scripts/bench_decode.py" -m "$model" "${bench_args[@]}" -t "$threads" \
-    --slots 0,32 --planner --md "$out/planner.md" --json "$out/planner.json"
+    --slots 0,32 --planner-off --md "$out/planner.md" --json "$out/planner.json"
 [ -f "$out/planner.md" ] && cat "$out/planner.md" >&2
 
 echo "gpu_check: $([ "$status" = 0 ] && echo passed || echo FAILED); phases in $out/phases.tsv" >&2

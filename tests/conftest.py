@@ -110,6 +110,12 @@ def greedy(llm, prompt: bytes, n: int):
     return run.tokens, run.logits[:n]
 
 
+def replayed_as_live(cache) -> dict:
+    """simulate()'s settings for what the live cache ran: its admission, and its miss planner at
+    the rates attach measured (on by default where it can run)."""
+    return {"admission": cache.config.admission, "miss_plan": cache.planner.rates if cache.planner else None}
+
+
 def record_plans(cache):
     """Wrap the cache's engine so that each step's observation and plan are kept."""
     plans = []

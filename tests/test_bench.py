@@ -47,18 +47,19 @@ def test_bench_decode_end_to_end(tmp_path, tiny_path):
     assert table.strip() in run.stdout
 
 
-def test_bench_decode_runs_each_cache_again_with_the_planner_and_prints_its_rates(tmp_path, tiny_path):
+def test_bench_decode_runs_the_default_with_its_planner_then_each_cache_without_it(tmp_path, tiny_path):
     pytest.importorskip("llama_cpp")
     js = tmp_path / "bench.json"
     run = _run([sys.executable, BENCH, "-m", tiny_path, "-n", "4", "-r", "1", "-t", "2",
-                "--slots", "0,2", "--planner", "--json", str(js)])
+                "--slots", "0,2", "--planner-off", "--json", str(js)])
     assert run.returncode == 0, run.stderr
     report = json.loads(js.read_text())
-    assert [r["config"] for r in report["rows"]] == ["stock", "K=2", "planner K=2"]
-    assert report["rows"][1]["planner"] is None and report["rows"][2]["status"] == "ok"
-    assert report["notes"] == [f"planner K=2: {report['rows'][2]['planner']}"]
-    assert report["notes"][0].startswith("planner K=2: moecache: miss planner: link ")
-    assert "measured: median of 5 copies" in report["notes"][0] and "Note: planner K=2:" in run.stdout
+    assert [r["config"] for r in report["rows"]] == ["stock", "K=2", "planner off K=2"]
+    # the default runs the planner at the rates attach measured; the other row has none
+    assert report["rows"][2]["planner"] is None and report["rows"][2]["status"] == "ok"
+    assert report["notes"] == [f"K=2: {report['rows'][1]['planner']}"]
+    assert report["notes"][0].startswith("K=2: moecache: miss planner: link ")
+    assert "measured: median of 5 copies" in report["notes"][0] and "Note: K=2:" in run.stdout
 
 
 def test_bench_decode_saves_after_every_configuration(tmp_path, tiny_path, monkeypatch):
@@ -74,7 +75,7 @@ def test_bench_decode_saves_after_every_configuration(tmp_path, tiny_path, monke
     monkeypatch.setattr(ggml, "has_gpu", lambda: True)  # no RPC server: measure is replaced too
     measured = []
 
-    def fake_measure(args, name, slots, progress, mib=None, planner=False):
+    def fake_measure(args, name, slots, progress, mib=None, planner_off=False):
         measured.append(name)
         row = {"config": name, "slots": slots, "status": "ok", "tok_s_runs": [10.0 * len(measured)],
                "tok_s_median": 10.0 * len(measured), "tok_s_min": 10.0 * len(measured),

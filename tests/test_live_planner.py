@@ -35,7 +35,7 @@ def test_a_slow_link_keeps_misses_on_the_cpu_a_fast_one_sends_them_through_the_l
     for name, rates in (("off", None), ("slow", SLOW), ("fast", FAST)):
         trace_path = tmp_path / f"{name}.route.csv"
         llm = load(synth48)
-        settings = {"planner": 1, **rates} if rates else {}
+        settings = {"planner": 1, **rates} if rates else {"planner": 0}
         cache = attach(llm, slots=16, inserts=2, wait=1, trace=str(trace_path), **settings)
         tokens, logits = greedy(llm, PROMPT, n_tokens)
         native, last = cache.native_counters(), unreported_lane(cache)
@@ -86,6 +86,18 @@ def test_the_rates_are_measured_at_attach_and_printed(rpc_device, tiny_path):
     assert cache.stats()["failed"] is None
 
 
+@pytest.mark.parametrize("env, planner", [
+    ({}, 1),                                                   # the default: heat, eager
+    ({"LLAMA_MOE_CACHE_POLICY": "lfu"}, 1),
+    ({"LLAMA_MOE_CACHE_POLICY": "lru"}, 0),                    # its worth counts no uses
+    ({"LLAMA_MOE_CACHE_ADMISSION": "boundary"}, 0),
+    ({"LLAMA_MOE_CACHE_RAM_MIB": "64"}, 0),                    # the RAM tier's reads are not planned
+    ({"LLAMA_MOE_CACHE_PLANNER": "0"}, 0),
+])
+def test_the_planner_runs_by_default_wherever_it_can(env, planner):
+    assert CacheConfig.from_env(env).planner == planner
+
+
 @pytest.mark.parametrize("env, message", [
     ({"LLAMA_MOE_CACHE_PLANNER": "1", "LLAMA_MOE_CACHE_LINK_GBPS": "fast"},
      "LLAMA_MOE_CACHE_LINK_GBPS='fast' is not a number"),
@@ -94,8 +106,10 @@ def test_the_rates_are_measured_at_attach_and_printed(rpc_device, tiny_path):
     ({"LLAMA_MOE_CACHE_PLANNER": "1", "LLAMA_MOE_CACHE_LINK_GBPS": "nan"},
      "LLAMA_MOE_CACHE_LINK_GBPS='nan' must be a finite number of GB/s > 0"),
     ({"LLAMA_MOE_CACHE_PLANNER": "yes"}, "LLAMA_MOE_CACHE_PLANNER='yes' is not an integer"),
-    ({"LLAMA_MOE_CACHE_LINK_GBPS": "4"},
-     "LLAMA_MOE_CACHE_LINK_GBPS sets a rate of the miss planner, which is off: set LLAMA_MOE_CACHE_PLANNER=1"),
+    ({"LLAMA_MOE_CACHE_PLANNER": "0", "LLAMA_MOE_CACHE_LINK_GBPS": "4"},
+     "LLAMA_MOE_CACHE_LINK_GBPS sets a rate of the miss planner, which is off (LLAMA_MOE_CACHE_PLANNER=0)"),
+    ({"LLAMA_MOE_CACHE_POLICY": "lru", "LLAMA_MOE_CACHE_HOST_GBPS": "4"},
+     "LLAMA_MOE_CACHE_HOST_GBPS sets a rate of the miss planner, which is off for LLAMA_MOE_CACHE_POLICY=lru"),
     ({"LLAMA_MOE_CACHE_PLANNER": "1", "LLAMA_MOE_CACHE_POLICY": "lru"},
      "LLAMA_MOE_CACHE_PLANNER=1 needs eager admission and a policy whose worth counts uses"),
     ({"LLAMA_MOE_CACHE_PLANNER": "1", "LLAMA_MOE_CACHE_ADMISSION": "boundary"},

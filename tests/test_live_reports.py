@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import PROMPT, REPO, greedy, load, moecache_log_lines, record_plans
+from conftest import PROMPT, REPO, greedy, load, moecache_log_lines, record_plans, replayed_as_live
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
@@ -36,8 +36,7 @@ def test_live_trace_replays_to_the_live_hit_count(tmp_path, rpc_device, smol_pat
 
     trace = read_trace(str(trace_path))
     assert int((trace.residency[trace.phase == 1] > 0).sum()) == live["hits"]
-    replayed = simulate(trace, PER_LAYER, cache.config.policy, 2, inserts=1,
-                        admission=cache.config.admission).totals
+    replayed = simulate(trace, PER_LAYER, cache.config.policy, 2, inserts=1, **replayed_as_live(cache)).totals
     assert (replayed["hits"], replayed["misses"]) == (live["hits"], live["misses"])
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import PROMPT, greedy, load
+from conftest import PROMPT, greedy, load, replayed_as_live
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -48,7 +48,8 @@ def test_eager_admission_raises_the_live_hit_rate_and_replays_exactly(tmp_path, 
     for admission in ("boundary", "eager"):
         trace_path = tmp_path / f"{admission}.route.csv"
         llm = load(synth48)
-        cache = attach(llm, slots=16, inserts=2, wait=1, admission=admission, trace=str(trace_path))
+        # without the planner, which declines uploads that do not pay back the RPC link's time
+        cache = attach(llm, slots=16, inserts=2, wait=1, admission=admission, planner=0, trace=str(trace_path))
         tokens, logits = greedy(llm, PROMPT, n_tokens)
         cache.close()
         live = cache.stats()
@@ -56,7 +57,7 @@ def test_eager_admission_raises_the_live_hit_rate_and_replays_exactly(tmp_path, 
         assert live["failed"] is None and live["admission"] == admission
         assert tokens == stock[0] and np.array_equal(logits, stock[1])
         trace = read_trace(str(trace_path))
-        replayed = simulate(trace, PER_LAYER, cache.config.policy, 16, inserts=2, admission=admission).totals
+        replayed = simulate(trace, PER_LAYER, cache.config.policy, 16, inserts=2, **replayed_as_live(cache)).totals
         assert (replayed["hits"], replayed["misses"]) == (live["totals"]["hits"], live["totals"]["misses"])
         decode = trace.batch > trace.batch[0]  # the one-token ubatches after the prompt's
         rates[admission] = (trace.residency[decode] > 0).sum() / (trace.ids[decode] >= 0).sum()
@@ -95,7 +96,7 @@ def test_a_long_prompt_warms_the_cache_exactly_and_replays_to_the_live_hit_count
     trace = read_trace(str(trace_path))
     assert (trace.phase == PREFILL).sum() == n_prompt
     replay = {prefill: simulate(trace, PER_LAYER, cache.config.policy, 16, inserts=2, prefill=prefill,
-                                admission=cache.config.admission) for prefill in ("warm", "off")}
+                                **replayed_as_live(cache)) for prefill in ("warm", "off")}
     warm = replay["warm"].totals
     assert (warm["hits"], warm["misses"]) == (live["totals"]["hits"], live["totals"]["misses"])
     assert replay["warm"].totals_all["prefill_uploads"] == live["totals"]["prefill_uploads"]

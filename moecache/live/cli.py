@@ -37,8 +37,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--inserts", type=int_arg(minimum=1), default=None, help="uploads per layer per step (default 2)")
     p.add_argument("--policy", default=None, help="cache policy (default: the shipped default)")
     p.add_argument("--planner", type=int_arg(minimum=0, maximum=1), default=None, metavar="0|1",
-                   help="1: the miss planner, an eager upload only when it pays back its link time "
-                        "(LLAMA_MOE_CACHE_PLANNER; default 0)")
+                   help="the miss planner: some misses through the copy-on-miss lane, an eager upload only "
+                        "when it pays back its link time (LLAMA_MOE_CACHE_PLANNER; default: on wherever "
+                        "it can run; 0: off)")
     p.add_argument("--link-gbps", type=gbps_arg, default=None,
                    help="the planner's host-to-device rate, GB/s (default: measured at attach)")
     p.add_argument("--host-gbps", type=gbps_arg, default=None,

@@ -7,6 +7,7 @@ import tempfile
 from dataclasses import dataclass, fields
 
 from ..core.admission import ADMISSIONS, live_admission
+from ..core.missplan import planner_by_default
 from ..core.policies import DEFAULT_POLICY, POLICIES
 from ..util import parse_gbps, parse_int
 
@@ -50,9 +51,10 @@ class CacheConfig:
                                    # model file when selected; "auto": what the process may use
                                    # less what it holds (moecache.live.ramtier); 0 = off. With
                                    # SLOTS or MIB too, it serves the CPU half of the device cache
-    planner: int = 0               # 1: the miss planner (issue 22): some misses through the
+    planner: int | None = None     # 1: the miss planner (issue 22): some misses through the
                                    # copy-on-miss lane, an eager upload only when it pays back its
-                                   # link time (moecache.live.rates)
+                                   # link time (moecache.live.rates); None: on wherever it can run
+                                   # (moecache.core.missplan.planner_by_default), not with the RAM tier
     link_gbps: float | str | None = None  # the planner's host-to-device rate, GB/s; None: measured
     host_gbps: float | str | None = None  # the planner's host read rate, GB/s; None: measured
 
@@ -67,6 +69,8 @@ class CacheConfig:
         for name, minimum, maximum in (("reserve_mib", 0, None), ("inserts", 1, C_INT_MAX), ("debug", 0, None),
                                        ("wait", 0, 1), ("flush_steps", 0, None),
                                        ("max_batch", 1, MAX_BATCH), ("repack", 0, 1), ("planner", 0, 1)):
+            if getattr(self, name) is None:  # planner: decided below, from the policy and timing
+                continue
             # keyword values too (attach(slots=...)): ints, or text parse_int reads, kept as int
             object.__setattr__(self, name, _parse_int(ENV_PREFIX + name.upper(), getattr(self, name),
                                                       minimum, maximum))
@@ -108,12 +112,17 @@ class CacheConfig:
                                       f"file ({getattr(self, name)!r}): give each its own")
 
     def _check_planner(self):
-        """The planner shapes eager admission's worths in uses of a device cache's uploads."""
-        given = [f"{ENV_PREFIX}{name.upper()}" for name in ("link_gbps", "host_gbps") if getattr(self, name)]
+        """The planner shapes eager admission's worths in uses of a device cache's uploads. Unset, it
+        runs wherever it can: it never lost in the modelled grid (planner_by_default)."""
+        if self.planner is None:
+            can_run = planner_by_default(POLICIES[self.policy], self.admission) and not self.ram_mib
+            object.__setattr__(self, "planner", int(can_run))
+            if not can_run:
+                self._refuse_rates(f"off for {ENV_PREFIX}POLICY={self.policy}, {ENV_PREFIX}ADMISSION="
+                                   f"{self.admission}" + (f", {ENV_PREFIX}RAM_MIB" if self.ram_mib else ""))
+                return
         if not self.planner:
-            if given:
-                raise ConfigError(f"{given[0]} sets a rate of the miss planner, which is off: set "
-                                  f"{ENV_PREFIX}PLANNER=1")
+            self._refuse_rates(f"off ({ENV_PREFIX}PLANNER=0)")
             return
         if self.admission != "eager" or not POLICIES[self.policy].counts_uses:
             raise ConfigError(f"{ENV_PREFIX}PLANNER=1 needs eager admission and a policy whose worth counts uses "
@@ -122,6 +131,11 @@ class CacheConfig:
         if self.ram_mib:
             raise ConfigError(f"{ENV_PREFIX}PLANNER=1 does not plan with the RAM tier ({ENV_PREFIX}RAM_MIB="
                               f"{self.ram_mib}): its rates leave out the model file's reads")
+
+    def _refuse_rates(self, why: str):
+        given = [f"{ENV_PREFIX}{name.upper()}" for name in ("link_gbps", "host_gbps") if getattr(self, name)]
+        if given:
+            raise ConfigError(f"{given[0]} sets a rate of the miss planner, which is {why}")
 
     @property
     def enabled(self) -> bool:
