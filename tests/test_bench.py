@@ -244,3 +244,21 @@ def test_bench_replay_scale_times_each_reading_path_and_checks_their_hits():
 def test_bench_scripts_bad_flags_exit_2_with_one_line(script, argv, message):
     run = _run([sys.executable, script, *argv])
     assert run.returncode == 2 and len(run.stderr.strip().splitlines()) == 1 and message in run.stderr, run.stderr
+
+
+def test_predict_next_layer_measures_each_predictor_against_the_real_router(tmp_path):
+    """scripts/predict_next_layer.py on a synthetic model whose hidden state is nearly its token's
+    embedding at every layer: the next router on this layer's state finds almost every expert,
+    the previous token's choice far fewer."""
+    pytest.importorskip("llama_cpp")
+    from moecache.models import synth
+
+    path = synth.synth_moe("qwen3-30b-a3b", n_layer=4, n_expert=32, n_embd=64, n_ff_exp=32, n_head=2, n_head_kv=1,
+                           head_dim=32)
+    run = _run([sys.executable, os.path.join(REPO, "scripts", "predict_next_layer.py"), "-m", str(path), "-n", "16"])
+    assert run.returncode == 0, run.stderr
+    rows = {line.split()[0]: float(line.split()[1].rstrip("%")) for line in run.stdout.splitlines()[2:]}
+    assert set(rows) == {"input", "output", "previous"}
+    assert rows["output"] > 80 and rows["output"] > rows["previous"] + 20, run.stdout
+    bad = _run([sys.executable, os.path.join(REPO, "scripts", "predict_next_layer.py"), "-n", "1"])
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "-n" in bad.stderr
