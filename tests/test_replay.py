@@ -1,6 +1,7 @@
 import csv
 import json
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -227,13 +228,15 @@ def test_cli_absurd_trace_is_one_line(tmp_path, edit, message):
     (["--inserts", "2,3"], "argument --inserts: '2,3' is not an integer"),
     (["--csv", "{tmp}/missing/r.csv"], "--csv {tmp}/missing/r.csv: directory {tmp}/missing does not exist"),
     (["--csv", "{tmp}"], "--csv {tmp}: is a directory"),
-    (["--csv", "{tmp}/new/"], "--csv {tmp}/new/: is a directory"),
+    (["--csv", "{tmp}/new/"], "--csv {tmp}/new/: ends with '/': a file name is needed"),
     (["--plot", "{tmp}/missing/p.png"], "--plot {tmp}/missing/p.png: directory {tmp}/missing does not exist"),
     (["--admission", "early"], "argument --admission: 'early': each must be one of boundary, eager"),
     (["--admission", ","], "argument --admission: ',': each must be one of boundary, eager"),
-    (["--link-gbps", "0"], "argument --link-gbps: '0' must be a finite number of GB/s > 0"),
-    (["--host-gbps", "nan"], "argument --host-gbps: 'nan' must be a finite number of GB/s > 0"),
-    (["--host-gbps", "60,70"], "argument --host-gbps: '60,70' is not a number"),
+    (["--link-gbps", "0"], "argument --link-gbps: '0' must be in [0.001, 100000] GB/s"),
+    (["--link-gbps", "5e-324"], "argument --link-gbps: '5e-324' is not a decimal number of GB/s"),
+    (["--host-gbps", "100001"], "argument --host-gbps: '100001' must be in [0.001, 100000] GB/s"),
+    (["--host-gbps", "nan"], "argument --host-gbps: 'nan' is not a decimal number of GB/s"),
+    (["--host-gbps", "60,70"], "argument --host-gbps: '60,70' is not a decimal number of GB/s"),
     (["--hardware", "nvlink"], "argument --hardware: invalid choice: 'nvlink'"),
     (["--join-us", "-1"], "argument --join-us: '-1': a latency must be a finite number of us >= 0"),
     (["--policies", "lru", "--planner"], "--planner needs per-layer policies whose worth counts uses "
@@ -329,6 +332,32 @@ def test_a_replay_in_windows_of_a_few_steps_counts_as_in_one(tmp_path, monkeypat
 
 
 # --- the compact binary form ---------------------------------------------------------------
+
+def test_outputs_write_through_a_device_or_fifo_and_never_replace_it(tmp_path):
+    """--convert and --csv at a link to /dev/null, at /dev/stdout (a pipe here) and at a FIFO:
+    written through, nothing renamed over them (they were replaced by regular files)."""
+    trace = small_trace(tmp_path)
+    null = tmp_path / "null"
+    null.symlink_to("/dev/null")
+    for args in (["--convert", null], ["--slots", "2", "--policies", "lru", "--csv", null]):
+        proc = run_cli(trace, *args)
+        assert proc.returncode == 0 and f"wrote {null}" in proc.stderr, proc.stderr
+        assert null.is_symlink() and os.readlink(null) == "/dev/null"
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+    assert run_cli(trace, "--convert", tmp_path / "t.bin").returncode == 0
+    piped = subprocess.run([sys.executable, "-m", "moecache.replay", str(trace), "--convert", "/dev/stdout"],
+                           capture_output=True, cwd=REPO, timeout=120)
+    assert piped.returncode == 0 and piped.stdout == (tmp_path / "t.bin").read_bytes()
+    assert piped.stderr.decode().startswith("wrote /dev/stdout: ")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    proc = subprocess.Popen([sys.executable, "-m", "moecache.replay", str(trace), "--slots", "2",
+                             "--policies", "lru", "--csv", str(fifo)], stdout=subprocess.PIPE, cwd=REPO, text=True)
+    with open(fifo) as f:
+        rows = list(csv.DictReader(f))
+    assert proc.wait(timeout=120) == 0 and [row["policy"] for row in rows] == ["lru"]
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
 
 @pytest.mark.parametrize("path", [QWEN, GPTOSS], ids=["qwen", "gptoss"])
 def test_a_converted_trace_replays_to_the_numbers_of_its_csv(tmp_path, path):

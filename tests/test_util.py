@@ -4,10 +4,14 @@ display."""
 from __future__ import annotations
 
 import io
+import json
 import os
+import socket
+import stat
 import subprocess
 import sys
 import textwrap
+import threading
 
 import numpy as np
 import pytest
@@ -20,8 +24,11 @@ from moecache.util import (
     current_umask,
     int_arg,
     int_list_arg,
+    output_problem,
+    parse_gbps,
     parse_int,
     parse_int_list,
+    write_json,
 )
 
 
@@ -172,6 +179,95 @@ def test_atomic_write_into_a_missing_directory_raises_oserror(tmp_path):
     with pytest.raises(OSError):
         atomic_write(tmp_path / "no" / "out", "x")
     assert os.listdir(tmp_path) == []
+
+
+def _read_fifo(path, got):
+    with open(path, "rb") as f:
+        got.append(f.read())
+
+
+@pytest.mark.parametrize("data", ["text\n", b"bytes", lambda path: path.write_bytes(b"function")])
+def test_atomic_write_writes_through_a_fifo_never_replacing_it(tmp_path, data):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=_read_fifo, args=(fifo, got))
+    reader.start()
+    atomic_write(fifo, data)
+    reader.join(timeout=10)
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and os.listdir(tmp_path) == ["pipe"]
+    assert got == [{str: b"text\n", bytes: b"bytes"}.get(type(data), b"function")]
+
+
+def test_atomic_write_writes_through_a_symlink_to_dev_null(tmp_path):
+    """/dev/null itself is never the test's target: a link to it is (as /dev/stdout is a link)."""
+    link = tmp_path / "null"
+    link.symlink_to("/dev/null")
+    atomic_write(link, "discarded")
+    assert os.readlink(link) == "/dev/null" and os.listdir(tmp_path) == ["null"]
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode) and os.stat("/dev/null").st_size == 0
+    assert output_problem(link) is None
+    assert output_problem(link, devices=False) == "is not a regular file"
+
+
+def test_atomic_write_through_a_symlink_replaces_its_target_and_keeps_the_link(tmp_path):
+    (tmp_path / "data").mkdir()
+    target = tmp_path / "data" / "stats.json"
+    target.write_text("old")
+    link = tmp_path / "stats.json"
+    link.symlink_to(target)
+    atomic_write(link, "new")
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    assert target.read_text() == "new" and os.listdir(tmp_path / "data") == ["stats.json"]
+    dangling = tmp_path / "dangling"
+    dangling.symlink_to(tmp_path / "data" / "created")  # as a shell's > does: the target is created
+    atomic_write(dangling, "made")
+    assert dangling.is_symlink() and (tmp_path / "data" / "created").read_text() == "made"
+
+
+def test_atomic_write_refuses_what_is_neither_a_file_nor_a_device_or_fifo(tmp_path):
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(tmp_path / "sock"))
+    try:
+        for path, kind in ((tmp_path / "sock", "a socket"), (tmp_path, "a directory")):
+            with pytest.raises(OSError) as err:
+                atomic_write(path, "x")
+            assert err.value.strerror == f"is {kind}" and err.value.filename == str(path)
+            assert output_problem(path) == f"is {kind}"
+        assert stat.S_ISSOCK(os.lstat(tmp_path / "sock").st_mode)
+    finally:
+        sock.close()
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), {"payback_uses": [1.0, -float("inf")]}])
+def test_write_json_never_writes_infinity_or_nan(tmp_path, value):
+    path = tmp_path / "stats.json"
+    with pytest.raises(ValueError, match="Out of range float values are not JSON compliant"):
+        write_json(path, value)
+    assert os.listdir(tmp_path) == []
+    write_json(path, {"rate": 1e-3, "n": [1, 2]})
+    assert json.loads(path.read_text()) == {"rate": 1e-3, "n": [1, 2]}
+
+
+@pytest.mark.parametrize("text,expected", [("12", 12.0), ("0.5", 0.5), (".25", 0.25), ("3.", 3.0),
+                                           ("0.001", 0.001), ("100000", 1e5), (2.5, 2.5), (40, 40.0)])
+def test_parse_gbps_takes_ascii_decimals_in_range(text, expected):
+    assert parse_gbps(text, "G") == expected
+
+
+@pytest.mark.parametrize("value,problem", [
+    ("5e-324", "is not a decimal number"), ("1e308", "is not a decimal number"), ("1_0", "is not a decimal number"),
+    ("\u0665", "is not a decimal number"), ("\uff15", "is not a decimal number"), (" 5 ", "is not a decimal number"),
+    ("+5", "is not a decimal number"), ("-1", "is not a decimal number"), ("inf", "is not a decimal number"),
+    ("", "is not a decimal number"), (True, "is not a decimal number"), ("0", "must be in [0.001, 100000]"),
+    ("0.0009", "must be in [0.001, 100000]"), ("100000.5", "must be in [0.001, 100000]"),
+    ("9" * 400, "must be in [0.001, 100000]"), (float("inf"), "must be in"), (float("nan"), "must be in"),
+    (5e-324, "must be in"),
+])
+def test_parse_gbps_refuses_what_is_not_a_sane_rate_in_one_line(value, problem):
+    with pytest.raises(ValueError) as err:
+        parse_gbps(value, "LLAMA_MOE_CACHE_LINK_GBPS")
+    assert str(err.value).startswith(f"LLAMA_MOE_CACHE_LINK_GBPS={value!r}"[:40]) and problem in str(err.value)
 
 
 class _Stderr(io.StringIO):

@@ -48,6 +48,7 @@ import argparse
 import csv
 import math
 import os
+import sys
 
 from ..core.admission import ADMISSIONS, live_admission
 from ..core.binary_trace import write_binary_trace
@@ -55,7 +56,7 @@ from ..core.banks import equal_bytes
 from ..core.policies import DEFAULT_POLICY, POLICIES, resolve_policy
 from ..core.profile import UsageProfile
 from ..core.traces import DECODE, PREFILL, read_trace
-from ..util import OneLineParser, Progress, atomic_write, gbps_arg, int_arg, int_list_arg
+from ..util import OneLineParser, Progress, atomic_write, gbps_arg, int_arg, int_list_arg, output_problem
 from .budget import BUDGET_POLICIES
 from .readahead import PREDICTORS, ReadAhead, parse_spec
 from .cost import DEFAULT_HARDWARE, HARDWARE, Disk
@@ -249,13 +250,9 @@ def _check_planner(args):
 
 def _check_output(path, flag):
     """An output file must be writable where it is named."""
-    parent = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path) or path.endswith(os.sep):
-        raise ValueError(f"{flag} {path}: is a directory, expected a file name")
-    if not os.path.isdir(parent):
-        raise ValueError(f"{flag} {path}: directory {parent} does not exist")
-    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise ValueError(f"{flag} {path}: not writable")
+    problem = output_problem(path)
+    if problem:
+        raise ValueError(f"{flag} {path}: {problem}")
 
 
 def load_inputs(args):
@@ -507,11 +504,17 @@ def convert(args) -> None:
         raise ValueError(f"--convert {args.convert}: is the trace itself")
     trace = read_trace(args.trace)
     try:
-        write_binary_trace(trace, args.convert)
+        size = write_binary_trace(trace, args.convert)
     except OSError as e:
         raise ValueError(f"--convert {args.convert}: {e.strerror}") from None
     print(f"wrote {args.convert}: {len(trace.step)} steps x {trace.layers.size} MoE layers x top-"
-          f"{trace.n_expert_used}, {os.path.getsize(args.convert) / MIB:.1f} MiB")
+          f"{trace.n_expert_used}, {size / MIB:.1f} MiB", file=_status(args.convert))
+
+
+def _status(path):
+    """Where the line saying an output was written goes: stdout, unless the output was written
+    through a device or a FIFO (--convert /dev/stdout | ...): then stderr, out of its stream."""
+    return sys.stdout if os.path.isfile(path) else sys.stderr
 
 
 def replay(args) -> None:
@@ -527,13 +530,13 @@ def replay(args) -> None:
         ("--csv", args.csv, lambda p: write_csv(p, results, args)),
         ("--plot", args.plot, lambda p: plot(p, trace, results))) if path]
     if outputs:
-        print()
+        print(flush=True)  # before an output written through to stdout
     for flag, path, write in outputs:
         try:
             write(path)
         except OSError as e:
             raise ValueError(f"{flag} {path}: {e.strerror}") from None
-        print(f"wrote {path}")
+        print(f"wrote {path}", file=_status(path))
 
 
 def main(argv=None) -> int:
