@@ -8,14 +8,16 @@ import errno
 import json
 import os
 import re
+import resource
 import stat
 import sys
 import tempfile
 from pathlib import Path
 from typing import Callable, Sequence
 
-__all__ = ["IntegerError", "OneLineParser", "Progress", "atomic_write", "gbps_arg", "int_arg", "int_list_arg",
-           "one_line", "output_problem", "parse_gbps", "parse_int", "parse_int_list", "write_json"]
+__all__ = ["IntegerError", "OneLineParser", "Progress", "atomic_write", "available_memory", "gbps_arg", "int_arg",
+           "int_list_arg", "one_line", "output_problem", "parse_gbps", "parse_int", "parse_int_list",
+           "require_memory", "write_json"]
 
 
 def one_line(message) -> str:
@@ -289,6 +291,107 @@ def _write(path: Path, data) -> None:
         return
     with open(path, "wb") as f:
         f.write(data.encode("utf-8") if isinstance(data, str) else data)
+
+
+# --- memory -------------------------------------------------------------------------------------
+
+UNLIMITED = 1 << 60  # a cgroup without a limit reports about 2^63
+
+
+def available_memory(proc: str = "/proc") -> tuple[int | None, str]:
+    """The bytes this process can still take, and what limits it: the tightest of MemAvailable,
+    every memory cgroup over the process (its limit less its use, the inactive file pages it
+    holds counted free: the kernel drops them first; v1 memory.limit_in_bytes, v2 memory.max)
+    and the address space `ulimit -v` leaves. (None, "unknown") where none is known. Every
+    memory check reads it (require_memory; the RAM tier's sizing, moecache.live.ramtier): a
+    cgroup's limit is invisible in MemAvailable, which the OOM killer does not wait for. proc:
+    where /proc is (a test's copy)."""
+    found = []
+    available = _proc_kib(os.path.join(proc, "meminfo"), "MemAvailable")
+    if available is not None:
+        found.append((available, "MemAvailable"))
+    for directory, v2 in _memory_cgroups(proc):
+        limit = _read_int(os.path.join(directory, "memory.max" if v2 else "memory.limit_in_bytes"))
+        used = _read_int(os.path.join(directory, "memory.current" if v2 else "memory.usage_in_bytes"))
+        if limit is None or limit >= UNLIMITED or used is None:
+            continue
+        inactive = _proc_kib(os.path.join(directory, "memory.stat"), "inactive_file" if v2 else "total_inactive_file",
+                             scale=1) or 0
+        found.append((max(0, limit - used + inactive), f"cgroup {directory}: {limit >> 20} MiB limit, "
+                                                       f"{max(0, used - inactive) >> 20} MiB used"))
+    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    size = _proc_kib(os.path.join(proc, "self", "status"), "VmSize")
+    if soft != resource.RLIM_INFINITY and size is not None:
+        found.append((max(0, soft - size), f"ulimit -v: {soft >> 20} MiB of address space, {size >> 20} MiB mapped"))
+    return min(found) if found else (None, "unknown")
+
+
+def require_memory(nbytes: int, what: str) -> None:
+    """ValueError naming `what` when nbytes exceed available_memory(), before allocating."""
+    available, source = available_memory()
+    if available is not None and nbytes > available:
+        raise ValueError(f"{what} need {_size(nbytes)}, {_size(available)} available ({source})")
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} bytes"
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+        return UNLIMITED if text == "max" else int(text)
+    except (OSError, ValueError):
+        return None
+
+
+def _proc_kib(path: str, key: str, scale: int = 1024) -> int | None:
+    """The value of `key` in a file of 'key: value [kB]' or 'key value' lines, times scale."""
+    try:
+        with open(path) as f:
+            for line in f:
+                fields = line.split()
+                if fields and fields[0].rstrip(":") == key:
+                    return int(fields[1]) * scale
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _memory_cgroups(proc: str):
+    """(directory, v2) of each memory cgroup over this process, its own first, up to the root
+    of each mounted hierarchy (v1's memory controller, v2's unified one)."""
+    try:
+        with open(os.path.join(proc, "self", "mountinfo")) as f:
+            mounts = [line.split() for line in f]
+        with open(os.path.join(proc, "self", "cgroup")) as f:
+            member = [line.rstrip("\n").split(":", 2) for line in f]
+    except OSError:
+        return
+    for fields in mounts:
+        if "-" not in fields:
+            continue
+        kind, options = fields[fields.index("-") + 1], fields[fields.index("-") + 3].split(",")
+        if kind not in ("cgroup", "cgroup2") or (kind == "cgroup" and "memory" not in options):
+            continue
+        root, point = (field.replace("\\040", " ") for field in fields[3:5])
+        for entry in member:
+            if len(entry) != 3 or (entry[1] == "") != (kind == "cgroup2") or \
+                    (kind == "cgroup" and "memory" not in entry[1].split(",")):
+                continue
+            path = entry[2]
+            if os.path.commonpath([root, path]) != root:  # outside what this mount shows
+                continue
+            directory = os.path.join(point, os.path.relpath(path, root))
+            while True:
+                yield os.path.normpath(directory), kind == "cgroup2"
+                if os.path.normpath(directory) == os.path.normpath(point):
+                    break
+                directory = os.path.dirname(os.path.normpath(directory))
 
 
 # --- progress -----------------------------------------------------------------------------------

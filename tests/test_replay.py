@@ -255,14 +255,38 @@ def test_cli_bad_flags_are_one_line_before_any_replay(tmp_path, capsys, args, me
 
 
 def test_cli_engine_larger_than_memory_is_one_line(tmp_path, monkeypatch, capsys):
-    import moecache.core.traces as traces
+    import moecache.util as util
 
     path = small_trace(tmp_path)
     read_trace(str(path))  # the trace itself fits
-    monkeypatch.setattr(traces, "available_memory", lambda: 500)
+    monkeypatch.setattr(util, "available_memory", lambda: (500, "cgroup /x: 1 MiB limit, 1 MiB used"))
     assert main([str(path), "--slots", "2"]) == 2
-    assert capsys.readouterr().err == \
-        f"{PROG}: error: the cache engine's 2 layers x 8 experts need 768 bytes, 500 bytes available\n"
+    assert capsys.readouterr().err == (f"{PROG}: error: {path}: the cache engine's 2 layers x 8 experts need 768 "
+                                       f"bytes, 500 bytes available (cgroup /x: 1 MiB limit, 1 MiB used)\n")
+
+
+def _huge_trace(path):
+    """A valid binary trace of 4 steps that declares 4096 layers x 65536 experts (400 KB): a
+    replay's engine for it takes 12 GiB."""
+    from moecache.core.binary_trace import write_binary_trace
+
+    ids = np.random.default_rng(0).integers(0, 65536, size=(4, 4096, 2)).astype(np.int32)
+    write_binary_trace(RouteTrace.from_routing(ids, 65536, expert_bytes=np.full(4096, 1 << 20)), path)
+    return path
+
+
+def test_a_trace_too_large_for_the_address_space_is_one_line_naming_it(tmp_path):
+    """Under `ulimit -v` it was a bare "Unable to allocate 1.00 GiB" naming no file (and OOM-killed,
+    with no line, in a memory cgroup: the check read MemAvailable only)."""
+    path = _huge_trace(tmp_path / "huge.bin")
+    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (3 << 30, resource.RLIM_INFINITY)); "
+            "from moecache.offline.cli import main; sys.exit(main(sys.argv[1:]))")
+    run = subprocess.run([sys.executable, "-c", code, str(path), "--slots", "4"], capture_output=True, text=True,
+                         cwd=REPO, timeout=120)
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr.startswith(f"{PROG}: error: {path}: the cache engine's 4096 layers x 65536 experts need "
+                                 f"12.0 GiB, ") and "available (ulimit -v: 3072 MiB of address space" in run.stderr
+    assert run.stderr.count("\n") == 1
 
 
 def test_cli_csv_uses_fractions_and_the_stats_names(tmp_path):

@@ -8,6 +8,7 @@ import pytest
 from conftest import TRACES  # noqa: E402
 
 import moecache.core.traces as traces
+import moecache.util as util
 from moecache.core.binary_trace import write_binary_trace
 from moecache.core.traces import DECODE, PREFILL, TraceError, TraceWriter, read_trace, synthetic_routing
 
@@ -260,10 +261,11 @@ def test_trailing_blank_lines_and_crlf_are_read(tmp_path, blocks):
 
 
 def test_a_grid_larger_than_memory_is_refused_before_allocating(tmp_path, blocks, monkeypatch):
-    monkeypatch.setattr(traces, "available_memory", lambda: 100)
+    monkeypatch.setattr(util, "available_memory", lambda: (100, "MemAvailable"))
     with pytest.raises(TraceError) as info:
         read_trace(write(tmp_path, SMALL))
-    assert str(info.value).endswith("t.csv: 2 steps x 2 layers x 2 ranks need 128 bytes, 100 bytes available")
+    assert str(info.value).endswith("t.csv: 2 steps x 2 layers x 2 ranks need 128 bytes, 100 bytes available "
+                                    "(MemAvailable)")
 
 
 # What the reader of 578d740 (the csv module, every row held) read from the shipped traces:

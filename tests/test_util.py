@@ -21,6 +21,7 @@ from moecache.util import (
     OneLineParser,
     Progress,
     atomic_write,
+    available_memory,
     current_umask,
     int_arg,
     int_list_arg,
@@ -268,6 +269,65 @@ def test_parse_gbps_refuses_what_is_not_a_sane_rate_in_one_line(value, problem):
     with pytest.raises(ValueError) as err:
         parse_gbps(value, "LLAMA_MOE_CACHE_LINK_GBPS")
     assert str(err.value).startswith(f"LLAMA_MOE_CACHE_LINK_GBPS={value!r}"[:40]) and problem in str(err.value)
+
+
+def _fake_proc(tmp_path, *, v1_limit, v1_usage, v1_inactive, v2_max, v2_current, available_kib):
+    """A /proc and cgroup mounts as a hybrid host has them: v1's memory controller with the
+    process two levels down, v2's unified hierarchy one level down."""
+    proc, v1, v2 = tmp_path / "proc", tmp_path / "cg" / "memory", tmp_path / "cg" / "unified"
+    (proc / "self").mkdir(parents=True, exist_ok=True)
+    (proc / "meminfo").write_text(f"MemTotal:       99999999 kB\nMemAvailable:   {available_kib} kB\n")
+    (proc / "self" / "status").write_text("VmSize:\t  100000 kB\nVmRSS:\t   5000 kB\n")
+    (proc / "self" / "cgroup").write_text("5:cpu:/\n4:memory:/jobs/job1\n0::/svc\n")
+    (proc / "self" / "mountinfo").write_text(
+        f"31 23 0:28 / {tmp_path / 'cg'} rw - tmpfs tmpfs rw\n"
+        f"35 31 0:32 / {v1} rw,relatime - cgroup cgroup rw,memory\n"
+        f"36 31 0:33 / {tmp_path / 'cg' / 'cpu'} rw,relatime - cgroup cgroup rw,cpu\n"
+        f"41 31 0:38 / {v2} rw,relatime - cgroup2 cgroup2 rw\n")
+    for directory, files in ((v1, {"memory.limit_in_bytes": str(2**63 - 4096), "memory.usage_in_bytes": "1"}),
+                             (v1 / "jobs", {"memory.limit_in_bytes": str(2**63 - 4096), "memory.usage_in_bytes": "1"}),
+                             (v1 / "jobs" / "job1", {"memory.limit_in_bytes": str(v1_limit),
+                                                     "memory.usage_in_bytes": str(v1_usage),
+                                                     "memory.stat": f"cache 5\ntotal_inactive_file {v1_inactive}\n"}),
+                             (v2 / "svc", {"memory.max": v2_max, "memory.current": str(v2_current),
+                                           "memory.stat": "anon 1\ninactive_file 0\n"})):
+        directory.mkdir(parents=True, exist_ok=True)
+        for name, text in files.items():
+            (directory / name).write_text(text + "\n")
+    return str(proc)
+
+
+def test_available_memory_is_the_tightest_of_the_cgroups_and_memavailable(tmp_path):
+    mib = 1 << 20
+    proc = _fake_proc(tmp_path, v1_limit=300 * mib, v1_usage=200 * mib, v1_inactive=20 * mib,
+                      v2_max="max", v2_current=1, available_kib=8 << 20)
+    v1 = tmp_path / "cg" / "memory" / "jobs" / "job1"
+    # the limit less what the cgroup uses, its inactive file pages counted free
+    assert available_memory(proc) == (120 * mib, f"cgroup {v1}: 300 MiB limit, 180 MiB used")
+    proc = _fake_proc(tmp_path, v1_limit=300 * mib, v1_usage=200 * mib, v1_inactive=20 * mib,
+                      v2_max=str(150 * mib), v2_current=100 * mib, available_kib=8 << 20)
+    assert available_memory(proc)[0] == 50 * mib and "unified/svc: 150 MiB limit" in available_memory(proc)[1]
+    proc = _fake_proc(tmp_path, v1_limit=300 * mib, v1_usage=200 * mib, v1_inactive=20 * mib,
+                      v2_max="max", v2_current=1, available_kib=10 << 10)
+    assert available_memory(proc) == (10 * mib, "MemAvailable")
+    assert available_memory(str(tmp_path / "none")) == (None, "unknown")
+
+
+def test_available_memory_sees_ulimit_v_and_require_memory_names_the_limit():
+    code = textwrap.dedent("""
+        import resource
+        from moecache.util import available_memory, require_memory
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, resource.RLIM_INFINITY))
+        free, source = available_memory()
+        assert free < 4 << 30 and source.startswith("ulimit -v: 4096 MiB of address space"), source
+        try:
+            require_memory(5 << 30, "the tables")
+        except ValueError as e:
+            print(e)
+    """)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("the tables need 5.0 GiB, ") and "(ulimit -v: 4096 MiB" in run.stdout
 
 
 class _Stderr(io.StringIO):

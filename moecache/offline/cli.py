@@ -523,7 +523,10 @@ def replay(args) -> None:
         return convert(args)
     check_args(args)
     trace, profile = load_inputs(args)
-    results = run(args, trace, profile)
+    try:
+        results = run(args, trace, profile)
+    except MemoryError as e:  # past every check of the memory the models take
+        raise ValueError(f"{args.trace}: out of memory replaying it ({e or 'MemoryError'})") from None
     print_tables(args, trace, results)
     print_ram_table(args, trace, results)
     outputs = [(flag, path, write) for flag, path, write in (

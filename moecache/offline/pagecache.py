@@ -45,6 +45,7 @@ import numpy as np
 
 PAGE = 4096
 PARTS = 3  # gate, up, down
+PAGE_TABLE_BYTES = 13  # the tables' bytes per page of the file: a stamp, a mark and the two lists' four flags
 
 
 class ExpertLayout:

@@ -57,12 +57,13 @@ from ..core.engine import CacheEngine
 from ..core.model import hit_rate
 from ..core.policies import POLICIES, Policy, make_policy, resolve_policy
 from ..core.profile import UsageProfile
-from ..core.traces import DECODE, RouteTrace, require_memory
+from ..core.traces import DECODE, RouteTrace
+from ..util import require_memory
 from . import steps
 from .budget import BUDGET_POLICIES, BudgetPolicy, ByteBudgetCache, make_budget_policy
 from ..core.missplan import OUR_LAYOUT, STOCK_LAYOUT, UPSTREAM_LAYOUT, MissPlanner, Rates
 from .cost import Disk, Hardware, WorkTally
-from .pagecache import PAGE_POLICIES, ExpertLayout
+from .pagecache import PAGE, PAGE_POLICIES, PAGE_TABLE_BYTES, ExpertLayout
 from .readahead import ReadAhead
 from .steps import GLOBAL, PAGE_CACHE, PER_LAYER, PREFILL_MODES, UPSTREAM
 from .upstream import UpstreamCache
@@ -310,7 +311,7 @@ def _per_layer_cache(trace, policy, slots, inserts, admission, prefill, profile,
         if not isinstance(slots, (int, np.integer)) or not 1 <= slots <= trace.n_expert:
             raise ValueError(f"slots must be an integer in [1, n_expert={trace.n_expert}], got {slots!r}")
         L, E = trace.layers.size, trace.n_expert
-        require_memory(ENGINE_BYTES_PER_ENTRY * L * E, f"the cache engine's {L} layers x {E} experts")
+        require_memory(ENGINE_BYTES_PER_ENTRY * L * E, f"{trace.path}: the cache engine's {L} layers x {E} experts")
         if isinstance(policy, str):
             label = policy if policy != "default" else f"default({resolve_policy(policy)})"
             reads_ahead = _reads_ahead(POLICIES, resolve_policy(policy))
@@ -370,8 +371,10 @@ def _page_cache(trace, policy, budget_mib, read_ahead_kb):
         raise ValueError(f"unknown policy {policy!r} for the page-cache model; valid: {', '.join(MODELS[PAGE_CACHE])}")
     if isinstance(read_ahead_kb, bool) or not isinstance(read_ahead_kb, (int, np.integer)) or read_ahead_kb < 0:
         raise ValueError(f"the page-cache model needs read_ahead_kb, an integer >= 0, got {read_ahead_kb!r}")
-    return PAGE_POLICIES[policy](ExpertLayout(trace.expert_bytes, trace.n_expert),
-                                 _budget_bytes(PAGE_CACHE, budget_mib), int(read_ahead_kb)), policy
+    layout = ExpertLayout(trace.expert_bytes, trace.n_expert)
+    pages = -(-layout.file_bytes // PAGE)
+    require_memory(PAGE_TABLE_BYTES * pages, f"{trace.path}: the page cache model's {pages} pages")
+    return PAGE_POLICIES[policy](layout, _budget_bytes(PAGE_CACHE, budget_mib), int(read_ahead_kb)), policy
 
 
 def ram_tier_slots(trace: RouteTrace, ram_mib: float) -> int:
