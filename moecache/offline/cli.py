@@ -373,7 +373,7 @@ def print_ram_table(args, trace, results) -> None:
     host = args.hardware.rates.host_gbps
     print(f"\nlarger than RAM, CPU only: the RAM tier (LLAMA_MOE_CACHE_RAM_MIB: K experts per layer kept, eager "
           f"admission, INSERTS = K, prompts looked up) and stock mmap's page cache (4 KiB pages, read_ahead_kb "
-          f"{args.read_ahead_kb}, doubled by llama.cpp's mapping)\n"
+          f"{args.read_ahead_kb}, doubled by llama.cpp's mapping, a window at most half the budget)\n"
           f"ms/tok: MODELLED per decode token (moecache.offline.cost.Disk): mmap (computed bytes / host + waits x read "
           f"latency + bytes read / disk), the tier per layer (dense / host + max(kept / host, read latency + misses / "
           f"disk) + misses / host): host {host:.2f} GB/s, {args.disk.describe()}; hit%: decode lookups whose "
