@@ -168,12 +168,13 @@ def test_server_burst_with_the_cache(tmp_path, rpc_device, tiny_path):
 
     report = json.loads(stats.read_text())
     assert scrapes, "no /metrics scrape while the requests ran"
-    hits = [sum(s.value for s in family.samples if s.name == "moecache:hits_total")
-            for family in (m["moecache:hits"] for m in scrapes + [final_metrics])]
+    hits = [sum(s.value for s in family.samples if s.name == "moecache_hits_total")
+            for family in (m["moecache_hits"] for m in scrapes + [final_metrics])]
     assert hits == sorted(hits) and hits[-1] > 0  # counters only grow
-    layers = {s.labels["layer"] for s in final_metrics["moecache:hits"].samples}
+    layers = {s.labels["layer"] for s in final_metrics["moecache_hits"].samples}
     assert len(layers) == len(report["layers"])
-    assert final_metrics["moecache:slots"].samples[0].value == 2
+    assert final_metrics["moecache_slots"].samples[0].value == 2
+    assert final_metrics["moecache_slots"].samples[0].labels == {"context": "0", "tier": "device"}
     # cached ubatches (up to LLAMA_MOE_CACHE_MAX_BATCH tokens): the first request's prompt, then
     # each request's sampled tokens but the last, and every request after the first its prompt's
     # last token again (the prompt is in the KV cache); the cache observes each graph at the next

@@ -446,6 +446,19 @@ def test_a_damaged_binary_trace_is_an_error_naming_it_never_other_values(tmp_pat
         read_trace(str(path))
 
 
+def test_a_binary_trace_with_a_deeply_nested_header_is_one_error_naming_it(tmp_path):
+    """A header of 200000 nested lists (its CRC-32 right) hit "maximum recursion depth exceeded"."""
+    import zlib
+
+    from moecache.core.binary_trace import MAGIC
+
+    header = b"[" * 200000 + b"]" * 200000
+    path = tmp_path / "deep.bin"
+    path.write_bytes(b"%s\n%s\n%08x\n" % (MAGIC, header, zlib.crc32(header)))
+    with pytest.raises(TraceError, match=f"^{path}: the header is not a JSON object$"):
+        read_trace(str(path))
+
+
 @pytest.mark.parametrize("change, message", [
     (lambda t: {"ids": np.where(t.ids == 7, 8, t.ids)}, r"t.bin: ids holds values outside \[-1, 7\]"),
     (lambda t: {"phase": t.phase + 1}, r"t.bin: phase holds values outside \[0, 1\]"),

@@ -120,7 +120,7 @@ def _read_header(path, f):
         raise TraceError(f"{path}: the header (at most {MAX_HEADER} bytes) fails its CRC-32: damaged")
     try:
         header = json.loads(line)
-    except ValueError:  # also a UnicodeDecodeError
+    except (ValueError, RecursionError):  # also a UnicodeDecodeError; nesting past the interpreter's stack
         header = None
     if not isinstance(header, dict):
         raise TraceError(f"{path}: the header is not a JSON object")
