@@ -388,3 +388,26 @@ def test_run_py_ram_mib_auto_in_a_130_mb_cgroup_says_why_and_is_not_killed(smol_
     assert run.returncode == 2, (run.returncode, run.stderr)
     assert run.stderr.startswith("run.py: error: LLAMA_MOE_CACHE_RAM_MIB=auto: ") and run.stderr.count("\n") == 1
     assert f"{os.path.basename(child)}: 130 MiB limit" in run.stderr
+
+
+def test_run_py_says_why_a_decode_failed_when_the_model_file_changed(tmp_path, monkeypatch, capsys):
+    """run.py printed only "llama_decode returned -3" when the RAM tier stopped on a changed
+    model file (libllama's reason is logged at a level llama-cpp-python shows only when
+    verbose): the one error line says why, from the cache."""
+    from moecache.live import cli
+    from moecache.models import tiny_moe
+
+    path = tmp_path / "model.gguf"
+    path.write_bytes(tiny_moe(n_layer=2, n_expert=8, n_embd=128).read_bytes())
+    generate = cli._generate
+
+    def cut_then_generate(llm, args):
+        with open(path, "r+b") as f:
+            f.truncate(path.stat().st_size // 2)
+        return generate(llm, args)
+
+    monkeypatch.setattr(cli, "_generate", cut_then_generate)
+    assert cli.main(["-m", str(path), "--ram-mib", "1", "-n", "8", "--no-chat", "-p", "The three"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith("run.py: error: llama_decode returned -3: the RAM tier stopped: RuntimeError: the "
+                              "model file changed since it was loaded"), err

@@ -106,7 +106,11 @@ def _run(args) -> int:
         for line in tier.lines() if tier else ():
             print(line, file=sys.stderr)
 
-    n_tokens, decode = _generate(llm, args)
+    try:
+        n_tokens, decode = _generate(llm, args)
+    except RuntimeError as e:  # "llama_decode returned -3": the cache may know why
+        why = cache.why_stopped() if cache else None
+        raise RuntimeError(f"{e}: {why}" if why else e) from None
     print(f"run.py: {n_tokens} tokens decoded, decode {decode}", file=sys.stderr)
     if cache:
         print(cache.summary(), file=sys.stderr)
