@@ -188,10 +188,10 @@ def test_disk_time_is_compute_waits_and_bytes():
     run = ram_tier_replay(read_trace(str(SYNTH)), 932)
     read, waits = run.disk_reads()
     assert read == run.totals["misses"] * 2654208  # eager, no prefetch: every read is a miss
-    assert run.disk_ms(5.26, Disk(0.95, 40)) == Disk(0.95, 40).tier_token_ms(5.26, run.work, run.decode_steps)
+    assert run.disk_ms(5.26, Disk(0.95, 40)) == Disk(0.95, 40).tier_token_ms(5.26, run.work, run.decode_tokens)
     # never slower than reading, then computing
     assert run.disk_ms(5.26, Disk(0.95, 40)) < (
-        (run.totals["lookup_bytes"] / 5.26e6 + waits * 0.04 + read / 0.95e6) / run.decode_steps)
+        (run.totals["lookup_bytes"] / 5.26e6 + waits * 0.04 + read / 0.95e6) / run.decode_tokens)
 
 
 

@@ -209,3 +209,33 @@ def test_sigterm_writes_the_final_stats(tmp_path, tiny_path):
             _, err = server.communicate()
     assert server.returncode == 128 + signal.SIGTERM, err[-2000:]
     assert json.loads(stats.read_text())["decode_steps"] > 0
+
+
+def test_the_trace_and_the_stats_count_a_request_alike(tmp_path, tiny_path):
+    """The server's Llama computes logits for every prompt token (llama_cpp.server's logits_all
+    defaults to true), so a prompt of up to LLAMA_MOE_CACHE_MAX_BATCH tokens runs the cached graph:
+    one decode step of several tokens. The stats counted it as one step, the replay of the trace
+    as one per token (a 150-token completion: 149 decode steps against 152); the replay now counts
+    steps as the stats do, and tokens apart."""
+    from moecache.core.traces import PREFILL, read_trace
+    from moecache.offline.replay import PER_LAYER, simulate
+
+    port = _free_port()
+    stats, trace = tmp_path / "stats.json", tmp_path / "trace.csv"
+    server = _serve(["--model", tiny_path, "--n_ctx", "512", "--host", "127.0.0.1", "--port", str(port),
+                     "--verbose", "false"],
+                    {"LLAMA_MOE_CACHE_SLOTS": "2", "LLAMA_MOE_CACHE_STATS": str(stats),
+                     "LLAMA_MOE_CACHE_TRACE": str(trace)}, stdout=subprocess.DEVNULL)
+    try:
+        _wait_ready(server, port, timeout=120)
+        n_tokens = _complete(port)[2]
+    finally:
+        server.send_signal(signal.SIGINT)
+        _, err = server.communicate(timeout=60)
+    assert server.returncode == 0, err[-2000:]
+    report, recorded = json.loads(stats.read_text()), read_trace(str(trace))
+    run = simulate(recorded, PER_LAYER, "lru", 2)
+    assert (run.decode_steps, run.decode_tokens) == (report["decode_steps"], report["decode_tokens"])
+    # the prompt, then each sampled token but the last; the very last graph goes unobserved
+    assert report["decode_steps"] == 1 + (n_tokens - 1) - 1 and report["decode_tokens"] > report["decode_steps"]
+    assert report["prefill_tokens"] == int((recorded.phase == PREFILL).sum()) == 0

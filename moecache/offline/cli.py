@@ -59,6 +59,7 @@ from ..core.traces import DECODE, PREFILL, read_trace
 from ..util import OneLineParser, Progress, atomic_write, gbps_arg, int_arg, int_list_arg, output_problem
 from .budget import BUDGET_POLICIES
 from .readahead import PREDICTORS, ReadAhead, parse_spec
+from .steps import decode_steps
 from .cost import DEFAULT_HARDWARE, HARDWARE, Disk
 from .replay import (GLOBAL, MIB, MODELS, PAGE_CACHE, PER_LAYER, PREFILL_MODES, UPSTREAM, ReplayResult,
                      per_layer_slots, policy_names, ram_tier_slots, simulate)
@@ -319,8 +320,10 @@ def _ms(value):
 def print_tables(args, trace, results) -> None:
     n_prefill = int((trace.phase == PREFILL).sum())
     n_decode = int((trace.phase == DECODE).sum())
+    n_steps = decode_steps(trace)  # the live stats' count: a recorded multi-token ubatch is one step
     print(f"{args.trace}: {trace.arch}, {trace.layers.size} MoE layers x {trace.n_expert} experts, "
-          f"top-{trace.n_expert_used}; {n_prefill} prefill + {n_decode} decode tokens; one token's "
+          f"top-{trace.n_expert_used}; {n_prefill} prefill + {n_decode} decode tokens"
+          f"{'' if n_steps == n_decode else f' in {n_steps} decode steps'}; one token's "
           f"working set {trace.working_set_bytes() / MIB:.0f} MiB")
     hardware = args.hardware
     stock = next((r.stock_ms(hardware) for r in results
@@ -386,8 +389,8 @@ def print_ram_table(args, trace, results) -> None:
         tier = r.model == PER_LAYER
         print(f"{'RAM tier' if tier else 'mmap':<12}{r.policy:<16}{r.admission or '-':>10}{r.ram_mib:>9g}"
               f"{r.slots if tier else '-':>5}{_pct(r.hit_rate):>10}"
-              f"{'-' if not r.decode_steps else format(read / r.decode_steps / 1e6, '.1f'):>13}"
-              f"{'-' if not r.decode_steps else format(waits / r.decode_steps, '.1f'):>11}"
+              f"{'-' if not r.decode_tokens else format(read / r.decode_tokens / 1e6, '.1f'):>13}"
+              f"{'-' if not r.decode_tokens else format(waits / r.decode_tokens, '.1f'):>11}"
               f"{_ms(ms):>10}{'-' if not ms else format(1e3 / ms, '.2f'):>8}")
     print_read_ahead_table(args, results)
 
@@ -425,7 +428,7 @@ def modelled_ms(args, r) -> float | None:
     return r.modelled_ms(args.hardware) if r.ram_mib is None else r.disk_ms(args.hardware.rates.host_gbps, args.disk)
 
 
-CSV_COLUMNS = ("model", "policy", "slots", "budget_mib", "inserts", "admission", "decode_steps",
+CSV_COLUMNS = ("model", "policy", "slots", "budget_mib", "inserts", "admission", "decode_steps", "decode_tokens",
                "hits", "misses", "uploads", "upload_bytes", "hit_rate", "hits_all", "misses_all",
                "hit_rate_all", "upload_bytes_per_token", "modelled_ms_per_token", "seconds", "prefill",
                "prefill_upload_bytes", "ram_mib", "disk_read_bytes_per_token", "read_ahead")
@@ -445,7 +448,7 @@ def _write_rows(path, results, args):
             writer.writerow({
                 "model": r.model, "policy": r.policy, "slots": r.slots, "budget_mib": r.budget_mib,
                 "inserts": ("unlimited" if r.inserts is None else r.inserts) if r.model == PER_LAYER else None,
-                "admission": r.admission, "decode_steps": r.decode_steps,
+                "admission": r.admission, "decode_steps": r.decode_steps, "decode_tokens": r.decode_tokens,
                 **{name: r.totals[name] for name in ("hits", "misses", "uploads", "upload_bytes")},
                 "hit_rate": None if r.hit_rate is None else f"{r.hit_rate:.6f}",
                 "hits_all": r.totals_all["hits"], "misses_all": r.totals_all["misses"],
@@ -461,10 +464,10 @@ def _write_rows(path, results, args):
 
 def _disk_read_per_token(r):
     """Bytes a --ram-mib run read from the file per decode token (reading ahead: its reads too)."""
-    if r.ram_mib is None or not r.decode_steps:
+    if r.ram_mib is None or not r.decode_tokens:
         return None
     read = r.disk_reads()[0] if r.read_ahead is None else r.read_ahead.read_bytes
-    return f"{read / r.decode_steps:.0f}"
+    return f"{read / r.decode_tokens:.0f}"
 
 
 def plot(path, trace, results) -> None:

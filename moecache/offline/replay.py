@@ -91,7 +91,9 @@ class ReplayResult:
     slots: int | None           # per-layer K (upstream: the K whose device bytes it was given)
     budget_mib: float | None    # global, upstream and page-cache budget; per-layer: the budget its K fits
     inserts: int | None         # per-layer; None: unlimited (and for the other models)
-    decode_steps: int
+    decode_tokens: int          # the trace's decode tokens: what a figure per token divides by
+    decode_steps: int           # the decode steps the model took: per-layer and page-cache one per
+                                # recorded ubatch (the live stats' decode_steps), else one per token
     totals: dict
     totals_all: dict
     seconds: float
@@ -117,7 +119,7 @@ class ReplayResult:
 
     @property
     def upload_bytes_per_token(self) -> float | None:
-        return self.totals["upload_bytes"] / self.decode_steps if self.decode_steps else None
+        return self.totals["upload_bytes"] / self.decode_tokens if self.decode_tokens else None
 
     @property
     def prefill_upload_bytes_per_turn(self) -> float | None:
@@ -131,9 +133,9 @@ class ReplayResult:
     def modelled_ms(self, hardware: Hardware) -> float | None:
         """MODELLED milliseconds per decode token of this cache (moecache.offline.cost); None for
         the global model, whose cost is not modelled, or without decode tokens."""
-        if self.work is None or not self.decode_steps:
+        if self.work is None or not self.decode_tokens:
             return None
-        return hardware.token_ms(self.work, self.decode_steps)
+        return hardware.token_ms(self.work, self.decode_tokens)
 
     def disk_reads(self) -> tuple[int, int]:
         """(bytes read from the model file, reads a layer waited for) in the decode tokens, of a
@@ -152,18 +154,18 @@ class ReplayResult:
         computed on the CPU at host_gbps, its reads from `disk` (cost.Disk: the tier computes a
         layer's kept experts while its misses are read, a page fault waits); None without decode
         tokens."""
-        if not self.decode_steps:
+        if not self.decode_tokens:
             return None
         if self.model == PER_LAYER:
-            return disk.tier_token_ms(host_gbps, self.work, self.decode_steps)
-        return disk.token_ms(host_gbps, self.work.compute_bytes(), *self.disk_reads(), self.decode_steps)
+            return disk.tier_token_ms(host_gbps, self.work, self.decode_tokens)
+        return disk.token_ms(host_gbps, self.work.compute_bytes(), *self.disk_reads(), self.decode_tokens)
 
     def stock_ms(self, hardware: Hardware) -> float | None:
         """MODELLED milliseconds per decode token of llama.cpp's stock --cpu-moe on the same
         routing (every selected expert on the CPU)."""
-        if self.work is None or not self.decode_steps:
+        if self.work is None or not self.decode_tokens:
             return None
-        return hardware.token_ms(self.work.as_stock(), self.decode_steps)
+        return hardware.token_ms(self.work.as_stock(), self.decode_tokens)
 
 
 def simulate(trace: RouteTrace, model: str, policy, size=None, *, inserts: int | None = 2,
@@ -250,7 +252,9 @@ def simulate(trace: RouteTrace, model: str, policy, size=None, *, inserts: int |
     decode, final, seconds, times = _drive(step, totals, segments, step_times, before_step)
     if read_ahead is not None:
         read_ahead.finish()
-    return ReplayResult(model, label, slots, budget, inserts, int((trace.phase == DECODE).sum()),
+    tokens = int((trace.phase == DECODE).sum())
+    return ReplayResult(model, label, slots, budget, inserts, tokens,
+                        steps.decode_steps(trace) if model in (PER_LAYER, PAGE_CACHE) else tokens,
                         decode, final, seconds, times, admission, prefill, len(steps.turns(trace)), work,
                         read_ahead=read_ahead)
 
