@@ -358,8 +358,10 @@ def test_a_replay_in_windows_of_a_few_steps_counts_as_in_one(tmp_path, monkeypat
 # --- the compact binary form ---------------------------------------------------------------
 
 def test_outputs_write_through_a_device_or_fifo_and_never_replace_it(tmp_path):
-    """--convert and --csv at a link to /dev/null, at /dev/stdout (a pipe here) and at a FIFO:
-    written through, nothing renamed over them (they were replaced by regular files)."""
+    """--convert and --csv at a link to /dev/null, at a link to this process's stdout (a pipe here;
+    what /dev/stdout is) and at a FIFO: written through, nothing renamed over them (they were
+    replaced by regular files; the system's /dev/null and /dev/stdout with them, so no test names
+    those: the code before the fix would replace them)."""
     trace = small_trace(tmp_path)
     null = tmp_path / "null"
     null.symlink_to("/dev/null")
@@ -369,10 +371,12 @@ def test_outputs_write_through_a_device_or_fifo_and_never_replace_it(tmp_path):
         assert null.is_symlink() and os.readlink(null) == "/dev/null"
     assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
     assert run_cli(trace, "--convert", tmp_path / "t.bin").returncode == 0
-    piped = subprocess.run([sys.executable, "-m", "moecache.replay", str(trace), "--convert", "/dev/stdout"],
+    stdout = tmp_path / "stdout"
+    stdout.symlink_to("/proc/self/fd/1")
+    piped = subprocess.run([sys.executable, "-m", "moecache.replay", str(trace), "--convert", str(stdout)],
                            capture_output=True, cwd=REPO, timeout=120)
     assert piped.returncode == 0 and piped.stdout == (tmp_path / "t.bin").read_bytes()
-    assert piped.stderr.decode().startswith("wrote /dev/stdout: ")
+    assert piped.stderr.decode().startswith(f"wrote {stdout}: ") and stdout.is_symlink()
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     proc = subprocess.Popen([sys.executable, "-m", "moecache.replay", str(trace), "--slots", "2",
