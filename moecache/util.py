@@ -1,5 +1,6 @@
-"""The one of each small thing every tool needs: the argument parser, integer parsing, the
-atomic file writer and the progress display."""
+"""The one of each small thing every tool needs: the argument parser, integer and rate parsing,
+the file writer (atomic, never over a device) and the JSON writer, the memory check and the
+progress display."""
 
 from __future__ import annotations
 
@@ -307,7 +308,7 @@ def available_memory(proc: str = "/proc") -> tuple[int | None, str]:
     cgroup's limit is invisible in MemAvailable, which the OOM killer does not wait for. proc:
     where /proc is (a test's copy)."""
     found = []
-    available = _proc_kib(os.path.join(proc, "meminfo"), "MemAvailable")
+    available = _field(os.path.join(proc, "meminfo"), "MemAvailable", 1024)
     if available is not None:
         found.append((available, "MemAvailable"))
     for directory, v2 in _memory_cgroups(proc):
@@ -315,12 +316,12 @@ def available_memory(proc: str = "/proc") -> tuple[int | None, str]:
         used = _read_int(os.path.join(directory, "memory.current" if v2 else "memory.usage_in_bytes"))
         if limit is None or limit >= UNLIMITED or used is None:
             continue
-        inactive = _proc_kib(os.path.join(directory, "memory.stat"), "inactive_file" if v2 else "total_inactive_file",
-                             scale=1) or 0
+        inactive = _field(os.path.join(directory, "memory.stat"), "inactive_file" if v2 else "total_inactive_file",
+                          1) or 0
         found.append((max(0, limit - used + inactive), f"cgroup {directory}: {limit >> 20} MiB limit, "
                                                        f"{max(0, used - inactive) >> 20} MiB used"))
     soft = resource.getrlimit(resource.RLIMIT_AS)[0]
-    size = _proc_kib(os.path.join(proc, "self", "status"), "VmSize")
+    size = _field(os.path.join(proc, "self", "status"), "VmSize", 1024)
     if soft != resource.RLIM_INFINITY and size is not None:
         found.append((max(0, soft - size), f"ulimit -v: {soft >> 20} MiB of address space, {size >> 20} MiB mapped"))
     return min(found) if found else (None, "unknown")
@@ -349,7 +350,7 @@ def _read_int(path: str) -> int | None:
         return None
 
 
-def _proc_kib(path: str, key: str, scale: int = 1024) -> int | None:
+def _field(path: str, key: str, scale: int) -> int | None:
     """The value of `key` in a file of 'key: value [kB]' or 'key value' lines, times scale."""
     try:
         with open(path) as f:
@@ -373,9 +374,10 @@ def _memory_cgroups(proc: str):
     except OSError:
         return
     for fields in mounts:
-        if "-" not in fields:
+        end = fields.index("-") if "-" in fields else len(fields)  # the optional fields' end
+        if len(fields) < end + 4:
             continue
-        kind, options = fields[fields.index("-") + 1], fields[fields.index("-") + 3].split(",")
+        kind, options = fields[end + 1], fields[end + 3].split(",")
         if kind not in ("cgroup", "cgroup2") or (kind == "cgroup" and "memory" not in options):
             continue
         root, point = (field.replace("\\040", " ") for field in fields[3:5])
