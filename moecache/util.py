@@ -1,19 +1,24 @@
-"""The one of each small thing every tool needs: the argument parser, integer parsing, the
-atomic file writer and the progress display."""
+"""The one of each small thing every tool needs: the argument parser, integer and rate parsing,
+the file writer (atomic, never over a device) and the JSON writer, the memory check and the
+progress display."""
 
 from __future__ import annotations
 
 import argparse
-import math
+import errno
+import json
 import os
 import re
+import resource
+import stat
 import sys
 import tempfile
 from pathlib import Path
 from typing import Callable, Sequence
 
-__all__ = ["IntegerError", "OneLineParser", "Progress", "atomic_write", "int_arg", "int_list_arg",
-           "gbps_arg", "one_line", "parse_gbps", "parse_int", "parse_int_list"]
+__all__ = ["IntegerError", "OneLineParser", "Progress", "atomic_write", "available_memory", "gbps_arg", "int_arg",
+           "int_list_arg", "one_line", "output_problem", "parse_gbps", "parse_int", "parse_int_list",
+           "require_memory", "write_json"]
 
 
 def one_line(message) -> str:
@@ -76,23 +81,30 @@ def parse_int_list(text: str, name: str, *, minimum: int | None = None,
     return [parse_int(part, name, minimum=minimum, maximum=maximum) for part in text.split(",")]
 
 
+_RATE = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+")  # ASCII decimal, as the integers: no sign, exponent, '_'
+GBPS_RANGE = (0.001, 100000.0)  # a rate outside is a typo (a link of 1 MB/s, a memory of 100 TB/s)
+
+
 def _gbps(value) -> tuple[float | None, str | None]:
     """(value as a rate in GB/s, None), or (None, '<value> <problem>')."""
-    try:
-        number = float(value) if isinstance(value, str) or (not isinstance(value, bool) and
-                                                             isinstance(value, (int, float))) else None
-    except ValueError:
+    if isinstance(value, str):
+        number = float(value) if _RATE.fullmatch(value) else None
+    elif not isinstance(value, bool) and isinstance(value, (int, float)):
+        number = float(value)
+    else:
         number = None
     if number is None:
-        return None, f"{_shown(value)} is not a number"
-    if not (math.isfinite(number) and number > 0):
-        return None, f"{_shown(value)} must be a finite number of GB/s > 0"
+        return None, f"{_shown(value)} is not a decimal number of GB/s"
+    low, high = GBPS_RANGE
+    if not low <= number <= high:  # nan and inf too
+        return None, f"{_shown(value)} must be in [{low:g}, {high:g}] GB/s"
     return number, None
 
 
 def parse_gbps(value, name: str) -> float:
-    """A rate in GB/s: a finite number > 0, as text (decimal, as float() reads it) or a number.
-    Raises ValueError '<name>=<value> <problem>'."""
+    """A rate in GB/s within GBPS_RANGE, as ASCII decimal text ('12', '0.5', no exponent,
+    sign, '_' or spaces: what the integer variables take, with a point) or a number. Raises
+    ValueError '<name>=<value> <problem>'."""
     number, problem = _gbps(value)
     if problem:
         raise ValueError(f"{name}={problem}")
@@ -164,6 +176,13 @@ class OneLineParser(argparse.ArgumentParser):
 
 # --- files --------------------------------------------------------------------------------------
 
+def write_json(path, value, *, indent: int | None = 1) -> Path:
+    """The one writer of JSON files, atomically (atomic_write), strict JSON: a NaN or an infinity
+    (which json.dumps writes as NaN and Infinity, and no other JSON reader takes) is a
+    ValueError, never written."""
+    return atomic_write(path, json.dumps(value, indent=indent, allow_nan=False) + "\n")
+
+
 def current_umask() -> int:
     """The process's umask, read without changing it (os.umask can only set it: setting and
     restoring would race with other threads creating files)."""
@@ -179,33 +198,85 @@ def current_umask() -> int:
     return mask
 
 
+def _written_through(path) -> bool:
+    """How atomic_write writes path, by what it names (os.stat follows symlinks, as a shell's `>`
+    does): False for a regular file or nothing (a temporary file renamed over it), True for a
+    character device or a FIFO (/dev/null, /dev/stdout on a terminal or a pipe: opened and
+    written, since renaming would replace the device with a regular file). OSError naming what
+    path is otherwise: a directory, a block device (a file system's disk: never a mistake to
+    make quietly), a socket."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return False
+    if stat.S_ISREG(mode):
+        return False
+    if stat.S_ISCHR(mode) or stat.S_ISFIFO(mode):
+        return True
+    kind = ("a directory" if stat.S_ISDIR(mode) else "a block device" if stat.S_ISBLK(mode) else
+            "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
+    raise OSError(errno.EISDIR if stat.S_ISDIR(mode) else errno.EINVAL, f"is {kind}", os.fspath(path))
+
+
+def output_problem(path, *, devices: bool = True) -> str | None:
+    """Why atomic_write cannot write path, found before the work that makes the data (None: it
+    can). devices=False: only a regular file will do (a file written again and again, e.g.
+    the stats every FLUSH_STEPS)."""
+    path = os.fspath(path)
+    if "\0" in path:
+        return "contains a NUL character"
+    if path.endswith(("/", os.sep)):
+        return "ends with '/': a file name is needed"
+    try:
+        through = _written_through(path)
+    except OSError as e:
+        return e.strerror
+    if through:
+        if not devices:
+            return "is not a regular file"
+        return None if os.access(path, os.W_OK) else "not writable"
+    folder = os.path.dirname(os.path.realpath(path) if os.path.islink(path) else os.path.abspath(path))
+    if not os.path.isdir(folder):
+        return f"directory {folder} does not exist"
+    try:  # what the write will do, e.g. /proc and /sys refuse it
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".moecache-probe-")
+    except OSError as e:
+        return f"cannot create a file in {folder} ({e.strerror})"
+    os.close(fd)
+    os.unlink(probe)
+    return None
+
+
 def atomic_write(path, data: str | bytes | Callable[[Path], None]) -> Path:
     """Write data to path so that readers see the old file or the whole new one, never a part:
     it goes to a temporary file in the same directory, is flushed to disk and renamed over path.
+    A symlink at path keeps pointing where it did: its target is what gets replaced (as a
+    shell's `>` writes to the target). A character device or a FIFO at path is written through
+    (opened for writing, nothing renamed): /dev/null and /dev/stdout stay what they are; any
+    other kind of file there is refused with an OSError naming it (_written_through).
     data: text (UTF-8), bytes, or a function that writes the file whose Path it is given. On
     any failure the temporary file is removed and the error raised; path is untouched."""
     if not isinstance(data, (str, bytes, bytearray, memoryview)) and not callable(data):
         raise TypeError(f"atomic_write needs text, bytes or a writer function, got {type(data).__name__}")
     out = Path(os.fspath(path))
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    if _written_through(out):
+        _write(out, data)
+        return out
+    target = Path(os.path.realpath(out))
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     tmp = Path(tmp_name)
     try:
-        with os.fdopen(fd, "wb") as f:
-            if isinstance(data, str):
-                f.write(data.encode("utf-8"))
-            elif not callable(data):
-                f.write(data)
-        if callable(data):
-            data(tmp)
+        os.close(fd)
+        _write(tmp, data)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp's 0600 would ignore the user's umask
-        os.replace(tmp, out)
+        os.replace(tmp, target)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     try:  # make the rename itself durable; best effort (not every file system allows it)
-        dir_fd = os.open(out.parent, os.O_RDONLY)
+        dir_fd = os.open(target.parent, os.O_RDONLY)
         try:
             os.fsync(dir_fd)
         finally:
@@ -213,6 +284,116 @@ def atomic_write(path, data: str | bytes | Callable[[Path], None]) -> Path:
     except OSError:
         pass
     return out
+
+
+def _write(path: Path, data) -> None:
+    if callable(data):
+        data(path)
+        return
+    with open(path, "wb") as f:
+        f.write(data.encode("utf-8") if isinstance(data, str) else data)
+
+
+# --- memory -------------------------------------------------------------------------------------
+
+UNLIMITED = 1 << 60  # a cgroup without a limit reports about 2^63
+
+
+def available_memory(proc: str = "/proc") -> tuple[int | None, str]:
+    """The bytes this process can still take, and what limits it: the tightest of MemAvailable,
+    every memory cgroup over the process (its limit less its use, the inactive file pages it
+    holds counted free: the kernel drops them first; v1 memory.limit_in_bytes, v2 memory.max)
+    and the address space `ulimit -v` leaves. (None, "unknown") where none is known. Every
+    memory check reads it (require_memory; the RAM tier's sizing, moecache.live.ramtier): a
+    cgroup's limit is invisible in MemAvailable, which the OOM killer does not wait for. proc:
+    where /proc is (a test's copy)."""
+    found = []
+    available = _field(os.path.join(proc, "meminfo"), "MemAvailable", 1024)
+    if available is not None:
+        found.append((available, "MemAvailable"))
+    for directory, v2 in _memory_cgroups(proc):
+        limit = _read_int(os.path.join(directory, "memory.max" if v2 else "memory.limit_in_bytes"))
+        used = _read_int(os.path.join(directory, "memory.current" if v2 else "memory.usage_in_bytes"))
+        if limit is None or limit >= UNLIMITED or used is None:
+            continue
+        inactive = _field(os.path.join(directory, "memory.stat"), "inactive_file" if v2 else "total_inactive_file",
+                          1) or 0
+        found.append((max(0, limit - used + inactive), f"cgroup {directory}: {limit >> 20} MiB limit, "
+                                                       f"{max(0, used - inactive) >> 20} MiB used"))
+    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    size = _field(os.path.join(proc, "self", "status"), "VmSize", 1024)
+    if soft != resource.RLIM_INFINITY and size is not None:
+        found.append((max(0, soft - size), f"ulimit -v: {soft >> 20} MiB of address space, {size >> 20} MiB mapped"))
+    return min(found) if found else (None, "unknown")
+
+
+def require_memory(nbytes: int, what: str) -> None:
+    """ValueError naming `what` when nbytes exceed available_memory(), before allocating."""
+    available, source = available_memory()
+    if available is not None and nbytes > available:
+        raise ValueError(f"{what} need {_size(nbytes)}, {_size(available)} available ({source})")
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} bytes"
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+        return UNLIMITED if text == "max" else int(text)
+    except (OSError, ValueError):
+        return None
+
+
+def _field(path: str, key: str, scale: int) -> int | None:
+    """The value of `key` in a file of 'key: value [kB]' or 'key value' lines, times scale."""
+    try:
+        with open(path) as f:
+            for line in f:
+                fields = line.split()
+                if fields and fields[0].rstrip(":") == key:
+                    return int(fields[1]) * scale
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _memory_cgroups(proc: str):
+    """(directory, v2) of each memory cgroup over this process, its own first, up to the root
+    of each mounted hierarchy (v1's memory controller, v2's unified one)."""
+    try:
+        with open(os.path.join(proc, "self", "mountinfo")) as f:
+            mounts = [line.split() for line in f]
+        with open(os.path.join(proc, "self", "cgroup")) as f:
+            member = [line.rstrip("\n").split(":", 2) for line in f]
+    except OSError:
+        return
+    for fields in mounts:
+        end = fields.index("-") if "-" in fields else len(fields)  # the optional fields' end
+        if len(fields) < end + 4:
+            continue
+        kind, options = fields[end + 1], fields[end + 3].split(",")
+        if kind not in ("cgroup", "cgroup2") or (kind == "cgroup" and "memory" not in options):
+            continue
+        root, point = (field.replace("\\040", " ") for field in fields[3:5])
+        for entry in member:
+            if len(entry) != 3 or (entry[1] == "") != (kind == "cgroup2") or \
+                    (kind == "cgroup" and "memory" not in entry[1].split(",")):
+                continue
+            path = entry[2]
+            if os.path.commonpath([root, path]) != root:  # outside what this mount shows
+                continue
+            directory = os.path.join(point, os.path.relpath(path, root))
+            while True:
+                yield os.path.normpath(directory), kind == "cgroup2"
+                if os.path.normpath(directory) == os.path.normpath(point):
+                    break
+                directory = os.path.dirname(os.path.normpath(directory))
 
 
 # --- progress -----------------------------------------------------------------------------------

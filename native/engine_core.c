@@ -110,7 +110,8 @@ void mc_link_update(mc_link *link, double graph_ms, double link_ms) {
 }
 
 /* Publish the first `ready` due uploads (n job rows of layer, expert, slot); the others are
- * late. Returns how many were published. */
+ * late, and counted so once: one still late at a later boundary is the same upload. Returns how
+ * many were published. */
 int64_t mc_publish(mc_engine *g, const int32_t *jobs, int64_t n, int64_t ready) {
     const int64_t E = g->n_expert, K = g->n_slots;
     if (ready < 0) ready = 0;
@@ -119,8 +120,13 @@ int64_t mc_publish(mc_engine *g, const int32_t *jobs, int64_t n, int64_t ready) 
         const int32_t *job = jobs + 3 * i;
         g->expert_slot[job[0] * E + job[1]] = job[2];
         g->in_flight[job[0] * K + job[2]] = 0;
+        g->late[job[0] * K + job[2]] = 0;
     }
-    for (int64_t i = ready; i < n; i++) count(g, MC_LATE, jobs[3 * i], 1);
+    for (int64_t i = ready; i < n; i++) {
+        const int32_t *job = jobs + 3 * i;
+        if (!g->late[job[0] * K + job[2]]) count(g, MC_LATE, job[0], 1);
+        g->late[job[0] * K + job[2]] = 1;
+    }
     return ready;
 }
 

@@ -13,7 +13,7 @@ typedef enum {
     MC_PREFETCH_UPLOADS,
     MC_PREFETCH_HITS,
     MC_PREFETCH_WASTE,
-    MC_LATE,              /* due uploads not complete at their boundary */
+    MC_LATE,              /* uploads not complete at the boundary they were due (each once) */
     MC_PREFILL_UPLOADS,   /* uploads of a prompt's experts (counted by the engine in Python) */
     MC_DECLINED,          /* uploads a miss planner's margin declined (mc_observe) */
     MC_LANE_MISSES,       /* misses a miss planner's lane computed on the device (mc_observe) */
@@ -28,6 +28,7 @@ typedef struct {
     int32_t *expert_slot;       /* (L, E) slot of each published expert, -1 otherwise */
     int32_t *assigned;          /* (L, E) slot of each published or in-flight expert, -1 otherwise */
     uint8_t *in_flight;         /* (L, K) */
+    uint8_t *late;              /* (L, K) the slot's upload in flight was counted late already */
     uint8_t *prefetched;        /* (L, E) prefetched, not used yet */
     uint8_t *pinned;            /* (L, E) */
     uint8_t *used;              /* (L, E) the last observation's experts (a new table each step) */

@@ -38,14 +38,13 @@ it, editable, with the patched llama-cpp-python).
 from __future__ import annotations
 
 import gc
-import json
 import os
 import platform
 import shlex
 import statistics
 import sys
 
-from moecache.util import OneLineParser, Progress, atomic_write, int_arg, int_list_arg
+from moecache.util import OneLineParser, Progress, atomic_write, int_arg, int_list_arg, write_json
 
 PROG = "bench_decode.py"
 DEFAULT_PROMPT = "Explain how a mixture-of-experts model decides which experts handle each token."
@@ -104,7 +103,7 @@ def save(args, report):
     if args.md:
         atomic_write(args.md, markdown(report) + "\n")
     if args.json:
-        atomic_write(args.json, json.dumps(report, indent=1) + "\n")
+        write_json(args.json, report)
 
 
 def _check_inputs(args):
@@ -384,7 +383,7 @@ def plot(report, path):
     speed_axis.legend(handles[0] + extra[0], handles[1] + extra[1], loc="lower right", fontsize=8)
     speed_axis.set_title(f"{os.path.basename(report['model'])} on {report['device'].split(' (')[0]}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format=os.path.splitext(path)[1][1:] or "png"))
     plt.close(fig)
 
 

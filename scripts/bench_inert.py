@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from moecache.util import OneLineParser, atomic_write, int_arg
+from moecache.util import OneLineParser, int_arg, write_json
 
 # one measurement in a fresh process, whose llama_cpp loads the library LLAMA_CPP_LIB_PATH names
 ONE_RUN = r"""
@@ -82,7 +82,7 @@ def _bench(args) -> int:
         print(f"| {name} | {med[name]:.1f} | {min(v):.1f} | {max(v):.1f} |")
     print(f"patched / stock = {result['patched_over_stock']:.3f}")
     if args.json:
-        atomic_write(args.json, json.dumps(result, indent=1))
+        write_json(args.json, result)
     return 0
 
 

@@ -55,7 +55,7 @@ import tempfile
 import threading
 import time
 
-from moecache.util import OneLineParser, Progress, atomic_write, int_arg
+from moecache.util import OneLineParser, Progress, atomic_write, int_arg, write_json
 
 PROG = "bench_larger_than_ram.py"
 DEFAULT_PROMPT = "Explain how a mixture-of-experts model decides which experts handle each token."
@@ -182,7 +182,7 @@ def save(args, report):
     """Write the JSON and the markdown; after every round too, so that a stopped run leaves what
     it measured."""
     if args.json:
-        atomic_write(args.json, json.dumps(report, indent=1) + "\n")
+        write_json(args.json, report)
     if args.md:
         atomic_write(args.md, markdown(report) + "\n")
 
@@ -484,8 +484,7 @@ def child(spec_json: str) -> int:
               "decode_read_bytes_per_token": (read_done - read_at_first_token[0]) / spec["n_predict"],
               "peak_rss_bytes": memory["VmHWM"], "anon_bytes": memory["RssAnon"], "file_rss_bytes": memory["RssFile"]}
     llm.close()
-    with open(spec["result"], "w") as f:
-        json.dump(result, f)
+    write_json(spec["result"], result)
     return 0
 
 

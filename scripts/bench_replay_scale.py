@@ -106,7 +106,7 @@ def measure(label, argv, tmp, code):
     result = tmp / "result.csv"
     result.unlink(missing_ok=True)
     command = [sys.executable, "-m", "moecache.replay", *argv]
-    with open(tmp / "out.txt", "w+") as out:
+    with tempfile.TemporaryFile("w+") as out:
         started = time.perf_counter()
         proc = subprocess.Popen(command, cwd=tmp, stdout=out, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONPATH": str(code)})

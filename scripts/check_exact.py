@@ -17,11 +17,10 @@ it, editable, with the patched llama-cpp-python).
 from __future__ import annotations
 
 import gc
-import json
 import os
 import sys
 
-from moecache.util import OneLineParser, atomic_write, int_arg
+from moecache.util import OneLineParser, int_arg, write_json
 
 PROMPT = b"Explain how a mixture-of-experts model decides which experts handle each token."
 
@@ -87,7 +86,7 @@ def _check(args) -> int:
           f"{result['min_top2_margin']:.3g}), "
           f"hit rate {100 * (stats['hit_rate'] or 0):.1f}%, {result['uploads']} uploads")
     if args.json:
-        atomic_write(args.json, json.dumps(result, indent=1))
+        write_json(args.json, result)
     return 0 if result["tokens_identical"] else 1
 
 

@@ -277,7 +277,7 @@ def timeline_grid(traces, sizes=SIZES, shares=None):
                 up, ours = fastest(shares[name, k], hw), zero_configuration(trace, k, hw.rates)
                 stock, upstream_ms, ours_ms = up.stock_ms(hw), up.modelled_ms(hw), ours.modelled_ms(hw)
                 ratios.append(ours_ms / min(stock, upstream_ms))
-                lane = ours.totals["lane_misses"] / ours.decode_steps
+                lane = ours.totals["lane_misses"] / ours.decode_tokens
                 print(f"| {name} | {k} | {hw.name} | {stock:.2f} | {upstream_ms:.2f} | {up.cpu_share:g} | "
                       f"{ours_ms:.2f} | {100 * ours.hit_rate:.1f}, {lane:.1f}, {ours.upload_bytes_per_token / MIB:.0f} | "
                       f"{plain.modelled_ms(hw):.2f} | {ratios[-1]:.2f} |", flush=True)

@@ -23,7 +23,7 @@ from moecache.offline.replay import PER_LAYER, simulate
 def run(trace, slots, policy):
     """Decode hit% and uploads per layer per step."""
     result = simulate(trace, PER_LAYER, policy, slots, prefill="off")
-    return 100 * result.hit_rate, result.totals["uploads"] / (result.decode_steps * trace.layers.size)
+    return 100 * result.hit_rate, result.totals["uploads"] / (result.decode_tokens * trace.layers.size)
 
 
 def row(label, trace, uploads):

@@ -361,6 +361,22 @@ def test_an_upload_not_ready_stays_in_flight_until_a_later_boundary():
     assert plan.hits.tolist() == [1]
 
 
+def test_an_upload_late_at_several_boundaries_is_counted_late_once():
+    from moecache.core.engine import CacheEngine
+    from moecache.core.policies import make_policy
+
+    engine = CacheEngine(1, 8, 2, make_policy("lru"), inserts=2)
+    engine.step(None)
+    assert len(engine.step(np.array([[2, 3]])).upload) == 2
+    for _ in range(5):                             # both still copying at five boundaries: two late uploads
+        assert engine.step(np.array([[2, 3]]), ready=0).upload.size == 0
+    assert engine.counters["late"].tolist() == [2]
+    engine.step(np.array([[2, 3]]), ready=1)       # one done; the other late still, not again
+    assert engine.counters["late"].tolist() == [2] and engine.expert_slot[0, 2] == 0
+    engine.step(np.array([[2, 3]]), ready=None)
+    assert engine.counters["late"].tolist() == [2] and engine.expert_slot[0, 3] == 1
+
+
 # --- prefill: a prompt ubatch the stock graph ran ----------------------------------------
 
 def test_prefill_fills_free_slots_with_the_most_used_experts_ignoring_inserts():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import stat
 import subprocess
 import sys
 import time
@@ -323,6 +324,20 @@ def _cli(*args, env=None):
     e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
     return subprocess.run([sys.executable, "-m", "moecache.models", *args], capture_output=True,
                           text=True, env=e, timeout=300)
+
+
+def test_cli_out_at_a_link_to_dev_null_writes_through_it(tmp_path):
+    """--out at a device (here a link to /dev/null, as /dev/stdout is a link): the model is
+    written through it; the link and /dev/null stay what they are (they were replaced by the
+    model file)."""
+    null = tmp_path / "null"
+    null.symlink_to("/dev/null")
+    r = _cli("tiny", "--out", str(null))
+    assert r.returncode == 0 and r.stdout.strip() == str(null), r.stderr
+    assert null.is_symlink() and os.readlink(null) == "/dev/null" and os.listdir(tmp_path) == ["null"]
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+    r = _cli("tiny", "--out", str(tmp_path))
+    assert r.returncode == 2 and r.stderr == f"python -m moecache.models: error: output path {tmp_path} is a directory\n"
 
 
 def test_cli_tiny(tmp_path):

@@ -100,11 +100,27 @@ def test_the_planner_runs_by_default_wherever_it_can(env, planner):
 
 @pytest.mark.parametrize("env, message", [
     ({"LLAMA_MOE_CACHE_PLANNER": "1", "LLAMA_MOE_CACHE_LINK_GBPS": "fast"},
-     "LLAMA_MOE_CACHE_LINK_GBPS='fast' is not a number"),
+     "LLAMA_MOE_CACHE_LINK_GBPS='fast' is not a decimal number of GB/s"),
     ({"LLAMA_MOE_CACHE_PLANNER": "1", "LLAMA_MOE_CACHE_HOST_GBPS": "0"},
-     "LLAMA_MOE_CACHE_HOST_GBPS='0' must be a finite number of GB/s > 0"),
+     "LLAMA_MOE_CACHE_HOST_GBPS='0' must be in [0.001, 100000] GB/s"),
     ({"LLAMA_MOE_CACHE_PLANNER": "1", "LLAMA_MOE_CACHE_LINK_GBPS": "nan"},
-     "LLAMA_MOE_CACHE_LINK_GBPS='nan' must be a finite number of GB/s > 0"),
+     "LLAMA_MOE_CACHE_LINK_GBPS='nan' is not a decimal number of GB/s"),
+    # the probe's: the planner paid back "inf uses" and the stats JSON held Infinity
+    ({"LLAMA_MOE_CACHE_PLANNER": "1", "LLAMA_MOE_CACHE_LINK_GBPS": "5e-324"},
+     "LLAMA_MOE_CACHE_LINK_GBPS='5e-324' is not a decimal number of GB/s"),
+    ({"LLAMA_MOE_CACHE_PLANNER": "1", "LLAMA_MOE_CACHE_HOST_GBPS": "1e308"},
+     "LLAMA_MOE_CACHE_HOST_GBPS='1e308' is not a decimal number of GB/s"),
+    ({"LLAMA_MOE_CACHE_PLANNER": "1", "LLAMA_MOE_CACHE_HOST_GBPS": "1" + "0" * 400},  # inf as a float
+     "LLAMA_MOE_CACHE_HOST_GBPS='100000000000000000000000000000000000... must be in [0.001, 100000] GB/s"),
+    ({"LLAMA_MOE_CACHE_PLANNER": "1", "LLAMA_MOE_CACHE_LINK_GBPS": "0.0001"},
+     "LLAMA_MOE_CACHE_LINK_GBPS='0.0001' must be in [0.001, 100000] GB/s"),
+    # what the integer variables refuse: '_' between digits, other scripts' digits, spaces
+    ({"LLAMA_MOE_CACHE_PLANNER": "1", "LLAMA_MOE_CACHE_LINK_GBPS": "1_0"},
+     "LLAMA_MOE_CACHE_LINK_GBPS='1_0' is not a decimal number of GB/s"),
+    ({"LLAMA_MOE_CACHE_PLANNER": "1", "LLAMA_MOE_CACHE_LINK_GBPS": "\u0665"},
+     "LLAMA_MOE_CACHE_LINK_GBPS='\u0665' is not a decimal number of GB/s"),
+    ({"LLAMA_MOE_CACHE_PLANNER": "1", "LLAMA_MOE_CACHE_HOST_GBPS": " 5 "},
+     "LLAMA_MOE_CACHE_HOST_GBPS=' 5 ' is not a decimal number of GB/s"),
     ({"LLAMA_MOE_CACHE_PLANNER": "yes"}, "LLAMA_MOE_CACHE_PLANNER='yes' is not an integer"),
     ({"LLAMA_MOE_CACHE_PLANNER": "0", "LLAMA_MOE_CACHE_LINK_GBPS": "4"},
      "LLAMA_MOE_CACHE_LINK_GBPS sets a rate of the miss planner, which is off (LLAMA_MOE_CACHE_PLANNER=0)"),

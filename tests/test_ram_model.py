@@ -123,6 +123,24 @@ def test_page_cache_readahead_reads_around_the_fault_and_streams_on_its_mark():
     assert cache.counters["uploads"] == 24 and cache.counters["hits"] == 2 and not cache._marked.any()
 
 
+def test_a_readahead_window_larger_than_the_budget_is_cut_to_half_of_it():
+    """read_ahead_kb 600000 with a 500 MiB budget made every page fault and read the whole
+    window again (its own read dropped the pages the CPU read next): hours for a trace that
+    replays in a second at 400000. The window is cut to half the budget, as the memory cuts it."""
+    lay = ExpertLayout([3 * 64 * PAGE], 8)  # each expert's gate, up and down slices: 64 pages
+    runs = {}
+    for read_ahead_kb in (64, 512, 1 << 20):  # windows of 32 (the cut), 256 and 524288 pages
+        cache = LruPageCache(lay, 64 * PAGE, read_ahead_kb)
+        for ids in ([[0, 1]], [[2, 3]], [[0, 1]], [[4, 5]]):
+            cache.step(ids)
+        runs[read_ahead_kb] = (cache.ra_pages, cache.totals())
+    assert runs[64][0] == runs[512][0] == runs[1 << 20][0] == 32
+    assert runs[64][1] == runs[512][1] == runs[1 << 20][1]
+    # uncut, the 256- and 524288-page windows faulted on each of the 1536 pages the CPU read and
+    # read 295680 and 2261056 pages
+    assert runs[64][1]["faults"] == 60 and runs[64][1]["uploads"] == 3786
+
+
 def test_two_lists_drop_an_unused_page_before_a_used_one():
     """The kernel's two lists: a page the CPU read gets a second pass of the inactive list; a
     readahead page nobody read goes first (pure LRU drops the oldest, read or not)."""
@@ -170,10 +188,10 @@ def test_disk_time_is_compute_waits_and_bytes():
     run = ram_tier_replay(read_trace(str(SYNTH)), 932)
     read, waits = run.disk_reads()
     assert read == run.totals["misses"] * 2654208  # eager, no prefetch: every read is a miss
-    assert run.disk_ms(5.26, Disk(0.95, 40)) == Disk(0.95, 40).tier_token_ms(5.26, run.work, run.decode_steps)
+    assert run.disk_ms(5.26, Disk(0.95, 40)) == Disk(0.95, 40).tier_token_ms(5.26, run.work, run.decode_tokens)
     # never slower than reading, then computing
     assert run.disk_ms(5.26, Disk(0.95, 40)) < (
-        (run.totals["lookup_bytes"] / 5.26e6 + waits * 0.04 + read / 0.95e6) / run.decode_steps)
+        (run.totals["lookup_bytes"] / 5.26e6 + waits * 0.04 + read / 0.95e6) / run.decode_tokens)
 
 
 
@@ -201,8 +219,8 @@ def test_cli_prints_the_tier_beside_stock_mmap(capsys):
 @pytest.mark.parametrize("args, message", [
     (["--ram-mib", "0", "--disk-gbps", "1"], "argument --ram-mib: '0': budgets must be finite numbers > 0"),
     (["--ram-mib", "-5", "--disk-gbps", "1"], "argument --ram-mib: '-5': budgets must be finite numbers > 0"),
-    (["--ram-mib", "900", "--disk-gbps", "-1"], "argument --disk-gbps: '-1' must be a finite number of GB/s > 0"),
-    (["--ram-mib", "900", "--disk-gbps", "0"], "argument --disk-gbps: '0' must be a finite number of GB/s > 0"),
+    (["--ram-mib", "900", "--disk-gbps", "-1"], "argument --disk-gbps: '-1' is not a decimal number of GB/s"),
+    (["--ram-mib", "900", "--disk-gbps", "0"], "argument --disk-gbps: '0' must be in [0.001, 100000] GB/s"),
     (["--ram-mib", "900", "--disk-gbps", "1", "--disk-read-us", "-1"], "argument --disk-read-us: '-1': a latency"),
     (["--ram-mib", "900", "--disk-gbps", "1", "--read-ahead-kb", "-8"], "argument --read-ahead-kb: -8 must be >= 0"),
     (["--ram-mib", "900"], "--ram-mib needs --disk-gbps"),

@@ -358,3 +358,93 @@ def test_run_py_ram_mib_with_slots(smol_path):
     assert run.returncode == 0, run.stderr
     assert "RAM tier" in run.stderr and "loopback RPC device" in run.stderr, run.stderr
     assert "layers x 2 slots" in run.stderr and "the device did not serve" in run.stderr, run.stderr
+
+
+LIMITED = "cgroup /sys/fs/cgroup/memory/job: 130 MiB limit, 20 MiB used"
+
+
+def test_run_py_refuses_ram_mib_auto_before_loading_into_too_little_memory(smol_path, monkeypatch, capsys):
+    """run.py --ram-mib auto in a memory cgroup of 100 or 130 MB was OOM-killed while smol-moe
+    loaded, nothing printed: now one line, before loading, from the sizing's rule over the GGUF's
+    weights outside the experts and its KV cache."""
+    from moecache.live import cli, ramtier
+
+    monkeypatch.setattr(ramtier, "available_memory", lambda: (110 * MIB, LIMITED))
+    monkeypatch.setattr(cli, "_load", lambda *a: pytest.fail("loaded"))
+    assert cli.main(["-m", smol_path, "--ram-mib", "auto", "-n", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        f"run.py: error: LLAMA_MOE_CACHE_RAM_MIB=auto: {smol_path} needs 214 MiB to load and keep one expert per "
+        f"layer (45 MiB of weights outside its experts, a KV cache of 2048 tokens 45 MiB, one expert per layer "
+        f"47 MiB, 13 MiB for one layer's reads, 64 MiB reserve), 110 MiB available ({LIMITED})"]
+    ramtier.check_room(smol_path, 2048, 512, available=(300 * MIB, "MemAvailable"))  # room: no error
+    ramtier.check_room(smol_path, 2048, 512, available=(None, "unknown"))             # nothing to say
+
+
+def test_the_ram_tiers_sizing_takes_the_memory_available_as_given():
+    from moecache.live.probe import CachedLayer
+    from moecache.live.ramtier import plan_ram
+
+    layers = [CachedLayer(il, 8, 2, MIB, True, "RAM") for il in range(4)]
+    config = CacheConfig(ram_mib="auto")
+    plan = plan_ram(config, layers, 512, available=(1024 * MIB, "cgroup /x: 1100 MiB limit, 76 MiB used"))
+    assert plan.slots == 8 and "(cgroup /x: 1100 MiB limit, 76 MiB used)" in plan.lines()[1]
+    with pytest.raises(CacheUnavailable, match="keep fewer than one expert per layer"):
+        plan_ram(config, layers, 512, available=(70 * MIB, "MemAvailable"))
+
+
+def _memory_cgroup_dir() -> str | None:
+    """This process's cgroup v1 memory directory, where a child can be made (as root)."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            path = next(line.split(":", 2)[2].strip() for line in f if line.split(":")[1] == "memory")
+    except (OSError, StopIteration):
+        return None
+    directory = "/sys/fs/cgroup/memory" + path.rstrip("/")
+    return directory if os.geteuid() == 0 and os.access(directory, os.W_OK) else None
+
+
+@pytest.mark.skipif(_memory_cgroup_dir() is None, reason="needs root and cgroup v1's memory controller")
+def test_run_py_ram_mib_auto_in_a_130_mb_cgroup_says_why_and_is_not_killed(smol_path, tmp_path):
+    import subprocess
+
+    child = os.path.join(_memory_cgroup_dir(), f"moecache-test-{os.getpid()}")
+    os.mkdir(child)
+    try:
+        with open(os.path.join(child, "memory.limit_in_bytes"), "w") as f:
+            f.write(str(130 * MIB))
+
+        def enter():
+            with open(os.path.join(child, "cgroup.procs"), "w") as f:
+                f.write(str(os.getpid()))
+
+        run = subprocess.run([sys.executable, os.path.join(REPO, "run.py"), "-m", smol_path, "--ram-mib", "auto",
+                              "-n", "4", "--no-chat"], capture_output=True, text=True, timeout=300, preexec_fn=enter)
+    finally:
+        os.rmdir(child)
+    assert run.returncode == 2, (run.returncode, run.stderr)
+    assert run.stderr.startswith("run.py: error: LLAMA_MOE_CACHE_RAM_MIB=auto: ") and run.stderr.count("\n") == 1
+    assert f"{os.path.basename(child)}: 130 MiB limit" in run.stderr
+
+
+def test_run_py_says_why_a_decode_failed_when_the_model_file_changed(tmp_path, monkeypatch, capsys):
+    """run.py printed only "llama_decode returned -3" when the RAM tier stopped on a changed
+    model file (libllama's reason is logged at a level llama-cpp-python shows only when
+    verbose): the one error line says why, from the cache."""
+    from moecache.live import cli
+    from moecache.models import tiny_moe
+
+    path = tmp_path / "model.gguf"
+    path.write_bytes(tiny_moe(n_layer=2, n_expert=8, n_embd=128).read_bytes())
+    generate = cli._generate
+
+    def cut_then_generate(llm, args):
+        with open(path, "r+b") as f:
+            f.truncate(path.stat().st_size // 2)
+        return generate(llm, args)
+
+    monkeypatch.setattr(cli, "_generate", cut_then_generate)
+    assert cli.main(["-m", str(path), "--ram-mib", "1", "-n", "8", "--no-chat", "-p", "The three"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith("run.py: error: llama_decode returned -3: the RAM tier stopped: RuntimeError: the "
+                              "model file changed since it was loaded"), err

@@ -177,7 +177,7 @@ def test_without_read_ahead_the_timeline_is_the_disk_formula(monkeypatch):
         decode(ids, hit_mask, kept, boundary)
     monkeypatch.setattr(ra, "decode", checked)
     run = simulate(trace, PER_LAYER, "default", k, inserts=k, admission="eager", prefill="lookup", read_ahead=ra)
-    assert len(seen) == ra.tokens == run.decode_steps == 15
+    assert len(seen) == ra.tokens == run.decode_tokens == run.decode_steps == 15
     assert ra.read_ahead == 0 and ra.misses == run.totals["misses"]
     assert ra.ms_per_token == pytest.approx(run.disk_ms(5.26, disk), rel=1e-12)
     assert ra.read_bytes == run.disk_reads()[0]

@@ -1,6 +1,7 @@
 import csv
 import json
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -227,13 +228,15 @@ def test_cli_absurd_trace_is_one_line(tmp_path, edit, message):
     (["--inserts", "2,3"], "argument --inserts: '2,3' is not an integer"),
     (["--csv", "{tmp}/missing/r.csv"], "--csv {tmp}/missing/r.csv: directory {tmp}/missing does not exist"),
     (["--csv", "{tmp}"], "--csv {tmp}: is a directory"),
-    (["--csv", "{tmp}/new/"], "--csv {tmp}/new/: is a directory"),
+    (["--csv", "{tmp}/new/"], "--csv {tmp}/new/: ends with '/': a file name is needed"),
     (["--plot", "{tmp}/missing/p.png"], "--plot {tmp}/missing/p.png: directory {tmp}/missing does not exist"),
     (["--admission", "early"], "argument --admission: 'early': each must be one of boundary, eager"),
     (["--admission", ","], "argument --admission: ',': each must be one of boundary, eager"),
-    (["--link-gbps", "0"], "argument --link-gbps: '0' must be a finite number of GB/s > 0"),
-    (["--host-gbps", "nan"], "argument --host-gbps: 'nan' must be a finite number of GB/s > 0"),
-    (["--host-gbps", "60,70"], "argument --host-gbps: '60,70' is not a number"),
+    (["--link-gbps", "0"], "argument --link-gbps: '0' must be in [0.001, 100000] GB/s"),
+    (["--link-gbps", "5e-324"], "argument --link-gbps: '5e-324' is not a decimal number of GB/s"),
+    (["--host-gbps", "100001"], "argument --host-gbps: '100001' must be in [0.001, 100000] GB/s"),
+    (["--host-gbps", "nan"], "argument --host-gbps: 'nan' is not a decimal number of GB/s"),
+    (["--host-gbps", "60,70"], "argument --host-gbps: '60,70' is not a decimal number of GB/s"),
     (["--hardware", "nvlink"], "argument --hardware: invalid choice: 'nvlink'"),
     (["--join-us", "-1"], "argument --join-us: '-1': a latency must be a finite number of us >= 0"),
     (["--policies", "lru", "--planner"], "--planner needs per-layer policies whose worth counts uses "
@@ -252,14 +255,38 @@ def test_cli_bad_flags_are_one_line_before_any_replay(tmp_path, capsys, args, me
 
 
 def test_cli_engine_larger_than_memory_is_one_line(tmp_path, monkeypatch, capsys):
-    import moecache.core.traces as traces
+    import moecache.util as util
 
     path = small_trace(tmp_path)
     read_trace(str(path))  # the trace itself fits
-    monkeypatch.setattr(traces, "available_memory", lambda: 500)
+    monkeypatch.setattr(util, "available_memory", lambda: (500, "cgroup /x: 1 MiB limit, 1 MiB used"))
     assert main([str(path), "--slots", "2"]) == 2
-    assert capsys.readouterr().err == \
-        f"{PROG}: error: the cache engine's 2 layers x 8 experts need 768 bytes, 500 bytes available\n"
+    assert capsys.readouterr().err == (f"{PROG}: error: {path}: the cache engine's 2 layers x 8 experts need 768 "
+                                       f"bytes, 500 bytes available (cgroup /x: 1 MiB limit, 1 MiB used)\n")
+
+
+def _huge_trace(path):
+    """A valid binary trace of 4 steps that declares 4096 layers x 65536 experts (400 KB): a
+    replay's engine for it takes 12 GiB."""
+    from moecache.core.binary_trace import write_binary_trace
+
+    ids = np.random.default_rng(0).integers(0, 65536, size=(4, 4096, 2)).astype(np.int32)
+    write_binary_trace(RouteTrace.from_routing(ids, 65536, expert_bytes=np.full(4096, 1 << 20)), path)
+    return path
+
+
+def test_a_trace_too_large_for_the_address_space_is_one_line_naming_it(tmp_path):
+    """Under `ulimit -v` it was a bare "Unable to allocate 1.00 GiB" naming no file (and OOM-killed,
+    with no line, in a memory cgroup: the check read MemAvailable only)."""
+    path = _huge_trace(tmp_path / "huge.bin")
+    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (3 << 30, resource.RLIM_INFINITY)); "
+            "from moecache.offline.cli import main; sys.exit(main(sys.argv[1:]))")
+    run = subprocess.run([sys.executable, "-c", code, str(path), "--slots", "4"], capture_output=True, text=True,
+                         cwd=REPO, timeout=120)
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr.startswith(f"{PROG}: error: {path}: the cache engine's 4096 layers x 65536 experts need "
+                                 f"12.0 GiB, ") and "available (ulimit -v: 3072 MiB of address space" in run.stderr
+    assert run.stderr.count("\n") == 1
 
 
 def test_cli_csv_uses_fractions_and_the_stats_names(tmp_path):
@@ -329,6 +356,36 @@ def test_a_replay_in_windows_of_a_few_steps_counts_as_in_one(tmp_path, monkeypat
 
 
 # --- the compact binary form ---------------------------------------------------------------
+
+def test_outputs_write_through_a_device_or_fifo_and_never_replace_it(tmp_path):
+    """--convert and --csv at a link to /dev/null, at a link to this process's stdout (a pipe here;
+    what /dev/stdout is) and at a FIFO: written through, nothing renamed over them (they were
+    replaced by regular files; the system's /dev/null and /dev/stdout with them, so no test names
+    those: the code before the fix would replace them)."""
+    trace = small_trace(tmp_path)
+    null = tmp_path / "null"
+    null.symlink_to("/dev/null")
+    for args in (["--convert", null], ["--slots", "2", "--policies", "lru", "--csv", null]):
+        proc = run_cli(trace, *args)
+        assert proc.returncode == 0 and f"wrote {null}" in proc.stderr, proc.stderr
+        assert null.is_symlink() and os.readlink(null) == "/dev/null"
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+    assert run_cli(trace, "--convert", tmp_path / "t.bin").returncode == 0
+    stdout = tmp_path / "stdout"
+    stdout.symlink_to("/proc/self/fd/1")
+    piped = subprocess.run([sys.executable, "-m", "moecache.replay", str(trace), "--convert", str(stdout)],
+                           capture_output=True, cwd=REPO, timeout=120)
+    assert piped.returncode == 0 and piped.stdout == (tmp_path / "t.bin").read_bytes()
+    assert piped.stderr.decode().startswith(f"wrote {stdout}: ") and stdout.is_symlink()
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    proc = subprocess.Popen([sys.executable, "-m", "moecache.replay", str(trace), "--slots", "2",
+                             "--policies", "lru", "--csv", str(fifo)], stdout=subprocess.PIPE, cwd=REPO, text=True)
+    with open(fifo) as f:
+        rows = list(csv.DictReader(f))
+    assert proc.wait(timeout=120) == 0 and [row["policy"] for row in rows] == ["lru"]
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
 
 @pytest.mark.parametrize("path", [QWEN, GPTOSS], ids=["qwen", "gptoss"])
 def test_a_converted_trace_replays_to_the_numbers_of_its_csv(tmp_path, path):

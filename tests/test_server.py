@@ -168,12 +168,13 @@ def test_server_burst_with_the_cache(tmp_path, rpc_device, tiny_path):
 
     report = json.loads(stats.read_text())
     assert scrapes, "no /metrics scrape while the requests ran"
-    hits = [sum(s.value for s in family.samples if s.name == "moecache:hits_total")
-            for family in (m["moecache:hits"] for m in scrapes + [final_metrics])]
+    hits = [sum(s.value for s in family.samples if s.name == "moecache_hits_total")
+            for family in (m["moecache_hits"] for m in scrapes + [final_metrics])]
     assert hits == sorted(hits) and hits[-1] > 0  # counters only grow
-    layers = {s.labels["layer"] for s in final_metrics["moecache:hits"].samples}
+    layers = {s.labels["layer"] for s in final_metrics["moecache_hits"].samples}
     assert len(layers) == len(report["layers"])
-    assert final_metrics["moecache:slots"].samples[0].value == 2
+    assert final_metrics["moecache_slots"].samples[0].value == 2
+    assert final_metrics["moecache_slots"].samples[0].labels == {"context": "0", "tier": "device"}
     # cached ubatches (up to LLAMA_MOE_CACHE_MAX_BATCH tokens): the first request's prompt, then
     # each request's sampled tokens but the last, and every request after the first its prompt's
     # last token again (the prompt is in the KV cache); the cache observes each graph at the next
@@ -208,3 +209,33 @@ def test_sigterm_writes_the_final_stats(tmp_path, tiny_path):
             _, err = server.communicate()
     assert server.returncode == 128 + signal.SIGTERM, err[-2000:]
     assert json.loads(stats.read_text())["decode_steps"] > 0
+
+
+def test_the_trace_and_the_stats_count_a_request_alike(tmp_path, tiny_path):
+    """The server's Llama computes logits for every prompt token (llama_cpp.server's logits_all
+    defaults to true), so a prompt of up to LLAMA_MOE_CACHE_MAX_BATCH tokens runs the cached graph:
+    one decode step of several tokens. The stats counted it as one step, the replay of the trace
+    as one per token (a 150-token completion: 149 decode steps against 152); the replay now counts
+    steps as the stats do, and tokens apart."""
+    from moecache.core.traces import PREFILL, read_trace
+    from moecache.offline.replay import PER_LAYER, simulate
+
+    port = _free_port()
+    stats, trace = tmp_path / "stats.json", tmp_path / "trace.csv"
+    server = _serve(["--model", tiny_path, "--n_ctx", "512", "--host", "127.0.0.1", "--port", str(port),
+                     "--verbose", "false"],
+                    {"LLAMA_MOE_CACHE_SLOTS": "2", "LLAMA_MOE_CACHE_STATS": str(stats),
+                     "LLAMA_MOE_CACHE_TRACE": str(trace)}, stdout=subprocess.DEVNULL)
+    try:
+        _wait_ready(server, port, timeout=120)
+        n_tokens = _complete(port)[2]
+    finally:
+        server.send_signal(signal.SIGINT)
+        _, err = server.communicate(timeout=60)
+    assert server.returncode == 0, err[-2000:]
+    report, recorded = json.loads(stats.read_text()), read_trace(str(trace))
+    run = simulate(recorded, PER_LAYER, "lru", 2)
+    assert (run.decode_steps, run.decode_tokens) == (report["decode_steps"], report["decode_tokens"])
+    # the prompt, then each sampled token but the last; the very last graph goes unobserved
+    assert report["decode_steps"] == 1 + (n_tokens - 1) - 1 and report["decode_tokens"] > report["decode_steps"]
+    assert report["prefill_tokens"] == int((recorded.phase == PREFILL).sum()) == 0

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from moecache.stats import main, table
 
@@ -18,15 +22,15 @@ def stats(hits: int) -> dict:
                "prefill_uploads": 4},
               {"layer": 5, "hits": 0, "misses": 0, "uploads": 0, "evictions": 0, "late": 0, "prefill_uploads": 0}]
     totals = {c: sum(layer[c] for layer in layers) for c in layers[0] if c != "layer"}
-    return {"policy": "heat", "slots": 2, "inserts": 2, "admission": "eager", "device_bytes": 3 << 20,
-            "decode_steps": 5, "decode_tokens": 5, "hit_rate": hits / 10, "totals": totals,
-            "step_us_mean": 250.0, "failed": None, "layers": layers}
+    return {"tier": "device", "policy": "heat", "slots": 2, "inserts": 2, "admission": "eager",
+            "device_bytes": 3 << 20, "steps": 6, "decode_steps": 5, "decode_tokens": 5, "hit_rate": hits / 10,
+            "totals": totals, "step_us_mean": 250.0, "failed": None, "layers": layers}
 
 
 def test_the_table_has_a_row_per_layer_and_the_totals():
     lines = table(stats(7)).splitlines()
-    assert lines[0] == ("policy heat, K=2, inserts 2, admission eager, 3.0 MiB; 5 decode steps (5 tokens), "
-                        "hit rate 70.0%, step 250 us mean")
+    assert lines[0] == ("device cache: policy heat, K=2, inserts 2, admission eager, 3.0 MiB; 5 decode steps "
+                        "(5 tokens), hit rate 70.0%, step 250 us mean")
     assert lines[1].split() == ["layer", "hit", "rate", "hits", "misses", "uploads", "evictions", "late",
                                 "prefill", "uploads"]
     assert lines[2].split() == ["3", "70.0%", "7", "3", "2", "1", "0", "4"]
@@ -58,28 +62,121 @@ def test_watch_prints_again_when_the_file_changes(tmp_path):
         viewer.wait()
 
 
-def test_metrics_are_prometheus_text_per_layer_and_per_cache():
+def ram_stats(hits: int) -> dict:
+    """stats() of a RAM tier: alone, or under a device cache (its "ram_tier")."""
+    s = stats(hits)
+    s.update(tier="RAM", slots=4, device_bytes=100 << 20, admission="eager")
+    return s
+
+
+class Cache:
+    """What a LiveCache's stats() gives, with the counters the metrics read beyond the table's."""
+
+    def __init__(self, s):
+        for tier in (s, s.get("ram_tier") or {}):
+            if tier:
+                tier["totals"]["upload_bytes"], tier["prefill_tokens"] = 1024, 12
+        self.s = s
+
+    def stats(self):
+        return self.s
+
+
+def families(caches) -> dict:
+    """exposition() of these caches' stats, parsed as Prometheus text: {family name: family}."""
     from prometheus_client.parser import text_string_to_metric_families
 
     from moecache.live.metrics import exposition
 
-    class Cache:  # what a LiveCache's stats() gives, two contexts
-        def __init__(self, hits):
-            self.hits = hits
+    return {f.name: f for f in text_string_to_metric_families(exposition(lambda: [Cache(s) for s in caches]).decode())}
 
-        def stats(self):
-            s = stats(self.hits)
-            s["totals"]["upload_bytes"] = 1024
-            s["prefill_tokens"] = 12
-            return s
 
-    families = {f.name: f for f in text_string_to_metric_families(exposition(lambda: [Cache(7), Cache(2)]).decode())}
-    hits = {(s.labels["context"], s.labels["layer"]): s.value for s in families["moecache:hits"].samples}
+def test_metrics_are_prometheus_text_per_layer_and_per_cache():
+    found = families([stats(7), stats(2)])
+    hits = {(s.labels["context"], s.labels["layer"]): s.value for s in found["moecache_hits"].samples}
     assert hits == {("0", "3"): 7, ("0", "5"): 0, ("1", "3"): 2, ("1", "5"): 0}
-    assert families["moecache:hits"].type == "counter"
-    assert [s.value for s in families["moecache:hit_ratio"].samples] == [0.7, 0.2]
-    assert [s.value for s in families["moecache:upload_bytes"].samples] == [1024, 1024]
-    assert [s.value for s in families["moecache:step_seconds_mean"].samples] == [250e-6, 250e-6]
+    assert found["moecache_hits"].type == "counter"
+    assert [s.value for s in found["moecache_hit_ratio"].samples] == [0.7, 0.2]
+    assert [s.value for s in found["moecache_upload_bytes"].samples] == [1024, 1024]
+    # the step time as a _sum/_count pair: 6 steps of 250 us
+    step = {s.name: s.value for s in found["moecache_step_seconds"].samples if s.labels["context"] == "0"}
+    assert found["moecache_step_seconds"].type == "summary"
+    assert step == {"moecache_step_seconds_count": 6, "moecache_step_seconds_sum": pytest.approx(1.5e-3)}
+
+
+def test_metric_names_follow_prometheus_conventions():
+    """moecache_ and snake case (a colon is for recording rules), base units in the name,
+    counters in _total, a HELP and a TYPE line each (issue 36)."""
+    from moecache.live.metrics import exposition
+
+    both = stats(7)
+    both["ram_tier"] = ram_stats(3)
+    found = families([both])
+    assert all(re.fullmatch(r"moecache_[a-z_]+", name) for name in found), sorted(found)
+    for family in found.values():
+        assert family.documentation, family.name
+        if family.type == "counter":
+            assert all(s.name == family.name + "_total" for s in family.samples), family.name
+    assert {"moecache_cache_bytes", "moecache_step_seconds", "moecache_late_uploads"} <= set(found)
+    assert "moecache_step_seconds_mean" not in found and "moecache_device_bytes" not in found
+    text = exposition(lambda: [Cache(both)]).decode()
+    samples = {line.split("{")[0].split()[0] for line in text.splitlines() if not line.startswith("#")}
+    assert samples and all(":" not in name for name in samples)
+    assert all(f"# HELP {name}" in text and f"# TYPE {name}" in text for name in found)
+
+
+def test_both_tiers_are_in_the_metrics_and_the_table_each_under_its_tier():
+    """The RAM tier alone went out under the device cache's names; under a device cache it was in
+    the JSON only."""
+    alone = families([ram_stats(3)])
+    assert {s.labels["tier"] for f in alone.values() for s in f.samples} == {"ram"}
+    assert [s.value for s in alone["moecache_cache_bytes"].samples] == [100 << 20]
+    both = stats(7)
+    both["ram_tier"] = ram_stats(3)
+    found = families([both])
+    size = {s.labels["tier"]: s.value for s in found["moecache_cache_bytes"].samples}
+    assert size == {"device": 3 << 20, "ram": 100 << 20}
+    hits = {(s.labels["tier"], s.labels["layer"]): s.value for s in found["moecache_hits"].samples}
+    assert hits == {("device", "3"): 7, ("device", "5"): 0, ("ram", "3"): 3, ("ram", "5"): 0}
+    assert all("tier" in s.labels for f in found.values() for s in f.samples)
+    lines = table(both).splitlines()
+    assert lines[0].startswith("device cache: policy heat, K=2,") and "hit rate 70.0%" in lines[0]
+    ram = lines.index(next(line for line in lines if line.startswith("RAM tier:")))
+    assert lines[ram].startswith("RAM tier: policy heat, K=4, inserts 2, admission eager, 100.0 MiB;")
+    assert lines[ram + 4].split() == ["all", "30.0%", "3", "7", "2", "1", "0", "4"]
+
+
+@pytest.mark.parametrize("content,problem", [
+    ({"layers": [1], "totals": {}}, "layers[0] is not an object"),  # was: 'int' object has no attribute 'get'
+    ({"layers": [], "totals": 3}, "no layers and totals"),
+    ({"layers": [{"layer": 0, "hits": "7"}], "totals": {}}, "layers[0].hits is not a count"),
+    ({"layers": [], "totals": {}, "decode_steps": [1]}, "decode_steps is not a number"),
+    ({"layers": [], "totals": {}, "planner": {"link_gbps": 1}}, "planner lacks its rates, sources or payback"),  # was: 'link_source'
+    ({"layers": [], "totals": {}, "ram_tier": {"layers": 3}}, "ram_tier has no layers and totals"),
+    ({"layers": [], "totals": {}, "tier": "disk"}, "tier is not one of device, RAM"),
+])
+def test_stats_of_the_wrong_shape_are_one_line_naming_the_file(tmp_path, capsys, content, problem):
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps(content))
+    assert main([str(path)]) == 2
+    assert capsys.readouterr().err == f"python -m moecache.stats: error: {path}: not a moecache stats file ({problem})\n"
+
+
+def test_files_that_are_not_stats_are_one_line_never_a_hang_or_memory_error(tmp_path):
+    """A FIFO with no writer hung, a 3 GB file was read whole (a bare MemoryError), --watch
+    99999999999 failed in time.sleep, a deeply nested JSON hit the recursion limit."""
+    fifo, big, deep = tmp_path / "fifo", tmp_path / "big.json", tmp_path / "deep.json"
+    os.mkfifo(fifo)
+    with open(big, "wb") as f:
+        f.truncate(3 << 30)  # sparse: no disk taken
+    deep.write_text("[" * 100000 + "]" * 100000)
+    for args, line in (([fifo], f"{fifo}: not a regular file"),
+                       ([big], f"{big}: larger than a stats file (64 MiB at most)"),
+                       ([deep], f"{deep}: not a moecache stats file (not JSON)"),
+                       ([deep, "--watch", "99999999999"], "argument --watch: 99999999999 must be in [1, 86400]")):
+        run = subprocess.run([sys.executable, "-m", "moecache.stats", *map(str, args)], capture_output=True,
+                             text=True, cwd=REPO, timeout=60)
+        assert run.returncode == 2 and run.stderr == f"python -m moecache.stats: error: {line}\n", run.stderr
 
 
 def planner_stats(hits: int) -> dict:
@@ -96,25 +193,14 @@ def planner_stats(hits: int) -> dict:
 
 
 def test_with_the_planner_the_table_and_metrics_show_its_rates_and_declined_uploads():
-    from prometheus_client.parser import text_string_to_metric_families
-
-    from moecache.live.metrics import exposition
-
     lines = table(planner_stats(7)).splitlines()
     assert lines[1].startswith("miss planner: link 2.5 GB/s (LLAMA_MOE_CACHE_LINK_GBPS), host 40 GB/s")
     assert "pays back 17.00 uses; 1.50 MiB uploaded per decode token" in lines[1]
     assert lines[2].split()[-1] == "declined"
     assert lines[3].split()[-1] == "6" and lines[5].split()[-1] == "6"
-
-    class Cache:
-        def stats(self):
-            s = planner_stats(7)
-            s["totals"]["upload_bytes"], s["prefill_tokens"] = 1024, 12
-            return s
-
-    families = {f.name: f for f in text_string_to_metric_families(exposition(lambda: [Cache()]).decode())}
-    assert {s.labels["layer"]: s.value for s in families["moecache:declined"].samples} == {"3": 6, "5": 0}
-    assert {s.labels["rate"]: s.value for s in families["moecache:planner_gbps"].samples} == \
-        {"link": 2.5, "host": 40.0, "dram": 41.0}
-    assert [s.value for s in families["moecache:planner_payback_uses"].samples] == [17.0]
-    assert [s.value for s in families["moecache:link_bytes_per_token"].samples] == [3 << 19]
+    found = families([planner_stats(7)])
+    assert {s.labels["layer"]: s.value for s in found["moecache_declined_uploads"].samples} == {"3": 6, "5": 0}
+    assert {s.labels["rate"]: s.value for s in found["moecache_planner_rate_bytes_per_second"].samples} == \
+        {"link": 2.5e9, "host": 40e9, "dram": 41e9}
+    assert [s.value for s in found["moecache_planner_payback_uses"].samples] == [17.0]
+    assert [s.value for s in found["moecache_link_bytes_per_token"].samples] == [3 << 19]

@@ -8,6 +8,7 @@ import pytest
 from conftest import TRACES  # noqa: E402
 
 import moecache.core.traces as traces
+import moecache.util as util
 from moecache.core.binary_trace import write_binary_trace
 from moecache.core.traces import DECODE, PREFILL, TraceError, TraceWriter, read_trace, synthetic_routing
 
@@ -260,10 +261,11 @@ def test_trailing_blank_lines_and_crlf_are_read(tmp_path, blocks):
 
 
 def test_a_grid_larger_than_memory_is_refused_before_allocating(tmp_path, blocks, monkeypatch):
-    monkeypatch.setattr(traces, "available_memory", lambda: 100)
+    monkeypatch.setattr(util, "available_memory", lambda: (100, "MemAvailable"))
     with pytest.raises(TraceError) as info:
         read_trace(write(tmp_path, SMALL))
-    assert str(info.value).endswith("t.csv: 2 steps x 2 layers x 2 ranks need 128 bytes, 100 bytes available")
+    assert str(info.value).endswith("t.csv: 2 steps x 2 layers x 2 ranks need 128 bytes, 100 bytes available "
+                                    "(MemAvailable)")
 
 
 # What the reader of 578d740 (the csv module, every row held) read from the shipped traces:
@@ -441,6 +443,19 @@ def test_a_damaged_binary_trace_is_an_error_naming_it_never_other_values(tmp_pat
         assert outcome() == "error"
     path.write_bytes(data + b"\0")
     with pytest.raises(TraceError, match=f"t.bin: {len(data) + 1} bytes where its header describes {len(data)}"):
+        read_trace(str(path))
+
+
+def test_a_binary_trace_with_a_deeply_nested_header_is_one_error_naming_it(tmp_path):
+    """A header of 200000 nested lists (its CRC-32 right) hit "maximum recursion depth exceeded"."""
+    import zlib
+
+    from moecache.core.binary_trace import MAGIC
+
+    header = b"[" * 200000 + b"]" * 200000
+    path = tmp_path / "deep.bin"
+    path.write_bytes(b"%s\n%s\n%08x\n" % (MAGIC, header, zlib.crc32(header)))
+    with pytest.raises(TraceError, match=f"^{path}: the header is not a JSON object$"):
         read_trace(str(path))
 
 

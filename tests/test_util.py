@@ -4,10 +4,14 @@ display."""
 from __future__ import annotations
 
 import io
+import json
 import os
+import socket
+import stat
 import subprocess
 import sys
 import textwrap
+import threading
 
 import numpy as np
 import pytest
@@ -17,11 +21,15 @@ from moecache.util import (
     OneLineParser,
     Progress,
     atomic_write,
+    available_memory,
     current_umask,
     int_arg,
     int_list_arg,
+    output_problem,
+    parse_gbps,
     parse_int,
     parse_int_list,
+    write_json,
 )
 
 
@@ -172,6 +180,154 @@ def test_atomic_write_into_a_missing_directory_raises_oserror(tmp_path):
     with pytest.raises(OSError):
         atomic_write(tmp_path / "no" / "out", "x")
     assert os.listdir(tmp_path) == []
+
+
+def _read_fifo(path, got):
+    with open(path, "rb") as f:
+        got.append(f.read())
+
+
+@pytest.mark.parametrize("data", ["text\n", b"bytes", lambda path: path.write_bytes(b"function")])
+def test_atomic_write_writes_through_a_fifo_never_replacing_it(tmp_path, data):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=_read_fifo, args=(fifo, got))
+    reader.start()
+    atomic_write(fifo, data)
+    reader.join(timeout=10)
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and os.listdir(tmp_path) == ["pipe"]
+    assert got == [{str: b"text\n", bytes: b"bytes"}.get(type(data), b"function")]
+
+
+def test_atomic_write_writes_through_a_symlink_to_dev_null(tmp_path):
+    """/dev/null itself is never the test's target: a link to it is (as /dev/stdout is a link)."""
+    link = tmp_path / "null"
+    link.symlink_to("/dev/null")
+    atomic_write(link, "discarded")
+    assert os.readlink(link) == "/dev/null" and os.listdir(tmp_path) == ["null"]
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode) and os.stat("/dev/null").st_size == 0
+    assert output_problem(link) is None
+    assert output_problem(link, devices=False) == "is not a regular file"
+
+
+def test_atomic_write_through_a_symlink_replaces_its_target_and_keeps_the_link(tmp_path):
+    (tmp_path / "data").mkdir()
+    target = tmp_path / "data" / "stats.json"
+    target.write_text("old")
+    link = tmp_path / "stats.json"
+    link.symlink_to(target)
+    atomic_write(link, "new")
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    assert target.read_text() == "new" and os.listdir(tmp_path / "data") == ["stats.json"]
+    dangling = tmp_path / "dangling"
+    dangling.symlink_to(tmp_path / "data" / "created")  # as a shell's > does: the target is created
+    atomic_write(dangling, "made")
+    assert dangling.is_symlink() and (tmp_path / "data" / "created").read_text() == "made"
+
+
+def test_atomic_write_refuses_what_is_neither_a_file_nor_a_device_or_fifo(tmp_path):
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(tmp_path / "sock"))
+    try:
+        for path, kind in ((tmp_path / "sock", "a socket"), (tmp_path, "a directory")):
+            with pytest.raises(OSError) as err:
+                atomic_write(path, "x")
+            assert err.value.strerror == f"is {kind}" and err.value.filename == str(path)
+            assert output_problem(path) == f"is {kind}"
+        assert stat.S_ISSOCK(os.lstat(tmp_path / "sock").st_mode)
+    finally:
+        sock.close()
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), {"payback_uses": [1.0, -float("inf")]}])
+def test_write_json_never_writes_infinity_or_nan(tmp_path, value):
+    path = tmp_path / "stats.json"
+    with pytest.raises(ValueError, match="Out of range float values are not JSON compliant"):
+        write_json(path, value)
+    assert os.listdir(tmp_path) == []
+    write_json(path, {"rate": 1e-3, "n": [1, 2]})
+    assert json.loads(path.read_text()) == {"rate": 1e-3, "n": [1, 2]}
+
+
+@pytest.mark.parametrize("text,expected", [("12", 12.0), ("0.5", 0.5), (".25", 0.25), ("3.", 3.0),
+                                           ("0.001", 0.001), ("100000", 1e5), (2.5, 2.5), (40, 40.0)])
+def test_parse_gbps_takes_ascii_decimals_in_range(text, expected):
+    assert parse_gbps(text, "G") == expected
+
+
+@pytest.mark.parametrize("value,problem", [
+    ("5e-324", "is not a decimal number"), ("1e308", "is not a decimal number"), ("1_0", "is not a decimal number"),
+    ("\u0665", "is not a decimal number"), ("\uff15", "is not a decimal number"), (" 5 ", "is not a decimal number"),
+    ("+5", "is not a decimal number"), ("-1", "is not a decimal number"), ("inf", "is not a decimal number"),
+    ("", "is not a decimal number"), (True, "is not a decimal number"), ("0", "must be in [0.001, 100000]"),
+    ("0.0009", "must be in [0.001, 100000]"), ("100000.5", "must be in [0.001, 100000]"),
+    ("9" * 400, "must be in [0.001, 100000]"), (float("inf"), "must be in"), (float("nan"), "must be in"),
+    (5e-324, "must be in"),
+])
+def test_parse_gbps_refuses_what_is_not_a_sane_rate_in_one_line(value, problem):
+    with pytest.raises(ValueError) as err:
+        parse_gbps(value, "LLAMA_MOE_CACHE_LINK_GBPS")
+    assert str(err.value).startswith(f"LLAMA_MOE_CACHE_LINK_GBPS={value!r}"[:40]) and problem in str(err.value)
+
+
+def _fake_proc(tmp_path, *, v1_limit, v1_usage, v1_inactive, v2_max, v2_current, available_kib):
+    """A /proc and cgroup mounts as a hybrid host has them: v1's memory controller with the
+    process two levels down, v2's unified hierarchy one level down."""
+    proc, v1, v2 = tmp_path / "proc", tmp_path / "cg" / "memory", tmp_path / "cg" / "unified"
+    (proc / "self").mkdir(parents=True, exist_ok=True)
+    (proc / "meminfo").write_text(f"MemTotal:       99999999 kB\nMemAvailable:   {available_kib} kB\n")
+    (proc / "self" / "status").write_text("VmSize:\t  100000 kB\nVmRSS:\t   5000 kB\n")
+    (proc / "self" / "cgroup").write_text("5:cpu:/\n4:memory:/jobs/job1\n0::/svc\n")
+    (proc / "self" / "mountinfo").write_text(
+        f"31 23 0:28 / {tmp_path / 'cg'} rw - tmpfs tmpfs rw\n"
+        f"35 31 0:32 / {v1} rw,relatime - cgroup cgroup rw,memory\n"
+        f"36 31 0:33 / {tmp_path / 'cg' / 'cpu'} rw,relatime - cgroup cgroup rw,cpu\n"
+        f"41 31 0:38 / {v2} rw,relatime - cgroup2 cgroup2 rw\n")
+    for directory, files in ((v1, {"memory.limit_in_bytes": str(2**63 - 4096), "memory.usage_in_bytes": "1"}),
+                             (v1 / "jobs", {"memory.limit_in_bytes": str(2**63 - 4096), "memory.usage_in_bytes": "1"}),
+                             (v1 / "jobs" / "job1", {"memory.limit_in_bytes": str(v1_limit),
+                                                     "memory.usage_in_bytes": str(v1_usage),
+                                                     "memory.stat": f"cache 5\ntotal_inactive_file {v1_inactive}\n"}),
+                             (v2 / "svc", {"memory.max": v2_max, "memory.current": str(v2_current),
+                                           "memory.stat": "anon 1\ninactive_file 0\n"})):
+        directory.mkdir(parents=True, exist_ok=True)
+        for name, text in files.items():
+            (directory / name).write_text(text + "\n")
+    return str(proc)
+
+
+def test_available_memory_is_the_tightest_of_the_cgroups_and_memavailable(tmp_path):
+    mib = 1 << 20
+    proc = _fake_proc(tmp_path, v1_limit=300 * mib, v1_usage=200 * mib, v1_inactive=20 * mib,
+                      v2_max="max", v2_current=1, available_kib=8 << 20)
+    v1 = tmp_path / "cg" / "memory" / "jobs" / "job1"
+    # the limit less what the cgroup uses, its inactive file pages counted free
+    assert available_memory(proc) == (120 * mib, f"cgroup {v1}: 300 MiB limit, 180 MiB used")
+    proc = _fake_proc(tmp_path, v1_limit=300 * mib, v1_usage=200 * mib, v1_inactive=20 * mib,
+                      v2_max=str(150 * mib), v2_current=100 * mib, available_kib=8 << 20)
+    assert available_memory(proc)[0] == 50 * mib and "unified/svc: 150 MiB limit" in available_memory(proc)[1]
+    proc = _fake_proc(tmp_path, v1_limit=300 * mib, v1_usage=200 * mib, v1_inactive=20 * mib,
+                      v2_max="max", v2_current=1, available_kib=10 << 10)
+    assert available_memory(proc) == (10 * mib, "MemAvailable")
+    assert available_memory(str(tmp_path / "none")) == (None, "unknown")
+
+
+def test_available_memory_sees_ulimit_v_and_require_memory_names_the_limit():
+    code = textwrap.dedent("""
+        import resource
+        from moecache.util import available_memory, require_memory
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, resource.RLIM_INFINITY))
+        free, source = available_memory()
+        assert free < 4 << 30 and source.startswith("ulimit -v: 4096 MiB of address space"), source
+        try:
+            require_memory(5 << 30, "the tables")
+        except ValueError as e:
+            print(e)
+    """)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("the tables need 5.0 GiB, ") and "(ulimit -v: 4096 MiB" in run.stdout
 
 
 class _Stderr(io.StringIO):

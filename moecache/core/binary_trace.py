@@ -49,9 +49,9 @@ RANGES = {"turn": (0, MAX_INDEX), "step": (0, MAX_INDEX), "phase": (0, DECODE), 
           "residency": (0, 2)}
 
 
-def write_binary_trace(trace: RouteTrace, path) -> None:
+def write_binary_trace(trace: RouteTrace, path) -> int:
     """Write `trace` in the binary form to path, atomically (readers see the old file or the
-    whole new one)."""
+    whole new one; a device or a FIFO is written through, util.atomic_write); returns its size."""
     shape = trace.ids.shape
     arrays = {name: np.ascontiguousarray(getattr(trace, name), dtype=dtype) for name, dtype, _ in ARRAYS}
     header = {"model": trace.model, "arch": trace.arch, "n_layer": int(trace.n_layer),
@@ -62,13 +62,18 @@ def write_binary_trace(trace: RouteTrace, path) -> None:
     text = json.dumps(header).encode("ascii")
     head = b"%s\n%s\n%08x\n" % (MAGIC, text, zlib.crc32(text))
 
+    layout, size = _layout(len(head), *shape)
+
     def write(tmp):
-        with open(tmp, "wb") as f:
+        with open(tmp, "wb") as f:  # a pipe cannot tell() where it is: the layout says
             f.write(head)
-            for name, _, _, offset in _layout(len(head), *shape)[0]:
-                f.write(bytes(offset - f.tell()))
+            end = len(head)
+            for name, _, _, offset in layout:
+                f.write(bytes(offset - end))
                 f.write(arrays[name].data.cast("B"))
+                end = offset + arrays[name].nbytes
     atomic_write(path, write)
+    return size
 
 
 def _layout(start, n_steps, n_layers, k):
@@ -115,7 +120,7 @@ def _read_header(path, f):
         raise TraceError(f"{path}: the header (at most {MAX_HEADER} bytes) fails its CRC-32: damaged")
     try:
         header = json.loads(line)
-    except ValueError:  # also a UnicodeDecodeError
+    except (ValueError, RecursionError):  # also a UnicodeDecodeError; nesting past the interpreter's stack
         header = None
     if not isinstance(header, dict):
         raise TraceError(f"{path}: the header is not a JSON object")

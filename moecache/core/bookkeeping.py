@@ -85,7 +85,8 @@ class Bookkeeping:
         core.any_pinned = bool(state.pinned.any())
         for name, table in (("slot_expert", state.slot_expert), ("expert_slot", state.expert_slot),
                             ("assigned", state.assigned), ("in_flight", state.in_flight),
-                            ("prefetched", state.prefetched), ("pinned", state.pinned), ("used", state.used),
+                            ("late", state.late), ("prefetched", state.prefetched), ("pinned", state.pinned),
+                            ("used", state.used),
                             ("mark", self._mark), ("usage", state.usage), ("counts", state.counts)):
             setattr(core, name, ffi.cast(ffi.typeof(getattr(core, name)), table.ctypes.data))
         self._observation = ffi.new("mc_observation *")

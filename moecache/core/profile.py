@@ -20,7 +20,7 @@ import reprlib
 
 import numpy as np
 
-from ..util import atomic_write
+from ..util import write_json
 
 FORMAT, VERSION = "moecache-profile", 1
 # counts are decode steps: 2**53 keeps every sum of them exact in int64 and in JSON's doubles
@@ -87,7 +87,7 @@ class UsageProfile:
     def save(self, path: str) -> None:
         data = {"format": FORMAT, "version": VERSION, "model": self.model,
                 "n_expert": self.n_expert, "layers": self.layers, "counts": self.counts.tolist()}
-        atomic_write(path, json.dumps(data))
+        write_json(path, data, indent=None)
 
     def add_to(self, path: str) -> None:
         """Add these counts to the profile at path (created if absent). Processes and contexts

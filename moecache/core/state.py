@@ -39,6 +39,7 @@ class EngineState:
         self.expert_slot = np.full((L, E), -1, dtype=np.int32)  # published only
         self.assigned = np.full((L, E), -1, dtype=np.int32)     # published or in flight
         self.in_flight = np.zeros((L, K), dtype=bool)
+        self.late = np.zeros((L, K), dtype=bool)                # the upload in flight was counted late
         self.prefetched = np.zeros((L, E), dtype=bool)          # prefetched, not used yet
         self.pinned = np.zeros((L, E), dtype=bool)
         self.used = np.zeros((L, E), dtype=bool)  # the last observation's experts, a new table each step

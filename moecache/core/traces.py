@@ -39,7 +39,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..util import IntegerError, parse_int
+from ..util import IntegerError, parse_int, require_memory
 
 MAGIC = "# route_trace v1"
 REQUIRED_COLUMNS = ("turn", "phase", "step", "layer", "slot", "expert", "weight",
@@ -149,32 +149,6 @@ WINDOW_STEPS = 4096           # steps a check or a replay takes at a time (tempo
 _FAST_TYPES = {"turn": np.int32, "phase": np.int8, "step": np.int32, "layer": np.int16, "slot": np.int32,
                "expert": np.int32, "residency": np.int8, "expert_bytes": np.int64, "dropped": np.int8,
                "batch": np.int32, "weight": np.float64}
-
-
-def available_memory() -> int | None:
-    """Bytes of memory available now (Linux MemAvailable), None where unknown."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def require_memory(nbytes: int, what: str) -> None:
-    """ValueError naming `what` when nbytes exceed the memory available, before allocating."""
-    available = available_memory()
-    if available is not None and nbytes > available:
-        raise ValueError(f"{what} need {_size(nbytes)}, {_size(available)} available")
-
-
-def _size(nbytes):
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes} bytes"
 
 
 @dataclass

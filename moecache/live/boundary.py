@@ -101,6 +101,14 @@ class Boundary:
         if handover is not None and self._hand_over(handover) != lib.LLAMA_MOE_CACHE_OK:
             raise RuntimeError(f"libllama refused the handover of step {plan.step}")
 
+    def file_changed(self) -> bool:
+        """Whether libllama found the model file changed (it stops the cache: uploads, and the RAM
+        tier's reads, so that every decode fails): asked with an empty plan, which applies nothing
+        and is refused then."""
+        nothing = self._rows(())
+        return self.lib.llama_moe_cache_apply(self.ctx, self.tier, *nothing, *nothing, *nothing) == \
+            self.lib.LLAMA_MOE_CACHE_FILE_CHANGED
+
     def admitted(self) -> tuple[np.ndarray, int]:
         """(n, 3) int32 rows (layer, expert, slot) of the uploads libllama's observers started
         during the last cached graph, and how many of the first are the copy-on-miss lane's (each
@@ -133,10 +141,7 @@ class Boundary:
             modelled = admissions_with_lane(engine.handover, ids, engine.slot_expert)
         by_layer = admitted[np.argsort(admitted[:, 0], kind="stable")]
         if not np.array_equal(by_layer, modelled.jobs):
-            # an empty plan applies nothing; refused, it says why libllama stopped admitting
-            nothing = self._rows(())
-            if self.lib.llama_moe_cache_apply(self.ctx, self.tier, *nothing, *nothing, *nothing) == \
-                    self.lib.LLAMA_MOE_CACHE_FILE_CHANGED:
+            if self.file_changed():  # why libllama stopped admitting
                 raise file_changed()
             raise RuntimeError(f"libllama admitted {by_layer.tolist()}, the engine's model "
                                f"{modelled.jobs.tolist()}")

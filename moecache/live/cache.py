@@ -19,7 +19,7 @@ from ..core.missplan import MissPlanner
 from ..core.policies import make_policy
 from ..core.profile import ProfileError, UsageProfile
 from . import native
-from .boundary import Boundary
+from .boundary import Boundary, file_changed
 from .config import CacheConfig, ConfigError
 from .probe import CachedLayer, CacheUnavailable
 from .rates import PlannerRates
@@ -107,6 +107,19 @@ class LiveCache:
         flush = self.config.flush_steps
         if not observed.prefill and flush and self.above is None and self.counts.decode_steps % flush == 0:
             self.reports.flush_in_background()
+
+    def why_stopped(self) -> str | None:
+        """Why this cache or the RAM tier under it stopped, in a line, or None: its failure, else
+        libllama's word, asked now (a changed model file fails the RAM tier's decodes in
+        libllama, before a step of this cache sees it). Call between decodes."""
+        for cache in (self, self.below):
+            if cache is None or cache.detached:
+                continue
+            if cache.failed is None and cache.boundary.file_changed():
+                cache.failed = f"RuntimeError: {file_changed()}"
+            if cache.failed:
+                return f"the {'RAM tier' if cache.tier == native.RAM else 'device cache'} stopped: {cache.failed}"
+        return None
 
     def admitted(self):
         """(n, 3) int32 rows (layer, expert, slot) of the slot writes libllama's observers started

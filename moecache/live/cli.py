@@ -14,6 +14,7 @@ import sys
 from ..util import OneLineParser, gbps_arg, int_arg
 
 GGML_MAX_N_THREADS = 512  # ggml.h: more threads overrun ggml's per-thread arrays (a segfault)
+N_UBATCH = 512  # llama_cpp's default
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -86,6 +87,10 @@ def _run(args) -> int:
     config = CacheConfig.from_env(inserts=args.inserts, policy=args.policy, planner=args.planner,
                                   link_gbps=args.link_gbps, host_gbps=args.host_gbps, **sizing)
     model = _model_file(args.model)
+    if config.ram_mib == "auto" and not config.device_cache:  # the weights load into this memory:
+        from .ramtier import check_room                          # the kernel would kill a load too large
+
+        check_room(model, _n_ctx(args), N_UBATCH)
     if config.ram_tier:
         rest = "" if config.device_cache else ", the rest in memory"
         print(f"run.py: RAM tier: experts read from the model file as selected{rest}", file=sys.stderr)
@@ -102,7 +107,11 @@ def _run(args) -> int:
         for line in tier.lines() if tier else ():
             print(line, file=sys.stderr)
 
-    n_tokens, decode = _generate(llm, args)
+    try:
+        n_tokens, decode = _generate(llm, args)
+    except RuntimeError as e:  # "llama_decode returned -3": the cache may know why
+        why = cache.why_stopped() if cache else None
+        raise RuntimeError(f"{e}: {why}" if why else e) from None
     print(f"run.py: {n_tokens} tokens decoded, decode {decode}", file=sys.stderr)
     if cache:
         print(cache.summary(), file=sys.stderr)
@@ -138,12 +147,15 @@ def _load(model: str, args, config):
 
     from .placement import experts_from_file, experts_on_host
 
-    # llama.cpp pads the context to a multiple of 256 while llama_cpp sizes its token buffer by
-    # the request: ask for the padded size, or a prompt longer than -c breaks that buffer
-    n_ctx = -(-args.ctx_size // 256) * 256
     with experts_from_file() if config.ram_tier else experts_on_host(repack=bool(config.repack)):
-        return llama_cpp.Llama(model, n_gpu_layers=args.n_gpu_layers, n_ctx=n_ctx, seed=args.seed,
-                               n_threads=args.threads, verbose=False)
+        return llama_cpp.Llama(model, n_gpu_layers=args.n_gpu_layers, n_ctx=_n_ctx(args), n_ubatch=N_UBATCH,
+                               seed=args.seed, n_threads=args.threads, verbose=False)
+
+
+def _n_ctx(args) -> int:
+    """llama.cpp pads the context to a multiple of 256 while llama_cpp sizes its token buffer by
+    the request: ask for the padded size, or a prompt longer than -c breaks that buffer."""
+    return -(-args.ctx_size // 256) * 256
 
 
 def _generate(llm, args) -> tuple[int, str]:

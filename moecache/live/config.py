@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from dataclasses import dataclass, fields
 
 from ..core.admission import ADMISSIONS, live_admission
 from ..core.missplan import planner_by_default
 from ..core.policies import DEFAULT_POLICY, POLICIES
-from ..util import parse_gbps, parse_int
+from ..util import output_problem, parse_gbps, parse_int
 
 
 class ConfigError(ValueError):
@@ -100,7 +99,7 @@ class CacheConfig:
         self._check_planner()
         for name in ("stats", "trace", "profile"):  # written later: say so now, not at exit
             path = getattr(self, name)
-            problem = _unwritable(path) if path else None
+            problem = output_problem(path, devices=False) if path else None
             if problem:
                 raise ConfigError(f"{ENV_PREFIX}{name.upper()}={path!r}: {problem}")
         files = [(name, os.path.realpath(getattr(self, name))) for name in ("stats", "trace", "profile")
@@ -181,29 +180,6 @@ class CacheConfig:
             values[field.name] = text  # __post_init__ parses the integers
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
-
-
-def _unwritable(path: str) -> str | None:
-    """Why a file cannot be written at path (atomically: a temporary file in its directory,
-    renamed over it), or None."""
-    if "\0" in path:
-        return "contains a NUL character"
-    if path.endswith(("/", os.sep)):
-        return "ends with '/': a file name is needed"
-    if os.path.isdir(path):
-        return "is a directory"
-    if os.path.lexists(path) and not os.path.isfile(path):
-        return "is not a regular file"
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        return f"directory {folder} does not exist"
-    try:  # what the write will do, e.g. /proc and /sys refuse it
-        fd, probe = tempfile.mkstemp(dir=folder, prefix=".moecache-probe-")
-    except OSError as e:
-        return f"cannot create a file in {folder} ({e.strerror})"
-    os.close(fd)
-    os.unlink(probe)
-    return None
 
 
 def _parse_int(name: str, value, minimum: int | None = None, maximum: int | None = None) -> int:

@@ -1,32 +1,44 @@
 """Prometheus metrics of the live caches, for `python -m moecache.serve`'s /metrics: hits,
 misses, uploads, evictions and late uploads per layer (with the miss planner, its lane misses
-and the uploads it declined), upload bytes, link bytes per decode token, hit ratio, step time, the cache's size and
-the planner's rates, one `context` label per live cache. Names follow llama.cpp server's own
-/metrics (`llamacpp:prompt_tokens_total`, ...): `moecache:hits_total`, ..."""
+and the uploads it declined), per cache the upload bytes, link bytes per decode token, hit ratio,
+step time, the cache's size and the planner's rates. Every series has a `context` label (one per
+live cache) and a `tier` label: "device" (the slots on the device) or "ram" (the RAM tier's
+experts in host memory, alone or under a device cache).
+
+Named by Prometheus's conventions: `moecache_` then snake case (colons are for recording
+rules), the unit in the name in base units (`_bytes`, `_seconds`, `_bytes_per_second`),
+counters ending in `_total`, the step time a `_sum`/`_count` pair (a summary without quantiles)
+from which any window's mean is a rate ratio."""
 
 from __future__ import annotations
 
 from typing import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
-PER_LAYER = {  # stats counter -> help
-    "hits": "Expert lookups served by the device cache",
-    "misses": "Expert lookups the device cache did not hold (on the CPU, or through the lane)",
-    "uploads": "Experts uploaded into the cache",
-    "evictions": "Experts evicted from the cache",
-    "late": "Uploads not complete at the boundary they were due",
-    "prefill_uploads": "Uploads of the prompt's experts",
-    "lane_misses": "Misses the device computed through the copy-on-miss lane (counted in misses too)",
-    "declined": "Eager uploads the miss planner declined: they would not pay back their link time",
+PER_LAYER = {  # stats counter -> (metric name, help)
+    "hits": ("hits", "Expert lookups the cache served"),
+    "misses": ("misses", "Expert lookups the cache did not hold (on the CPU, through the lane, or read from the file)"),
+    "uploads": ("uploads", "Experts written into the cache"),
+    "evictions": ("evictions", "Experts evicted from the cache"),
+    "late": ("late_uploads", "Uploads not complete at the boundary they were due (each counted once)"),
+    "prefill_uploads": ("prefill_uploads", "Uploads of the prompt's experts"),
+    "lane_misses": ("lane_misses", "Misses the device computed through the copy-on-miss lane (counted in misses too)"),
+    "declined": ("declined_uploads", "Eager uploads the miss planner declined: they would not pay back their link time"),
 }
-PER_CACHE_COUNTERS = {  # stats counter -> help; upload_bytes is one of the stats' totals
-    "decode_steps": "Decode steps the cache observed",
-    "decode_tokens": "Tokens in those steps",
-    "prefill_tokens": "Prompt tokens the cache observed",
-    "upload_bytes": "Bytes uploaded into the cache",
+PER_CACHE_COUNTERS = {  # stats counter -> (metric name, help); upload_bytes is one of the stats' totals
+    "decode_steps": ("decode_steps", "Decode steps the cache observed"),
+    "decode_tokens": ("decode_tokens", "Tokens in those steps"),
+    "prefill_tokens": ("prefill_tokens", "Prompt tokens the cache observed"),
+    "upload_bytes": ("upload_bytes", "Bytes written into the cache"),
 }
+LABELS = ["context", "tier"]
+
+
+def tiers(stats: dict) -> list[dict]:
+    """A live cache's stats and, under a device cache, its RAM tier's: one per tier."""
+    return [stats, *([stats["ram_tier"]] if stats.get("ram_tier") else [])]
 
 
 class CacheCollector:
@@ -36,40 +48,41 @@ class CacheCollector:
         self.caches = caches
 
     def collect(self):
-        layer_families = {name: CounterMetricFamily(f"moecache:{name}", text, labels=["context", "layer"])
-                          for name, text in PER_LAYER.items()}
-        cache_families = {name: CounterMetricFamily(f"moecache:{name}", text, labels=["context"])
-                          for name, text in PER_CACHE_COUNTERS.items()}
-        ratio = GaugeMetricFamily("moecache:hit_ratio", "Hits per decode lookup", labels=["context"])
-        step = GaugeMetricFamily("moecache:step_seconds_mean", "Mean time of the cache's step between graphs",
-                                 labels=["context"])
-        size = GaugeMetricFamily("moecache:device_bytes", "Device memory of the cache", labels=["context"])
-        slots = GaugeMetricFamily("moecache:slots", "Experts cached per layer", labels=["context"])
-        link = GaugeMetricFamily("moecache:link_bytes_per_token", "Bytes uploaded per decode token",
-                                 labels=["context"])
-        rates = GaugeMetricFamily("moecache:planner_gbps", "The miss planner's rates, GB/s",
-                                  labels=["context", "rate"])
-        payback = GaugeMetricFamily("moecache:planner_payback_uses",
-                                    "Uses an eager upload must bring beyond its victim's", labels=["context"])
+        layer_families = {key: CounterMetricFamily(f"moecache_{name}", text, labels=[*LABELS, "layer"])
+                          for key, (name, text) in PER_LAYER.items()}
+        cache_families = {key: CounterMetricFamily(f"moecache_{name}", text, labels=LABELS)
+                          for key, (name, text) in PER_CACHE_COUNTERS.items()}
+        ratio = GaugeMetricFamily("moecache_hit_ratio", "Hits per decode lookup", labels=LABELS)
+        step = SummaryMetricFamily("moecache_step_seconds", "Time of the cache's step between graphs", labels=LABELS)
+        size = GaugeMetricFamily("moecache_cache_bytes", "Memory of the cache: the device's (tier device), "
+                                                         "the host's (tier ram)", labels=LABELS)
+        slots = GaugeMetricFamily("moecache_slots", "Experts cached per layer", labels=LABELS)
+        link = GaugeMetricFamily("moecache_link_bytes_per_token", "Bytes uploaded per decode token", labels=LABELS)
+        rates = GaugeMetricFamily("moecache_planner_rate_bytes_per_second", "The miss planner's rates",
+                                  labels=[*LABELS, "rate"])
+        payback = GaugeMetricFamily("moecache_planner_payback_uses",
+                                    "Uses an eager upload must bring beyond its victim's", labels=LABELS)
         for index, cache in enumerate(self.caches()):
-            stats, context = cache.stats(), str(index)
-            for layer in stats["layers"]:
-                for name, family in layer_families.items():
-                    if name in layer:  # declined: with the planner only
-                        family.add_metric([context, str(layer["layer"])], layer[name])
-            for name, family in cache_families.items():
-                family.add_metric([context], stats[name] if name in stats else stats["totals"][name])
-            if stats["hit_rate"] is not None:
-                ratio.add_metric([context], stats["hit_rate"])
-            step.add_metric([context], (stats["step_us_mean"] or 0) / 1e6)
-            size.add_metric([context], stats["device_bytes"])
-            slots.add_metric([context], stats["slots"])
-            if stats.get("link_bytes_per_token") is not None:
-                link.add_metric([context], stats["link_bytes_per_token"])
-            if stats.get("planner"):
-                for rate in ("link", "host", "dram"):
-                    rates.add_metric([context, rate], stats["planner"][f"{rate}_gbps"])
-                payback.add_metric([context], stats["planner"]["payback_uses"])
+            for stats in tiers(cache.stats()):
+                labels = [str(index), stats["tier"].lower()]
+                for layer in stats["layers"]:
+                    for key, family in layer_families.items():
+                        if key in layer:  # declined, lane_misses: with the planner only
+                            family.add_metric([*labels, str(layer["layer"])], layer[key])
+                for key, family in cache_families.items():
+                    family.add_metric(labels, stats[key] if key in stats else stats["totals"][key])
+                if stats["hit_rate"] is not None:
+                    ratio.add_metric(labels, stats["hit_rate"])
+                step.add_metric(labels, count_value=stats["steps"],
+                                sum_value=(stats["step_us_mean"] or 0) * stats["steps"] / 1e6)
+                size.add_metric(labels, stats["device_bytes"])
+                slots.add_metric(labels, stats["slots"])
+                if stats.get("link_bytes_per_token") is not None:
+                    link.add_metric(labels, stats["link_bytes_per_token"])
+                if stats.get("planner"):
+                    for rate in ("link", "host", "dram"):
+                        rates.add_metric([*labels, rate], stats["planner"][f"{rate}_gbps"] * 1e9)
+                    payback.add_metric(labels, stats["planner"]["payback_uses"])
         yield from layer_families.values()
         yield from cache_families.values()
         yield from (ratio, step, size, slots, link, rates, payback)

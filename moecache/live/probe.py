@@ -7,7 +7,9 @@ trial allocation of one slot per layer, released before the probe returns."""
 
 from __future__ import annotations
 
+import math
 import re
+import struct
 from dataclasses import dataclass
 
 from . import ggml, native
@@ -19,6 +21,7 @@ BANKED_TENSORS = ("ffn_up_exps.weight", "ffn_gate_exps.weight", "ffn_gate_up_exp
                   "ffn_down_exps.weight", "ffn_up_exps.bias", "ffn_gate_exps.bias",
                   "ffn_gate_up_exps.bias", "ffn_up_exps.scale", "ffn_gate_exps.scale",
                   "ffn_down_exps.scale")
+BANKED = re.compile(r"blk\.(\d+)\.(%s)" % "|".join(re.escape(n) for n in BANKED_TENSORS))
 NO_LAYERS = "libllama cached no layer (its log says why); decoding stays stock"
 
 
@@ -156,20 +159,74 @@ def expert_shapes(path: str) -> dict[int, tuple[tuple[int, ...], ...]]:
     """{model layer: ((ggml type, ne...) of each banked tensor, in libllama's order)} for the
     layers with routed experts, read from the GGUF at path (and its other split files); the
     dimensions stop before the last one, which indexes the experts."""
-    import gguf
-
-    pattern = re.compile(r"blk\.(\d+)\.(%s)" % "|".join(re.escape(n) for n in BANKED_TENSORS))
     found: dict[int, dict[str, tuple[int, ...]]] = {}
     for part in _split_files(path):
-        for tensor in gguf.GGUFReader(part).tensors:
-            match = pattern.fullmatch(tensor.name)
+        for name, ggml_type, ne, _ in gguf_header(part)[1]:
+            match = BANKED.fullmatch(name)
             if match:
-                ne = [int(n) for n in tensor.shape]
-                found.setdefault(int(match[1]), {})[match[2]] = (int(tensor.tensor_type), *ne[:-1])
+                found.setdefault(int(match[1]), {})[match[2]] = (ggml_type, *ne[:-1])
     return {il: tuple(parts[name] for name in BANKED_TENSORS if name in parts)
             for il, parts in sorted(found.items())
             if "ffn_down_exps.weight" in parts
             and ("ffn_up_exps.weight" in parts or "ffn_gate_up_exps.weight" in parts)}
+
+
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+def gguf_header(path: str) -> tuple[dict, list[tuple[str, int, tuple[int, ...], int]]]:
+    """A GGUF's metadata (scalars and strings by key; arrays left out) and its tensors' (name,
+    ggml type, ne, bytes), read from its header as a stream: in the memory of what it keeps
+    (gguf's GGUFReader maps the file and makes objects of every field: a large vocabulary takes
+    tens of MiB, more than a process sized to a tight memory limit has). ValueError for a file
+    that is not a GGUF, OSError for one that cannot be read."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    with open(path, "rb") as f:
+        def read(fmt):
+            size = struct.calcsize(fmt)
+            data = f.read(size)
+            if len(data) != size:
+                raise ValueError(f"{path}: cut short in its GGUF header")
+            return struct.unpack(fmt, data)[0]
+
+        def string():
+            return f.read(read("<Q")).decode("utf-8", "replace")
+
+        def value(kind):
+            if kind == _STRING:
+                return string()
+            if kind == _ARRAY:
+                item, n = read("<I"), read("<Q")
+                for _ in range(n):
+                    value(item)
+                return None
+            if kind not in _SCALARS:
+                raise ValueError(f"{path}: GGUF value type {kind} unknown")
+            return read(_SCALARS[kind])
+
+        if f.read(4) != b"GGUF" or read("<I") < 2:
+            raise ValueError(f"{path}: not a GGUF file (version 2 or later)")
+        n_tensors, n_kv = read("<Q"), read("<Q")
+        meta = {}
+        for _ in range(n_kv):
+            key = string()
+            found = value(read("<I"))
+            if found is not None:
+                meta[key] = found
+        tensors = []
+        for _ in range(n_tensors):
+            name = string()
+            ne = tuple(read("<Q") for _ in range(read("<I")))
+            ggml_type = read("<I")
+            read("<Q")  # the data's offset
+            try:
+                block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+            except (ValueError, KeyError):
+                raise ValueError(f"{path}: tensor {name} has a ggml type ({ggml_type}) gguf does not know") from None
+            tensors.append((name, ggml_type, ne, math.prod(ne) // block * size))
+    return meta, tensors
 
 
 def _split_files(path: str) -> list[str]:

@@ -2,25 +2,28 @@
 the others read from the model file when a ubatch selects them (llama_moe_cache_params.in_ram).
 
 RAM_MIB=N keeps the largest K whose experts fit N MiB over all layers. RAM_MIB=auto takes what
-the process may use (its memory cgroup's limit where one is set, else MemAvailable plus what the
-process holds now) less what it holds now (its resident set: the weights that are not routed
-experts, the KV cache, the interpreter), less one layer's reads for a full ubatch (a prompt's
-ubatch selects most of a layer's experts, read for that layer and dropped after it) and a
-reserve of 5% of the limit (at least 64 MiB). K never exceeds the experts a layer has: a model
-that fits keeps all of them, read once."""
+the process may use (the memory still available to it, moecache.util.available_memory: its memory
+cgroups' limits, MemAvailable and `ulimit -v`, the tightest, plus what the process holds now)
+less what it holds now (its resident set: the weights that are not routed experts, the KV
+cache, the interpreter), less one layer's reads for a full ubatch (a prompt's ubatch selects
+most of a layer's experts, read for that layer and dropped after it) and a reserve of 5% of the
+limit (at least 64 MiB). K never exceeds the experts a layer has: a model that fits keeps all of
+them, read once. Before a model is loaded for the tier, check_room refuses one whose weights
+outside the experts, KV cache and one expert per layer do not fit what is available (run.py):
+the kernel would kill the process while it loads, with nothing said."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from ..core.banks import ram_slots
+from ..util import available_memory
 from . import native
 from .config import ENV_PREFIX
-from .probe import CachedLayer, CacheUnavailable, cached_layers
+from .probe import BANKED, CachedLayer, CacheUnavailable, _split_files, cached_layers, gguf_header
 from .sizing import MIB, CachePlan, DevicePlan
 
-UNLIMITED = 1 << 60  # cgroup v1 reports no limit as about 2^63
+F16_BYTES = 2  # llama.cpp's KV cache type by default
 
 
 @dataclass
@@ -53,18 +56,23 @@ def open_ram_tier(ctx, config) -> tuple[RamPlan, list[CachedLayer]]:
     return plan, cached_layers(ctx, native.RAM)
 
 
-def plan_ram(config, layers: list[CachedLayer], n_ubatch: int) -> RamPlan:
-    """K for the budget of config.ram_mib; raises CacheUnavailable below one expert per layer."""
+def plan_ram(config, layers: list[CachedLayer], n_ubatch: int,
+             available: tuple[int | None, str] | None = None) -> RamPlan:
+    """K for the budget of config.ram_mib; raises CacheUnavailable below one expert per layer.
+    available: (bytes, what limits them) for auto, default available_memory()."""
     expert_bytes = [layer.expert_bytes for layer in layers]
     per_k = sum(expert_bytes)  # one more expert kept in every layer
     n_expert = min(layer.n_expert for layer in layers)
     plan = RamPlan(f"{ENV_PREFIX}RAM_MIB={config.ram_mib}", n_layers=len(layers))
     if config.ram_mib == "auto":
-        plan.limit, plan.limit_source = memory_limit()
+        free, plan.limit_source = available or available_memory()
+        if free is None:
+            raise CacheUnavailable(f"{plan.sized_by}: no memory figure to size by (no /proc/meminfo): set a number")
         plan.held = resident_bytes()
+        plan.limit = free + plan.held
         plan.transient = max(min(layer.n_expert, n_ubatch * layer.n_expert_used) * layer.expert_bytes
                              for layer in layers)
-        plan.reserve_bytes = max(64 * MIB, plan.limit // 20)
+        plan.reserve_bytes = reserve(plan.limit)
         budget = plan.limit - plan.held - plan.transient - plan.reserve_bytes
     else:
         budget = config.ram_mib * MIB
@@ -79,14 +87,61 @@ def plan_ram(config, layers: list[CachedLayer], n_ubatch: int) -> RamPlan:
     return plan
 
 
-def memory_limit() -> tuple[int, str]:
-    """What this process may use, in bytes, and where that figure comes from: the tightest memory
-    cgroup limit over its cgroup and their parents (v2 memory.max, v1 memory.limit_in_bytes),
-    else MemAvailable plus what it holds now."""
-    limits = [(value, f"cgroup {path}") for path, value in _cgroup_limits() if value < UNLIMITED]
-    if limits:
-        return min(limits)
-    return _meminfo("MemAvailable") + resident_bytes(), "MemAvailable"
+def check_room(path: str, n_ctx: int, n_ubatch: int, available: tuple[int | None, str] | None = None) -> None:
+    """Before `path` is loaded for the RAM tier alone at RAM_MIB=auto: CacheUnavailable, one
+    line, when loading it would take what the process may use (available: (bytes, what limits
+    them), default available_memory()), by plan_ram's rule with what loading holds estimated
+    from the GGUF: the weights outside the routed experts and an F16 KV cache of n_ctx tokens
+    (compute buffers are not counted: plan_ram, after the load, still refuses where they tip it)."""
+    free, source = available or available_memory()
+    if free is None:
+        return
+    facts = _gguf_facts(path)
+    loading = facts["other_bytes"] + facts["kv_bytes_per_token"] * n_ctx
+    one_each = sum(facts["expert_bytes"])
+    transient = max(min(facts["n_expert"], n_ubatch * facts["n_expert_used"]) * b for b in facts["expert_bytes"])
+    need = loading + transient + reserve(free) + one_each
+    if need > free:
+        raise CacheUnavailable(
+            f"{ENV_PREFIX}RAM_MIB=auto: {path} needs {need / MIB:.0f} MiB to load and keep one expert per layer "
+            f"({facts['other_bytes'] / MIB:.0f} MiB of weights outside its experts, a KV cache of {n_ctx} tokens "
+            f"{facts['kv_bytes_per_token'] * n_ctx / MIB:.0f} MiB, one expert per layer {one_each / MIB:.0f} MiB, "
+            f"{transient / MIB:.0f} MiB for one layer's reads, {reserve(free) / MIB:.0f} MiB reserve), "
+            f"{free / MIB:.0f} MiB available ({source})")
+
+
+def _gguf_facts(path: str) -> dict:
+    """From the GGUF's header: the bytes of one expert in each layer with routed experts (the
+    banked tensors), of every other tensor, an F16 KV cache's per token (0 where the metadata
+    does not say), the experts per layer and per token."""
+    banked: dict[int, int] = {}
+    other, meta = 0, {}
+    try:
+        for part in _split_files(path):
+            found, tensors = gguf_header(part)
+            meta.update({key.split(".", 1)[-1]: value for key, value in found.items()})
+            for name, _, _, nbytes in tensors:
+                match = BANKED.fullmatch(name)
+                if match:
+                    banked[int(match[1])] = banked.get(int(match[1]), 0) + nbytes
+                else:
+                    other += nbytes
+    except (OSError, ValueError) as e:
+        raise CacheUnavailable(f"{ENV_PREFIX}RAM_MIB=auto: {getattr(e, 'strerror', None) or e}") from None
+    n_expert, n_used = meta.get("expert_count", 0), meta.get("expert_used_count", 0)
+    if not banked or not n_expert or not n_used:
+        raise CacheUnavailable(f"{ENV_PREFIX}RAM_MIB=auto: {path} has no routed experts (not a MoE model)")
+    heads = meta.get("attention.head_count", 0)
+    head_dim = meta.get("embedding_length", 0) // heads if heads else 0
+    per_head = meta.get("attention.key_length", head_dim) + meta.get("attention.value_length", head_dim)
+    kv = F16_BYTES * meta.get("block_count", 0) * meta.get("attention.head_count_kv", heads) * per_head
+    return {"expert_bytes": [b // n_expert for _, b in sorted(banked.items())], "other_bytes": other,
+            "kv_bytes_per_token": kv, "n_expert": n_expert, "n_expert_used": n_used}
+
+
+def reserve(limit: int) -> int:
+    """What the auto sizing leaves free of what the process may use."""
+    return max(64 * MIB, limit // 20)
 
 
 def resident_bytes() -> int:
@@ -96,39 +151,3 @@ def resident_bytes() -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     raise CacheUnavailable("/proc/self/status has no VmRSS: the RAM tier cannot size itself (set RAM_MIB=N)")
-
-
-def _meminfo(key: str) -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise CacheUnavailable(f"/proc/meminfo has no {key}: the RAM tier cannot size itself (set RAM_MIB=N)")
-
-
-def _cgroup_limits():
-    """(file, limit) of every memory limit that applies to this process."""
-    try:
-        with open("/proc/self/cgroup") as f:
-            entries = [line.rstrip("\n").split(":", 2) for line in f]
-    except OSError:
-        return
-    for _, controllers, path in entries:
-        if controllers == "":  # v2: one hierarchy
-            root, name = "/sys/fs/cgroup", "memory.max"
-        elif "memory" in controllers.split(","):
-            root, name = "/sys/fs/cgroup/memory", "memory.limit_in_bytes"
-        else:
-            continue
-        while True:
-            file = os.path.join(root + path.rstrip("/"), name)
-            try:
-                with open(file) as f:
-                    text = f.read().strip()
-            except OSError:
-                text = None
-            if text and text != "max":
-                yield file, int(text)
-            if path in ("", "/"):
-                break
-            path = os.path.dirname(path.rstrip("/"))

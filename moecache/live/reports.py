@@ -6,7 +6,6 @@ decode steps."""
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import threading
@@ -16,9 +15,9 @@ from collections.abc import Callable
 import numpy as np
 
 from ..core.engine import CacheEngine
-from ..core.profile import ProfileError, UsageProfile
+from ..core.profile import UsageProfile
 from ..core.traces import DECODE, PREFILL, TraceWriter
-from ..util import atomic_write
+from ..util import write_json
 from .boundary import Observed
 from .config import CacheConfig, ConfigError
 from .probe import CachedLayer
@@ -142,13 +141,13 @@ class Reports:
         self.write()
 
     def _snapshot(self):
-        return (json.dumps(self._stats(), indent=1) if self.config.stats else None,
+        return (self._stats() if self.config.stats else None,
                 self._engine.usage.copy() if self.config.profile else None)
 
     def _write(self, snapshot) -> None:
-        stats_text, usage = snapshot
-        if stats_text is not None:
-            self._report("STATS", lambda: atomic_write(self.config.stats, stats_text))
+        stats, usage = snapshot
+        if stats is not None:
+            self._report("STATS", lambda: write_json(self.config.stats, stats))
         if usage is not None:
             self._report("PROFILE", lambda: self._save_profile(usage))
         writer = self._trace.writer if self._trace else None  # the decode thread drops it if a write fails
@@ -158,7 +157,7 @@ class Reports:
     def _report(self, name: str, write) -> None:
         try:
             write()
-        except (OSError, ProfileError) as e:  # one line, never a traceback; once per problem
+        except (OSError, ValueError) as e:  # one line, never a traceback; once per problem
             message = (f"moecache: error: LLAMA_MOE_CACHE_{name}={getattr(self.config, name.lower())!r}: "
                        f"{getattr(e, 'strerror', None) or e} - not written")
             if message not in self._errors:

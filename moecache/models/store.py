@@ -10,7 +10,7 @@ import struct
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from ..util import atomic_write, one_line
+from ..util import atomic_write, one_line, output_problem
 
 #: metadata keys every built model carries right after general.architecture (read_fixture_key
 #: reads only the head of the file)
@@ -84,10 +84,9 @@ def output_path(path: Any, default_name: str) -> Path:
         parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ValueError(f"cannot create directory {parent}: {one_line(e.strerror or e)}") from None
-    if not parent.is_dir():
-        raise ValueError(f"cannot write {out}: {parent} is not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"cannot write {out}: directory {parent} is not writable")
+    problem = output_problem(out)
+    if problem:
+        raise ValueError(f"cannot write {out}: {problem}")
     return out
 
 

@@ -50,6 +50,7 @@ import argparse
 import csv
 import math
 import os
+import sys
 
 from ..core.admission import ADMISSIONS, live_admission
 from ..core.binary_trace import write_binary_trace
@@ -57,9 +58,10 @@ from ..core.banks import equal_bytes
 from ..core.policies import DEFAULT_POLICY, POLICIES, resolve_policy
 from ..core.profile import UsageProfile
 from ..core.traces import DECODE, PREFILL, read_trace
-from ..util import OneLineParser, Progress, atomic_write, gbps_arg, int_arg, int_list_arg
+from ..util import OneLineParser, Progress, atomic_write, gbps_arg, int_arg, int_list_arg, output_problem
 from .budget import BUDGET_POLICIES
 from .readahead import PREDICTORS, ReadAhead, parse_spec
+from .steps import decode_steps
 from .cost import DEFAULT_HARDWARE, HARDWARE, Disk
 from .replay import (GLOBAL, MIB, MODELS, PAGE_CACHE, PER_LAYER, PREFILL_MODES, UPSTREAM, ReplayResult,
                      per_layer_slots, policy_names, ram_tier_slots, simulate)
@@ -272,13 +274,9 @@ def _check_planner(args):
 
 def _check_output(path, flag):
     """An output file must be writable where it is named."""
-    parent = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path) or path.endswith(os.sep):
-        raise ValueError(f"{flag} {path}: is a directory, expected a file name")
-    if not os.path.isdir(parent):
-        raise ValueError(f"{flag} {path}: directory {parent} does not exist")
-    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise ValueError(f"{flag} {path}: not writable")
+    problem = output_problem(path)
+    if problem:
+        raise ValueError(f"{flag} {path}: {problem}")
 
 
 def load_inputs(args):
@@ -352,8 +350,10 @@ def _ms(value):
 def print_tables(args, trace, results) -> None:
     n_prefill = int((trace.phase == PREFILL).sum())
     n_decode = int((trace.phase == DECODE).sum())
+    n_steps = decode_steps(trace)  # the live stats' count: a recorded multi-token ubatch is one step
     print(f"{args.trace}: {trace.arch}, {trace.layers.size} MoE layers x {trace.n_expert} experts, "
-          f"top-{trace.n_expert_used}; {n_prefill} prefill + {n_decode} decode tokens; one token's "
+          f"top-{trace.n_expert_used}; {n_prefill} prefill + {n_decode} decode tokens"
+          f"{'' if n_steps == n_decode else f' in {n_steps} decode steps'}; one token's "
           f"working set {trace.working_set_bytes() / MIB:.0f} MiB")
     hardware = args.hardware
     stock = next((r.stock_ms(hardware) for r in results
@@ -408,7 +408,7 @@ def print_ram_table(args, trace, results) -> None:
     host = args.hardware.rates.host_gbps
     print(f"\nlarger than RAM, CPU only: the RAM tier (LLAMA_MOE_CACHE_RAM_MIB: K experts per layer kept, eager "
           f"admission, INSERTS = K, prompts looked up) and stock mmap's page cache (4 KiB pages, read_ahead_kb "
-          f"{args.read_ahead_kb}, doubled by llama.cpp's mapping)\n"
+          f"{args.read_ahead_kb}, doubled by llama.cpp's mapping, a window at most half the budget)\n"
           f"ms/tok: MODELLED per decode token (moecache.offline.cost.Disk): mmap (computed bytes / host + waits x read "
           f"latency + bytes read / disk), the tier per layer (dense / host + max(kept / host, read latency + misses / "
           f"disk) + misses / host): host {host:.2f} GB/s, {args.disk.describe()}; hit%: decode lookups whose "
@@ -421,8 +421,8 @@ def print_ram_table(args, trace, results) -> None:
         tier = r.model == PER_LAYER
         print(f"{'RAM tier' if tier else 'mmap':<12}{r.policy:<16}{r.admission or '-':>10}{r.ram_mib:>9g}"
               f"{r.slots if tier else '-':>5}{_pct(r.hit_rate):>10}"
-              f"{'-' if not r.decode_steps else format(read / r.decode_steps / 1e6, '.1f'):>13}"
-              f"{'-' if not r.decode_steps else format(waits / r.decode_steps, '.1f'):>11}"
+              f"{'-' if not r.decode_tokens else format(read / r.decode_tokens / 1e6, '.1f'):>13}"
+              f"{'-' if not r.decode_tokens else format(waits / r.decode_tokens, '.1f'):>11}"
               f"{_ms(ms):>10}{'-' if not ms else format(1e3 / ms, '.2f'):>8}")
     print_read_ahead_table(args, results)
 
@@ -460,7 +460,7 @@ def modelled_ms(args, r) -> float | None:
     return r.modelled_ms(args.hardware) if r.ram_mib is None else r.disk_ms(args.hardware.rates.host_gbps, args.disk)
 
 
-CSV_COLUMNS = ("model", "policy", "slots", "budget_mib", "inserts", "admission", "decode_steps",
+CSV_COLUMNS = ("model", "policy", "slots", "budget_mib", "inserts", "admission", "decode_steps", "decode_tokens",
                "hits", "misses", "uploads", "upload_bytes", "hit_rate", "hits_all", "misses_all",
                "hit_rate_all", "upload_bytes_per_token", "modelled_ms_per_token", "seconds", "prefill",
                "prefill_upload_bytes", "ram_mib", "disk_read_bytes_per_token", "read_ahead", "cpu_share")
@@ -481,7 +481,7 @@ def _write_rows(path, results, args):
                 "model": r.model, "policy": r.policy, "slots": r.slots, "budget_mib": r.budget_mib,
                 "cpu_share": r.cpu_share,
                 "inserts": ("unlimited" if r.inserts is None else r.inserts) if r.model == PER_LAYER else None,
-                "admission": r.admission, "decode_steps": r.decode_steps,
+                "admission": r.admission, "decode_steps": r.decode_steps, "decode_tokens": r.decode_tokens,
                 **{name: r.totals[name] for name in ("hits", "misses", "uploads", "upload_bytes")},
                 "hit_rate": None if r.hit_rate is None else f"{r.hit_rate:.6f}",
                 "hits_all": r.totals_all["hits"], "misses_all": r.totals_all["misses"],
@@ -497,10 +497,10 @@ def _write_rows(path, results, args):
 
 def _disk_read_per_token(r):
     """Bytes a --ram-mib run read from the file per decode token (reading ahead: its reads too)."""
-    if r.ram_mib is None or not r.decode_steps:
+    if r.ram_mib is None or not r.decode_tokens:
         return None
     read = r.disk_reads()[0] if r.read_ahead is None else r.read_ahead.read_bytes
-    return f"{read / r.decode_steps:.0f}"
+    return f"{read / r.decode_tokens:.0f}"
 
 
 def plot(path, trace, results) -> None:
@@ -542,11 +542,17 @@ def convert(args) -> None:
         raise ValueError(f"--convert {args.convert}: is the trace itself")
     trace = read_trace(args.trace)
     try:
-        write_binary_trace(trace, args.convert)
+        size = write_binary_trace(trace, args.convert)
     except OSError as e:
         raise ValueError(f"--convert {args.convert}: {e.strerror}") from None
     print(f"wrote {args.convert}: {len(trace.step)} steps x {trace.layers.size} MoE layers x top-"
-          f"{trace.n_expert_used}, {os.path.getsize(args.convert) / MIB:.1f} MiB")
+          f"{trace.n_expert_used}, {size / MIB:.1f} MiB", file=_status(args.convert))
+
+
+def _status(path):
+    """Where the line saying an output was written goes: stdout, unless the output was written
+    through a device or a FIFO (--convert /dev/stdout | ...): then stderr, out of its stream."""
+    return sys.stdout if os.path.isfile(path) else sys.stderr
 
 
 def replay(args) -> None:
@@ -555,20 +561,23 @@ def replay(args) -> None:
         return convert(args)
     check_args(args)
     trace, profile = load_inputs(args)
-    results = run(args, trace, profile)
+    try:
+        results = run(args, trace, profile)
+    except MemoryError as e:  # past every check of the memory the models take
+        raise ValueError(f"{args.trace}: out of memory replaying it ({e or 'MemoryError'})") from None
     print_tables(args, trace, results)
     print_ram_table(args, trace, results)
     outputs = [(flag, path, write) for flag, path, write in (
         ("--csv", args.csv, lambda p: write_csv(p, results, args)),
         ("--plot", args.plot, lambda p: plot(p, trace, results))) if path]
     if outputs:
-        print()
+        print(flush=True)  # before an output written through to stdout
     for flag, path, write in outputs:
         try:
             write(path)
         except OSError as e:
             raise ValueError(f"{flag} {path}: {e.strerror}") from None
-        print(f"wrote {path}")
+        print(f"wrote {path}", file=_status(path))
 
 
 def main(argv=None) -> int:

@@ -27,6 +27,12 @@ The readahead is the kernel's for a mapping (mm/filemap.c, filemap_fault):
 - ra_pages is the device's read_ahead_kb doubled: llama.cpp calls posix_fadvise(SEQUENTIAL) on
   the file it maps (llama-mmap.cpp), which sets the file's window to twice the device's.
   read_ahead_kb 0 reads the faulting page alone.
+- a window holds at most half the budget: the window the CPU reads and the one read ahead of it
+  are in memory together, and a window the memory cannot hold is cut where it ends (the kernel
+  allocates readahead pages with __GFP_NORETRY and stops at the first it cannot get, and pages
+  under read are locked, unreclaimable). Uncut, a window larger than the budget dropped the pages
+  its own fault was about to read, so that every page faulted and read the window again: hours
+  of replay for a read_ahead_kb above the budget, seconds below it.
 ASSUMED: the kernel's mmap_miss counter never turns read-around off (it does after 100 more
 faults than page-cache hits; a window of many pages that later accesses find keeps it low),
 fault-around (which maps pages already cached) changes no counts here, and pages are 4 KiB
@@ -45,6 +51,7 @@ import numpy as np
 
 PAGE = 4096
 PARTS = 3  # gate, up, down
+PAGE_TABLE_BYTES = 13  # the tables' bytes per page of the file: a stamp, a mark and the two lists' four flags
 
 
 class ExpertLayout:
@@ -130,7 +137,8 @@ class PageCache:
         self.layout = layout
         self.n_pages = -(-layout.file_bytes // PAGE)
         self.capacity = budget_bytes // PAGE
-        self.ra_pages = 2 * read_ahead_kb * 1024 // PAGE  # llama.cpp's POSIX_FADV_SEQUENTIAL doubles it
+        # llama.cpp's POSIX_FADV_SEQUENTIAL doubles it; two windows fit the budget (module docstring)
+        self.ra_pages = min(2 * read_ahead_kb * 1024 // PAGE, self.capacity // 2)
         self._stamp = np.zeros(self.n_pages, dtype=np.int64)  # when a cached page last entered a list; 0: out
         self._marked = np.zeros(self.n_pages, dtype=bool)
         self._clock = 1

@@ -59,13 +59,14 @@ from ..core.engine import CacheEngine
 from ..core.model import hit_rate
 from ..core.policies import POLICIES, Policy, make_policy, resolve_policy
 from ..core.profile import UsageProfile
-from ..core.traces import DECODE, RouteTrace, require_memory
+from ..core.traces import DECODE, RouteTrace
+from ..util import require_memory
 from . import steps
 from .budget import BUDGET_POLICIES, BudgetPolicy, ByteBudgetCache, make_budget_policy
 from ..core.missplan import (OUR_LAYOUT, STOCK_LAYOUT, UPSTREAM_CPU_SHARE_LAYOUT, UPSTREAM_LAYOUT, MissPlanner,
                              Rates, planner_by_default)
 from .cost import Disk, Hardware, WorkTally
-from .pagecache import PAGE_POLICIES, ExpertLayout
+from .pagecache import PAGE, PAGE_POLICIES, PAGE_TABLE_BYTES, ExpertLayout
 from .readahead import ReadAhead
 from .steps import GLOBAL, PAGE_CACHE, PER_LAYER, PREFILL_MODES, UPSTREAM
 from .upstream import TUNER_SHARES, UPSTREAM_POLICIES, UpstreamCache
@@ -92,7 +93,9 @@ class ReplayResult:
     slots: int | None           # per-layer K (upstream: the K whose device bytes it was given)
     budget_mib: float | None    # global, upstream and page-cache budget; per-layer: the budget its K fits
     inserts: int | None         # per-layer; None: unlimited (and for the other models)
-    decode_steps: int
+    decode_tokens: int          # the trace's decode tokens: what a figure per token divides by
+    decode_steps: int           # the decode steps the model took: per-layer and page-cache one per
+                                # recorded ubatch (the live stats' decode_steps), else one per token
     totals: dict
     totals_all: dict
     seconds: float
@@ -119,7 +122,7 @@ class ReplayResult:
 
     @property
     def upload_bytes_per_token(self) -> float | None:
-        return self.totals["upload_bytes"] / self.decode_steps if self.decode_steps else None
+        return self.totals["upload_bytes"] / self.decode_tokens if self.decode_tokens else None
 
     @property
     def prefill_upload_bytes_per_turn(self) -> float | None:
@@ -133,9 +136,9 @@ class ReplayResult:
     def modelled_ms(self, hardware: Hardware) -> float | None:
         """MODELLED milliseconds per decode token of this cache (moecache.offline.cost); None for
         the global model, whose cost is not modelled, or without decode tokens."""
-        if self.work is None or not self.decode_steps:
+        if self.work is None or not self.decode_tokens:
             return None
-        return hardware.token_ms(self.work, self.decode_steps)
+        return hardware.token_ms(self.work, self.decode_tokens)
 
     def disk_reads(self) -> tuple[int, int]:
         """(bytes read from the model file, reads a layer waited for) in the decode tokens, of a
@@ -154,18 +157,18 @@ class ReplayResult:
         computed on the CPU at host_gbps, its reads from `disk` (cost.Disk: the tier computes a
         layer's kept experts while its misses are read, a page fault waits); None without decode
         tokens."""
-        if not self.decode_steps:
+        if not self.decode_tokens:
             return None
         if self.model == PER_LAYER:
-            return disk.tier_token_ms(host_gbps, self.work, self.decode_steps)
-        return disk.token_ms(host_gbps, self.work.compute_bytes(), *self.disk_reads(), self.decode_steps)
+            return disk.tier_token_ms(host_gbps, self.work, self.decode_tokens)
+        return disk.token_ms(host_gbps, self.work.compute_bytes(), *self.disk_reads(), self.decode_tokens)
 
     def stock_ms(self, hardware: Hardware) -> float | None:
         """MODELLED milliseconds per decode token of llama.cpp's stock --cpu-moe on the same
         routing (every selected expert on the CPU)."""
-        if self.work is None or not self.decode_steps:
+        if self.work is None or not self.decode_tokens:
             return None
-        return hardware.token_ms(self.work.as_stock(), self.decode_steps)
+        return hardware.token_ms(self.work.as_stock(), self.decode_tokens)
 
 
 def simulate(trace: RouteTrace, model: str, policy, size=None, *, inserts: int | None = 2,
@@ -257,7 +260,9 @@ def simulate(trace: RouteTrace, model: str, policy, size=None, *, inserts: int |
     decode, final, seconds, times = _drive(step, totals, segments, step_times, before_step)
     if read_ahead is not None:
         read_ahead.finish()
-    return ReplayResult(model, label, slots, budget, inserts, int((trace.phase == DECODE).sum()),
+    tokens = int((trace.phase == DECODE).sum())
+    return ReplayResult(model, label, slots, budget, inserts, tokens,
+                        steps.decode_steps(trace) if model in (PER_LAYER, PAGE_CACHE) else tokens,
                         decode, final, seconds, times, admission, prefill, len(steps.turns(trace)), work,
                         read_ahead=read_ahead, cpu_share=cpu_share if model == UPSTREAM else None)
 
@@ -328,7 +333,7 @@ def _per_layer_cache(trace, policy, slots, inserts, admission, prefill, profile,
         if not isinstance(slots, (int, np.integer)) or not 1 <= slots <= trace.n_expert:
             raise ValueError(f"slots must be an integer in [1, n_expert={trace.n_expert}], got {slots!r}")
         L, E = trace.layers.size, trace.n_expert
-        require_memory(ENGINE_BYTES_PER_ENTRY * L * E, f"the cache engine's {L} layers x {E} experts")
+        require_memory(ENGINE_BYTES_PER_ENTRY * L * E, f"{trace.path}: the cache engine's {L} layers x {E} experts")
         if isinstance(policy, str):
             label = policy if policy != "default" else f"default({resolve_policy(policy)})"
             reads_ahead = _reads_ahead(POLICIES, resolve_policy(policy))
@@ -400,8 +405,10 @@ def _page_cache(trace, policy, budget_mib, read_ahead_kb):
         raise ValueError(f"unknown policy {policy!r} for the page-cache model; valid: {', '.join(MODELS[PAGE_CACHE])}")
     if isinstance(read_ahead_kb, bool) or not isinstance(read_ahead_kb, (int, np.integer)) or read_ahead_kb < 0:
         raise ValueError(f"the page-cache model needs read_ahead_kb, an integer >= 0, got {read_ahead_kb!r}")
-    return PAGE_POLICIES[policy](ExpertLayout(trace.expert_bytes, trace.n_expert),
-                                 _budget_bytes(PAGE_CACHE, budget_mib), int(read_ahead_kb)), policy
+    layout = ExpertLayout(trace.expert_bytes, trace.n_expert)
+    pages = -(-layout.file_bytes // PAGE)
+    require_memory(PAGE_TABLE_BYTES * pages, f"{trace.path}: the page cache model's {pages} pages")
+    return PAGE_POLICIES[policy](layout, _budget_bytes(PAGE_CACHE, budget_mib), int(read_ahead_kb)), policy
 
 
 def ram_tier_slots(trace: RouteTrace, ram_mib: float) -> int:

@@ -131,6 +131,13 @@ def _observations(trace, prefill):
             yield True, _by_batch(ids, batch[window])
 
 
+def decode_steps(trace: RouteTrace) -> int:
+    """The decode observations _observations makes: one per recorded batch of decode tokens (a
+    multi-token ubatch is one step of the live cache, as its stats count them), one per token
+    without a recorded batch."""
+    return sum(int(decode.size > 0) + _decode_starts(trace.batch[decode]).size for _, decode in _phases(trace))
+
+
 def _together(ids):
     """Steps (n, L, k) as one observation (L, n * k), token by token."""
     return np.ascontiguousarray(ids.transpose(1, 0, 2)).reshape(ids.shape[1], -1)
