@@ -25,8 +25,9 @@ our K slots per layer (moecache.core.banks.equal_bytes).
    decode token of stock --cpu-moe, upstream b12191 at the best F its tuner picks from on that
    class (scripts/moe-cache-tune.py's shares), and ours with zero configuration (what
    LLAMA_MOE_CACHE_SLOTS=K alone runs: moecache.offline.replay.zero_configuration, the miss
-   planner where moecache.core.missplan.planner_by_default turns it on, at the class's rates);
-   it ends with the line
+   planner where moecache.core.missplan.planner_by_default turns it on, at the class's rates),
+   the slowest cell's time term by term (moecache.offline.cost.Hardware.breakdown); it ends with
+   the line
 
     geomean ours/min(stock,upstream) = 0.xx over N cells, M cells above 1.0
 """
@@ -289,7 +290,7 @@ def timeline_grid(traces, sizes=SIZES, shares=None):
           "same without the planner\n")
     print("| trace | K | hardware | stock | upstream | F | ours | hit%, lane/tok, MiB up/tok | without | ours / min |")
     print("|---|---:|---|---:|---:|---:|---:|---|---:|---:|")
-    ratios = []
+    ratios, slowest = [], None
     for trace in traces:
         name = Path(trace.path).name.split(".")[0]
         for k in sizes:
@@ -298,11 +299,25 @@ def timeline_grid(traces, sizes=SIZES, shares=None):
                 up, ours = fastest(shares[name, k], hw), zero_configuration(trace, k, hw.rates)
                 stock, upstream_ms, ours_ms = up.stock_ms(hw), up.modelled_ms(hw), ours.modelled_ms(hw)
                 ratios.append(ours_ms / min(stock, upstream_ms))
+                if slowest is None or ratios[-1] > slowest[0]:
+                    slowest = (ratios[-1], f"{name} K={k} on {hw.name}", hw, ours, up)
                 lane = ours.totals["lane_misses"] / ours.decode_steps
                 print(f"| {name} | {k} | {hw.name} | {stock:.2f} | {upstream_ms:.2f} | {up.cpu_share:g} | "
                       f"{ours_ms:.2f} | {100 * ours.hit_rate:.1f}, {lane:.1f}, {ours.upload_bytes_per_token / MIB:.0f} | "
                       f"{plain.modelled_ms(hw):.2f} | {ratios[-1]:.2f} |", flush=True)
+    breakdown(*slowest[1:])
     print("\n" + geomean_line(ratios))
+
+
+def breakdown(cell, hw, ours, up):
+    """A cell's modelled time per decode token, term by term (moecache.offline.cost.Hardware.breakdown)."""
+    terms = [hw.breakdown(r.work, r.decode_steps) for r in (ours, up)]
+    print(f"\nThe slowest cell, {cell}, per decode token (ms; experts per token; MODELLED): ours, and upstream at "
+          f"F = {up.cpu_share:g} (its copies are its lane)\n")
+    print("| term | ours | upstream |")
+    print("|---|---:|---:|")
+    for name in terms[0]:
+        print(f"| {name} | {terms[0][name]:.2f} | {terms[1][name]:.2f} |")
 
 
 def geomean_line(ratios):
