@@ -18,14 +18,16 @@ our K slots per layer (moecache.core.banks.equal_bytes).
 3. Hit rates at equal bytes (issue 37): the default, ClassLRU, the b11480 LRU and Belady (in our
    cache's rules, and over one pool), per trace and K and on the synthetic routings; then each
    candidate default's margin over ClassLRU in the same cells
-   (moecache.offline.experiments.CLASSLRU_CANDIDATES), and each candidate in the grid below in
-   place of the default.
+   (moecache.offline.experiments.CLASSLRU_CANDIDATES), the same over one pool of slots per group
+   of layers (moecache.offline.pooled), and each candidate in the grid below in place of the
+   default.
 4. The grid: per trace, K and hardware class (moecache.offline.cost.HARDWARE), modelled ms per
    decode token of stock --cpu-moe, upstream b12191 at the best F its tuner picks from on that
    class (scripts/moe-cache-tune.py's shares), and ours with zero configuration (what
    LLAMA_MOE_CACHE_SLOTS=K alone runs: moecache.offline.replay.zero_configuration, the miss
-   planner where moecache.core.missplan.planner_by_default turns it on, at the class's rates);
-   it ends with the line
+   planner where moecache.core.missplan.planner_by_default turns it on, at the class's rates),
+   the slowest cell's time term by term (moecache.offline.cost.Hardware.breakdown); it ends with
+   the line
 
     geomean ours/min(stock,upstream) = 0.xx over N cells, M cells above 1.0
 """
@@ -44,6 +46,7 @@ from moecache.core.traces import DECODE, SHIPPED_TRACES, RouteTrace, read_trace
 from moecache.offline.cost import HARDWARE
 from moecache.offline.experiments import (CLASSLRU_CANDIDATES, HeatMargin, HeatOracleAdmission, HeatSeenBefore,
                                           synthetic_routings, synthetic_traces)
+from moecache.offline.pooled import POOLED_RUNS, pooled_replay
 from moecache.offline.replay import (GLOBAL, MIB, PER_LAYER, UPSTREAM, fastest, simulate, tuned_upstream,
                                      zero_configuration)
 from moecache.offline.steps import future
@@ -244,6 +247,25 @@ def candidate_margins(cells, classlru):
               + f" | {min(margins):+.2f} | {np.mean(margins):+.2f} |", flush=True)
 
 
+def pooled_margins(cells, classlru):
+    """Policies over one pool of slots per group under our rules (moecache.offline.pooled), decode
+    hit% points over ClassLRU, cell by cell, under each victim rule."""
+    print("\nOne pool per group under our rules (issue 37; moecache.offline.pooled.POOLED_RUNS): decode hit% "
+          "points over upstream b12191's ClassLRU at equal bytes, eager, prompt warm, INSERTS per layer; victims: "
+          "oracle = any resident the graph does not select, run = of the layers already run, ahead W = not "
+          "selected by the layers run nor used by its layer in the last W graphs (a later use in the graph a "
+          "miss). MODELLED\n")
+    print("| policy | victims | " + " | ".join(f"{label.split(',')[0]} {k}" for label, _, k in cells)
+          + " | min | mean | behind |")
+    print("|---|---|" + "---:|" * (len(cells) + 3))
+    for label, factory, inserts, rule, window in POOLED_RUNS:
+        margins = np.array([100 * (pooled_replay(trace, factory(), k, inserts=inserts, rule=rule, window=window)
+                                   .hit_rate - classlru[name, k]) for name, trace, k in cells])
+        victims = f"ahead {window}" if rule == "ahead" else rule
+        print(f"| {label} | {victims} | " + " | ".join(f"{m:+.1f}" for m in margins)
+              + f" | {margins.min():+.2f} | {margins.mean():+.2f} | {(margins < 0).sum()} |", flush=True)
+
+
 def tuned_shares(traces, sizes=SIZES):
     """Upstream b12191 at the same device bytes at each share its tuner picks from, by (trace
     name, K)."""
@@ -268,7 +290,7 @@ def timeline_grid(traces, sizes=SIZES, shares=None):
           "same without the planner\n")
     print("| trace | K | hardware | stock | upstream | F | ours | hit%, lane/tok, MiB up/tok | without | ours / min |")
     print("|---|---:|---|---:|---:|---:|---:|---|---:|---:|")
-    ratios = []
+    ratios, slowest = [], None
     for trace in traces:
         name = Path(trace.path).name.split(".")[0]
         for k in sizes:
@@ -277,11 +299,25 @@ def timeline_grid(traces, sizes=SIZES, shares=None):
                 up, ours = fastest(shares[name, k], hw), zero_configuration(trace, k, hw.rates)
                 stock, upstream_ms, ours_ms = up.stock_ms(hw), up.modelled_ms(hw), ours.modelled_ms(hw)
                 ratios.append(ours_ms / min(stock, upstream_ms))
+                if slowest is None or ratios[-1] > slowest[0]:
+                    slowest = (ratios[-1], f"{name} K={k} on {hw.name}", hw, ours, up)
                 lane = ours.totals["lane_misses"] / ours.decode_tokens
                 print(f"| {name} | {k} | {hw.name} | {stock:.2f} | {upstream_ms:.2f} | {up.cpu_share:g} | "
                       f"{ours_ms:.2f} | {100 * ours.hit_rate:.1f}, {lane:.1f}, {ours.upload_bytes_per_token / MIB:.0f} | "
                       f"{plain.modelled_ms(hw):.2f} | {ratios[-1]:.2f} |", flush=True)
+    breakdown(*slowest[1:])
     print("\n" + geomean_line(ratios))
+
+
+def breakdown(cell, hw, ours, up):
+    """A cell's modelled time per decode token, term by term (moecache.offline.cost.Hardware.breakdown)."""
+    terms = [hw.breakdown(r.work, r.decode_steps) for r in (ours, up)]
+    print(f"\nThe slowest cell, {cell}, per decode token (ms; experts per token; MODELLED): ours, and upstream at "
+          f"F = {up.cpu_share:g} (its copies are its lane)\n")
+    print("| term | ours | upstream |")
+    print("|---|---:|---:|")
+    for name in terms[0]:
+        print(f"| {name} | {terms[0][name]:.2f} | {terms[1][name]:.2f} |")
 
 
 def geomean_line(ratios):
@@ -323,7 +359,9 @@ def main():
     candidate_table(traces)
     frontier(traces)
     cells = equal_bytes_cells(traces)
-    candidate_margins(cells, hit_rate_table(cells))
+    classlru = hit_rate_table(cells)
+    candidate_margins(cells, classlru)
+    pooled_margins(cells, classlru)
     shares = tuned_shares(traces)
     candidate_grid(traces, shares)
     timeline_grid(traces, shares=shares)

@@ -78,6 +78,28 @@ def test_a_token_is_its_layers_unless_the_background_uploads_outgrow_the_link_or
         layer(STOCK_LAYOUT, cpu=2) + RATES.layer_ms(STOCK_LAYOUT, 2 * MB, DENSE, 0, 0, 2))
 
 
+def test_a_tokens_breakdown_is_its_terms_per_token():
+    tally = WorkTally(OUR_LAYOUT, [MB, 2 * MB], [DENSE, DENSE])
+    tally.add_layers([1, 0], [1, 0], [1, 2])   # token 1: layer 0 a hit, a lane copy, a CPU miss
+    tally.add_layers([0, 1], [0, 0], [2, 1])   # token 2
+    tally.add_async([3, 0])
+    hw = Hardware("test", "", RATES, "")
+    terms = hw.breakdown(tally, 2)
+    assert hw.token_ms(tally, 2) == max(terms["layers"], terms["link"], terms["dram"])
+    assert (terms["hits"], terms["lane"], terms["cpu"]) == (1.0, 0.5, 3.0)
+    assert terms["router"] == pytest.approx(4 * 0.01 / 2)
+    assert terms["joins"] == pytest.approx(4 * 0.005 / 2)  # our graph always has the CPU node
+    # CPU reads: 1 + 2 MB of layer 0, 4 + 2 MB of layer 1: 9 MB at 50 GB/s; the lane's 1 MB at 25
+    assert terms["cpu reads"] == pytest.approx(9 * MB / 50e6 / 2)
+    assert terms["lane copies"] == pytest.approx(MB / 25e6 / 2)
+    assert terms["link"] == pytest.approx(4 * MB / 25e6 / 2) and terms["dram"] == pytest.approx(13 * MB / 80e6 / 2)
+    assert terms["device"] == pytest.approx((2 * MB + 2 * MB) / 500e6 / 2)
+    # the window: each pass's ids trip and the host's reads and copies beside each other
+    window = sum(0.01 + float(RATES.host_ms(cpu, lane)) for cpu, lane in
+                 ((MB, MB), (4 * MB, 0), (2 * MB, 0), (2 * MB, 0)))
+    assert terms["window"] == pytest.approx(window / 2)
+
+
 def test_hardware_classes_follow_their_peaks_and_stated_efficiencies():
     assert set(HARDWARE) >= {"pcie3-x4-egpu", "pcie4-x16", "pcie5-x16"} and DEFAULT_HARDWARE == "pcie4-x16"
     assert ddr_peak_gbps(3200) == pytest.approx(51.2) and ddr_peak_gbps(5600) == pytest.approx(89.6)

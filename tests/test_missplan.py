@@ -70,8 +70,10 @@ IDS = np.array([[0, 1, 5]])
 def planned(rates, worth, lane=True):
     """The planner's handover and the slot writes the graph makes under it."""
     planner = MissPlanner(rates, [MB], n_used=3, lane=lane)
-    lane_table, margin = planner.lane_table(8, 3) if lane else None, planner.margin(1.0, busy=1.0)
-    h = replace(handover(worth), lane=lane_table, margin=margin)
+    margin, lowered = planner.terms(1.0, busy=1.0)
+    h = handover(worth)
+    h = replace(h, victim_worth=h.victim_worth - lowered, lane=planner.lane_table(8, 3) if lane else None,
+                margin=margin)
     return h, admissions_with_lane(h, IDS, SLOTS)
 
 
@@ -87,7 +89,15 @@ def test_the_planner_hands_over_the_policys_worths_with_its_lane_table_and_margi
         plain.step(None)
         assert np.array_equal(h.worth, plain.handover.worth) and plain.handover.margin == 0
         assert h.lane is (planner.lane_table(8, 2) if lane else None)
-        assert h.margin == pytest.approx(planner.margin(engine.policy.use_worth(1), busy=1.0)) and h.margin > 0
+        margin = planner.margin(engine.policy.use_worth(1), busy=1.0)
+        assert margin > 0
+        if lane:  # the lane's credit: the margin, and the victims' worths lowered by credit - margin
+            credit = planner.lane_credit * engine.policy.use_worth(1)
+            assert h.margin == pytest.approx(credit) and credit > margin
+            assert np.array_equal(h.victim_worth, plain.handover.victim_worth - (credit - margin))
+        else:
+            assert h.margin == pytest.approx(margin)
+            assert np.array_equal(h.victim_worth, plain.handover.victim_worth)
 
 
 def planned_core(planner, n_expert=8):
@@ -99,6 +109,22 @@ def planned_core(planner, n_expert=8):
 def copies(n, layer=0):
     """n copies in one layer, as a job table."""
     return np.tile(np.array([[layer, 7, 0]], dtype=np.int32), (n, 1))
+
+
+def test_a_lane_copy_is_credited_the_most_it_shortens_a_layer_in_misses():
+    # one copy of 3 misses of 1 MB through a 25 GB/s lane: the layer from 0.06 ms (the CPU's three
+    # reads) to max(0.04, 0.04), 0.02 ms, one CPU read; misses at min(50 + 25, 1000) GB/s: 1.5 uses
+    r = Rates(host_gbps=50, link_gbps=25, dram_gbps=1000, device_gbps=1000, ids_trip_us=10, join_us=5)
+    assert MissPlanner(r, [MB], n_used=3).lane_credit == pytest.approx(75 / 50)
+    # no copy at any count of misses (or no lane): no credit, the handover's margin as it was
+    assert MissPlanner(SLOW, [MB], n_used=3).lane_credit == 0
+    assert MissPlanner(FAST, [MB], n_used=3, lane=False).lane_credit == 0
+    assert MissPlanner(SLOW, [MB], n_used=3).terms(2.0, busy=1.0) == (2 * 51, 0.0)
+    # with the credit: an upload still owes the margin, a lane copy the margin less the credit
+    planner = MissPlanner(r, [MB], n_used=3)
+    margin, lowered = planner.terms(2.0, busy=1.0)
+    assert margin == pytest.approx(2 * 1.5) and lowered == pytest.approx(2 * 1.5 - 2 * 75 / 25)
+    assert margin - lowered == pytest.approx(planner.margin(2.0, busy=1.0))
 
 
 def test_the_margin_is_paid_as_far_as_the_link_is_busy():
@@ -205,8 +231,12 @@ def test_a_fast_link_sends_misses_through_the_lane_when_they_beat_the_victim_and
     _, a = planned(FAST, {0: 3.0, 1: 100.0})
     assert a.lane.tolist() == [1]           # lane[0, 2] = 2, the most valuable first
     assert a.jobs.tolist() == [[0, 1, 1]]   # expert 0: no victim left, computed on the CPU
-    _, a = planned(FAST, {0: 1.5, 1: 0.5})  # neither beats the victim (2): both on the CPU
-    assert a.lane.tolist() == [0] and len(a.jobs) == 0
+    # both colder than the victim (2), by less than a lane copy's credit less the margin (1 use): the
+    # hotter one through the lane; as uploads they would owe the margin, and none pays
+    assert MissPlanner(FAST, [MB], n_used=3).lane_credit > 1.0 + 2 - 0.5
+    h, a = planned(FAST, {0: 1.5, 1: 0.5})
+    assert a.lane.tolist() == [1] and a.jobs.tolist() == [[0, 0, 1]]
+    assert len(admissions(replace(h, lane=None), IDS, SLOTS)) == 0
 
 
 def plain_rule(h, ids, slot_expert):

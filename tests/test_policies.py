@@ -142,3 +142,30 @@ def test_a_policy_declares_exactly_the_capabilities_it_implements(cls):
         implemented = hasattr(cls, method)
         assert getattr(cls, capability) == (not implemented if capability == "ranks_residents" else implemented), \
             (capability, method)
+
+
+def test_issue_37s_candidates_score_as_they_say():
+    """moecache.offline.experiments' candidates against ClassLRU (not shipped): heat-max keeps the
+    larger memory, heat-sum counting a prompt's uses per token agrees with heat-sum on decode tokens
+    and caps a prompt's, and class x heat keeps ClassLRU's classes at its defaults."""
+    from moecache.offline.experiments import ClassHeat, HeatMax, HeatSum, HeatSumPromptCounts
+
+    rng = np.random.default_rng(4)
+    tokens = [rng.choice(16, size=(3, 2), replace=False) for _ in range(6)]
+    summed, counted, larger = HeatSum(), HeatSumPromptCounts(cap=2), HeatMax()
+    for policy in (summed, counted, larger):
+        policy.bind(3, 16, 4)
+    for t, ids in enumerate(tokens):  # decode tokens: each expert at most once a layer
+        used = np.zeros((3, 16), dtype=bool)
+        np.put_along_axis(used, ids, True, axis=1)
+        for policy in (summed, counted, larger):
+            policy.observe(t, ids, None, used)
+    assert np.allclose(counted.S, summed.S)
+    assert np.allclose(larger.S, np.maximum(summed.weights[0] * summed.rates[0], summed.weights[1] * summed.rates[1]))
+    prompt = np.array([[5, 5, 5, 1]])  # one layer: a prompt whose tokens chose expert 5 three times
+    fresh = HeatSumPromptCounts(cap=2)
+    fresh.bind(1, 16, 4)
+    fresh.observe(0, prompt, None, np.isin(np.arange(16), prompt)[None])
+    assert fresh.S[0, 5] == pytest.approx(2 * fresh.S[0, 1]) and fresh.S[0, 0] == 0
+    classes = ClassHeat()
+    assert classes.n_classes == 8 and classes.base == 2.0 and classes.decay[1] == pytest.approx(2 ** (-1 / 128))

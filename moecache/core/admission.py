@@ -8,7 +8,8 @@ graph about to run, and during that graph C only follows it, per cached layer:
     victims[l]       slots in eviction order: free slots first (lowest first), then the
                      evictable residents by ascending policy priority; -1 pads the row.
                      Never listed: a slot whose upload is in flight, a pinned expert.
-    victim_worth[l]  the worth a victim keeps (its priority; -inf for a free slot)
+    victim_worth[l]  the worth a victim keeps (its priority; -inf for a free slot), lowered by a
+                     miss planner's lane credit less its margin (moecache.core.missplan)
     worth[l, e]      the worth of expert e if this graph selects it and misses it (the
                      policy's admission value counting that use; +inf for policies that admit
                      everything; -inf: never upload, e.g. already resident or on its way)
@@ -181,8 +182,11 @@ class EagerAdmission:
             worth = np.full(self._all_keys.shape, np.inf)
         victims, victim_worth = self._core.handover(priority, worth)
         # the miss planner's lane table and margin (worth_if_used counts the use at t + 1), as far as
-        # the link is busy
-        margin = 0.0 if self._miss_planner is None else \
-            self._miss_planner.margin(policy.use_worth(t + 1), self._core.busy)
+        # the link is busy, and the lane copies' credit, as the victims' worths lowered
+        margin = 0.0
+        if self._miss_planner is not None:
+            margin, lowered = self._miss_planner.terms(policy.use_worth(t + 1), self._core.busy)
+            if lowered:
+                victim_worth -= lowered
         self.handover = Handover(victims, victim_worth, worth, self._budget, self._lane, margin)
         return self.handover

@@ -42,6 +42,16 @@ runs it, native/engine_core.c's mc_admit models it): per layer of a graph, once 
   (Bookkeeping.model_graphs; the same in a live run and its replay). An upload into an idle
   link costs nothing; near saturation it costs its full link time. The handover's budget
   (INSERTS) caps the layer's slot writes, lane copies and uploads alike.
+- a lane copy holds the link as an upload does, so it owes the same margin, and it pays part of
+  it back in its own graph: it serves the miss there, on the device, instead of the CPU. Its
+  credit is the most one copy shortens a layer of one decode token (lane_table's splits: per
+  copy, layer_ms without the copies less with them), in the same unit, misses at miss_gbps
+  (`lane_credit`; where the CPU bounds the layer, one CPU read of the expert: miss_gbps /
+  host_gbps uses). A lane copy must beat its victim by margin - credit (less than nothing: a
+  credit), an upload by the margin. libllama's rule has a lane copy beat its victim's worth as
+  handed over and an upload beat it by the handover's margin, so the handover carries the
+  victims' worths lowered by credit - margin and the margin credit (`terms`); where the lane
+  table makes no copy, the worths as they are and the margin.
 
 Without the lane (`lane=False`) the handover carries the margin alone: every miss on the CPU,
 the payback rule for the uploads.
@@ -157,6 +167,7 @@ class MissPlanner:
             raise ValueError(f"the lane's planner needs n_used, the experts a token selects (>= 1), got {n_used!r}")
         self._tables: dict = {}  # (n_expert, n_used) -> lane table
         self._payback_uses = rates.payback_uses  # the rates are fixed: once, not at every step
+        self.lane_credit = self._lane_credit() if lane else 0.0
         # layer_ms of one decode token's counts (each below n_used + 1), by layer size: [group, hits, lane, cpu];
         # the engine's C observation sums it per graph (Bookkeeping.model_graphs): in numpy that cost a
         # tenth of a live step
@@ -179,6 +190,30 @@ class MissPlanner:
         """What an asynchronous upload's worth must beat its victim's by: PAYBACK uses, as far
         as the link is busy (busy ** BUSY_POWER: an upload into an idle link costs nothing)."""
         return self._payback_uses * use_worth * busy ** BUSY_POWER
+
+    def _lane_credit(self) -> float:
+        """The most one lane copy shortens a layer of one decode token (m of its n_used selections
+        missed, the lane's split of them), in misses at miss_gbps; 0 where the lane copies nothing."""
+        credit = 0.0
+        for size, dense in set(zip(self.expert_bytes.tolist(), self.dense_bytes.tolist())):
+            for m in range(1, self.n_used + 1):
+                hits = self.n_used - m
+                n = self.rates.lane_split(size, dense, hits=hits, cpu_fixed=0, movable=m)
+                if n:
+                    saved = self.rates.layer_ms(OUR_LAYOUT, size, dense, hits, 0, m) - \
+                        self.rates.layer_ms(OUR_LAYOUT, size, dense, hits, n, m - n)
+                    credit = max(credit, float(saved) / n / self.rates._ms(size, self.rates.miss_gbps))
+        return credit
+
+    def terms(self, use_worth: float, busy: float) -> tuple[float, float]:
+        """(margin, lowered): what the handover's margin is and what the victims' worths are
+        lowered by, so that under libllama's rule an upload beats its victim by margin(use_worth,
+        busy) and a lane copy by that less lane_credit uses (the module docstring)."""
+        margin = self.margin(use_worth, busy)
+        if not self.lane_credit:
+            return margin, 0.0
+        credit = self.lane_credit * use_worth
+        return credit, credit - margin
 
     def lane_table(self, n_expert: int, n_used: int) -> np.ndarray:
         """(L, E + 1) int32: lane[l, m], how many of m candidates of layer l take the lane, the

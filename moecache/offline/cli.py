@@ -54,6 +54,7 @@ import sys
 
 from ..core.admission import ADMISSIONS, live_admission
 from ..core.binary_trace import write_binary_trace
+from ..core.missplan import MissPlanner
 from ..core.banks import equal_bytes
 from ..core.policies import DEFAULT_POLICY, POLICIES, resolve_policy
 from ..core.profile import UsageProfile
@@ -347,6 +348,14 @@ def _ms(value):
     return "-" if value is None else f"{value:.2f}"
 
 
+def _planner_terms(hardware, trace) -> str:
+    """The planner's terms at a class's rates: what an upload pays back, what a lane copy is
+    credited (moecache.core.missplan)."""
+    planner = MissPlanner(hardware.rates, trace.expert_bytes, trace.dense_bytes, n_used=trace.n_expert_used)
+    return (f", miss planner at {hardware.name}'s rates (an upload pays back {hardware.rates.payback_uses:.2f} uses "
+            f"as far as the link is busy; a lane copy is credited {planner.lane_credit:.2f})")
+
+
 def print_tables(args, trace, results) -> None:
     n_prefill = int((trace.phase == PREFILL).sum())
     n_decode = int((trace.phase == DECODE).sum())
@@ -369,7 +378,7 @@ def print_tables(args, trace, results) -> None:
             print(f"\nper-layer cache: K slots per layer, inserts={'unlimited' if args.inserts is None else args.inserts}, "
                   f"prefill {args.prefill}"
                   f"{', warm start from ' + args.preload_profile if args.preload_profile else ''}"
-                  f"{', miss planner at ' + hardware.name + chr(39) + 's rates' if args.planner else ''}")
+                  f"{_planner_terms(hardware, trace) if args.planner else ''}")
             # MiB: the device bytes of the K slots (equal_bytes); budget: the --budget-mib they fit
             head = f"{'policy':<16}{'admission':>10}{'K':>6}{'MiB':>8}" + (f"{'budget':>8}" if args.budget_mib else "")
         elif model == GLOBAL:

@@ -99,17 +99,35 @@ class Hardware:
 
     def token_ms(self, work: "WorkTally", tokens: int) -> float:
         """Modelled milliseconds per decode token of the tallied work (module docstring)."""
+        terms = self.breakdown(work, tokens)
+        return max(terms["layers"], terms["link"], terms["dram"])
+
+    def breakdown(self, work: "WorkTally", tokens: int) -> dict[str, float]:
+        """The terms of token_ms per decode token: "layers" (the sum of the layers' times), of
+        which "router", "window" (the ids' trips and the host's reads and copies beside each
+        other), "cpu reads" and "lane copies" (each alone), "joins" and "device" (the experts
+        computed there); "link" and "dram", the run's bytes over them; and the experts per token
+        on the device from slots ("hits"), through the lane ("lane") and on the CPU ("cpu")."""
         r = self.rates
-        layers = 0.0
+        terms = dict.fromkeys(("layers", "router", "window", "cpu reads", "lane copies", "joins", "device",
+                               "hits", "lane", "cpu"), 0.0)
         lane_bytes = cpu_bytes = 0.0
         for (layer, hits, lane, cpu), passes in work.passes.items():
-            size = work.expert_bytes[layer]
-            layers += passes * r.layer_ms(work.layout, size, work.dense_bytes[layer], hits, lane, cpu)
+            size, dense = work.expert_bytes[layer], work.dense_bytes[layer]
+            terms["layers"] += passes * r.layer_ms(work.layout, size, dense, hits, lane, cpu)
+            terms["router"] += passes * r._ms(dense, r.device_gbps)
+            terms["window"] += passes * (r.ids_trip_us / 1e3 + r.host_ms(cpu * size, lane * size))
+            terms["cpu reads"] += passes * r._ms(cpu * size, r.host_gbps)
+            terms["lane copies"] += passes * r._ms(lane * size, r.link_gbps)
+            terms["joins"] += passes * r.join_us / 1e3 * (work.layout.host_node or cpu > 0)
+            terms["device"] += passes * r._ms((hits + lane) * size, r.device_gbps)
+            for name, count in (("hits", hits), ("lane", lane), ("cpu", cpu)):
+                terms[name] += passes * count
             lane_bytes += passes * lane * size
             cpu_bytes += passes * cpu * size
-        link = (lane_bytes + work.async_bytes) / (r.link_gbps * 1e6)
-        host = (cpu_bytes + lane_bytes + work.async_bytes) / (r.dram_gbps * 1e6)
-        return max(layers, link, host) / tokens
+        terms["link"] = (lane_bytes + work.async_bytes) / (r.link_gbps * 1e6)
+        terms["dram"] = (cpu_bytes + lane_bytes + work.async_bytes) / (r.dram_gbps * 1e6)
+        return {name: float(value) / tokens for name, value in terms.items()}
 
 
 @dataclass(frozen=True)

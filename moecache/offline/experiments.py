@@ -24,8 +24,11 @@ that read the future: PopularityOracle, HeatOracleAdmission.
 
 Issue 37's candidate defaults against upstream's ClassLRU (CLASSLRU_CANDIDATES, compare_upstream.py's
 "Candidate defaults against ClassLRU"): ClassLruRule (ClassLRU's own rule in each layer),
-ClassHeat (ClassLRU's classes of a long memory times heat), HeatSum (decayed counts at two
-half-lives, added), with heat's admission test or without it, at INSERTS 2 or unlimited.
+ClassHeat (ClassLRU's classes of a long memory times heat), HeatSum (decayed counts at two or
+three half-lives, added), HeatMax (their maximum), HeatSumPromptCounts (a prompt's uses counted
+per token), with heat's admission test, credited some uses, or without it, at INSERTS 2 or
+unlimited; scripts/classlru_search.py sweeps their parameters (CLASSLRU_SEARCH). The same
+policies over one pool of slots per group: moecache.offline.pooled.
 """
 
 from __future__ import annotations
@@ -353,18 +356,52 @@ class HeatSum(DecayedCounts):
         return float(self.weights @ (1.0 - self.decay))
 
 
+class HeatMax(DecayedCounts):
+    """Candidate: the larger of weight x rate at each half-life: an expert is kept by whichever
+    memory, short or long, values it more."""
+    name = "heat-max"
+
+    def __init__(self, half_lives=(10, 64), weights=(1.0, 2.0)):
+        super().__init__(half_lives)
+        self.weights = np.array(weights, dtype=float)
+
+    def score(self, rates):
+        return np.max(self.weights[:, None, None] * rates, axis=0)
+
+
+class HeatSumPromptCounts(HeatSum):
+    """Candidate: heat-sum counting an observation's uses per token, at most `cap` an expert (a
+    decode token's are the same; a prompt's weigh by how many of its tokens selected each)."""
+    name = "heat-sum-prompt-counts"
+
+    def __init__(self, half_lives=(10, 64), weights=(1.0, 2.0), cap: float = 2.0):
+        super().__init__(half_lives, weights)
+        self.cap = cap
+
+    def observe(self, step, ids, hit_mask, used):
+        counts = np.zeros(used.size)
+        np.add.at(counts, (np.arange(used.shape[0])[:, None] * used.shape[1] + ids)[ids >= 0], 1.0)
+        self.rates *= self.decay[:, None, None]
+        self.rates += (1.0 - self.decay)[:, None, None] * np.minimum(counts, self.cap).reshape(used.shape)
+        self.S = self.score(self.rates)
+
+
 class ClassHeat(DecayedCounts):
-    """Candidate: ClassLRU's classes of a long memory (half-life CRF_HALF_LIFE) times heat's
-    short one (half-life 16): a frequent expert's class protects it, recency (heat) orders it
-    within its class."""
+    """Candidate: ClassLRU's classes of a long memory (half-life `long`, CRF_HALF_LIFE as
+    upstream) times heat's short one (half-life `short`): class min(floor(log_base CRF),
+    n_classes - 1) and score heat x base^class, so a frequent expert's class protects it and
+    recency (heat) orders it within its class."""
     name = "class-heat"
 
-    def __init__(self):
-        super().__init__((16.0, CRF_HALF_LIFE))
+    def __init__(self, short: float = 16.0, long: float = CRF_HALF_LIFE, n_classes: int = N_CLASSES,
+                 base: float = 2.0):
+        super().__init__((short, long))
+        self.n_classes, self.base = n_classes, base
 
     def score(self, rates):
         count = rates[1] / (1.0 - self.decay[1])  # the CRF, in uses
-        return rates[0] * 2.0 ** np.minimum(np.floor(np.log2(np.maximum(count, 1.0))), N_CLASSES - 1)
+        level = np.floor(np.log2(np.maximum(count, 1.0)) / np.log2(self.base))
+        return rates[0] * self.base ** np.minimum(level, self.n_classes - 1)
 
 
 class HeatSumAdmission(HeatSum):
@@ -416,4 +453,47 @@ CLASSLRU_CANDIDATES = [  # issue 37: (label, policy factory, inserts), eager, pr
     ("heat-sum 16+64 (1:0.5), unlimited inserts", lambda: HeatSum((16, 64), (1.0, 0.5)), None),
     ("heat-sum 8+64 (1:2), unlimited inserts", lambda: HeatSum((8, 64), (1.0, 2.0)), None),
     ("heat-sum 10+64 (1:2), unlimited inserts", HeatSum, None),
+    ("heat-sum 10+64 (1:2), admission test with 4 uses' credit, unlimited",
+     lambda: HeatSumAdmission(credit=4.0), None),
+    ("heat-sum 10+40+160 (1:0.5:2), unlimited inserts", lambda: HeatSum((10, 40, 160), (1.0, 0.5, 2.0)), None),
+    ("heat-max 10+64 (1:2), unlimited inserts", HeatMax, None),
+    ("class x heat, long memory 64, unlimited inserts", lambda: ClassHeat(long=64.0), None),
+    ("lfu half-life 24, unlimited inserts", lambda: make_policy("lfu", half_life=24), None),
+    ("heat-sum 10+64 (1:2), a prompt's uses per token (at most 2), unlimited", HeatSumPromptCounts, None),
 ]
+
+
+def _search():
+    """CLASSLRU_SEARCH: (family, [(label, policy factory, inserts), ...]) of each family's settings."""
+    inserts = {2: "INSERTS 2", 4: "INSERTS 4", None: "unlimited"}
+    pairs = [(h1, h2) for h1 in (4, 8, 10, 16) for h2 in (32, 64, 128, 256)]
+    triples = [(4, 16, 128), (8, 32, 128), (8, 16, 64), (4, 32, 256), (6, 24, 96), (10, 40, 160), (8, 64, 256),
+               (12, 48, 256)]
+    triple_weights = [(1, 1, 1), (1, 1, 2), (1, 2, 2), (1, 2, 4), (1, 0.5, 2), (1, 1, 4), (2, 1, 1), (1, 4, 2)]
+    return [
+        ("heat-sum, two half-lives", [
+            (f"{h1}+{h2} (1:{w:g}), {inserts[n]}", lambda h=(h1, h2), w=w: HeatSum(h, (1.0, w)), n)
+            for h1, h2 in pairs for w in (0.5, 1, 2, 4) for n in (2, 4, None)]),
+        ("heat-sum, three half-lives, unlimited", [
+            (f"{'+'.join(map(str, h))} ({':'.join(f'{x:g}' for x in w)})", lambda h=h, w=w: HeatSum(h, w), None)
+            for h in triples for w in triple_weights]),
+        ("heat-sum with heat's admission test credited c uses", [
+            (f"{h1}+64 (1:2), c {c:g}, {inserts[n]}",
+             lambda h=(h1, 64), c=c: HeatSumAdmission(h, (1.0, 2.0), credit=c), n)
+            for h1 in (8, 10) for c in (0, 1, 2, 3, 4, 6, 8) for n in (2, None)]),
+        ("class x heat, unlimited", [
+            (f"short {s}, long {lg}, {nc} classes, base {b:g}", lambda s=s, lg=lg, nc=nc, b=b: ClassHeat(s, lg, nc, b),
+             None)
+            for s in (8, 16) for lg in (64, 128, 256) for nc in (4, 8) for b in (2.0, 4.0)]),
+        ("heat-max, unlimited", [
+            (f"{h[0]}+{h[1]} (1:{w:g})", lambda h=h, w=w: HeatMax(h, (1.0, w)), None)
+            for h in ((8, 64), (10, 64), (8, 128)) for w in (1, 2, 4)]),
+        ("lfu (decayed counts, no admission test), unlimited", [
+            (f"half-life {h}", lambda h=h: make_policy("lfu", half_life=h), None) for h in (16, 24, 32, 48, 64)]),
+        ("heat-sum 10+64 (1:2) and 8+64 (1:2), a prompt's uses per token, unlimited", [
+            (f"{h[0]}+64, at most {c:g}", lambda h=h, c=c: HeatSumPromptCounts(h, (1.0, 2.0), cap=c), None)
+            for h in ((10, 64), (8, 64)) for c in (2, 4, 8, 1000)]),
+    ]
+
+
+CLASSLRU_SEARCH = _search()  # issue 37: scripts/classlru_search.py
