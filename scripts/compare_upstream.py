@@ -311,7 +311,7 @@ def timeline_grid(traces, sizes=SIZES, shares=None):
 
 def breakdown(cell, hw, ours, up):
     """A cell's modelled time per decode token, term by term (moecache.offline.cost.Hardware.breakdown)."""
-    terms = [hw.breakdown(r.work, r.decode_steps) for r in (ours, up)]
+    terms = [hw.breakdown(r.work, r.decode_tokens) for r in (ours, up)]
     print(f"\nThe slowest cell, {cell}, per decode token (ms; experts per token; MODELLED): ours, and upstream at "
           f"F = {up.cpu_share:g} (its copies are its lane)\n")
     print("| term | ours | upstream |")
