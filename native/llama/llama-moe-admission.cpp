@@ -94,7 +94,7 @@ std::vector<int32_t> llama_moe_admission::candidates(const llama_moe_cache_layer
 
 // the running graph reads only the slots of the experts it selected, so any other slot that no
 // upload is writing may be overwritten now; the tables change at the next boundary, but for the
-// lane's copies, which this graph reads
+// lane's copies, which this graph reads (see llama_moe_cache_handover in llama.h)
 std::vector<llama_moe_upload> llama_moe_admission::admit(const llama_moe_cache_layer & cl, const int32_t * ids, int32_t n_ids,
                                                          llama_moe_slots & ls) {
     const int32_t i = cl.i;
