@@ -1,7 +1,7 @@
 /* The moecache C API of the patched libllama (see patches/), as cffi declares it.
    Keep in sync with the "MoE expert cache" section the patches add to include/llama.h (and, for
-   the testing-only call at the end, with src/llama-moe-cache.h). LLAMA_MOE_CACHE_VERSION is not
-   repeated here: native/build_ffi.py declares it, read from the patches. */
+   the testing-only call at the end, with native/llama/llama-moe-cache.h). LLAMA_MOE_CACHE_VERSION
+   is not repeated here: native/build_ffi.py declares it, read from the patches. */
 
 struct llama_context;
 struct llama_model;
@@ -82,5 +82,5 @@ const struct llama_model * llama_get_model(const struct llama_context * ctx);
 uint32_t llama_n_ubatch(const struct llama_context * ctx);
 int32_t llama_model_meta_val_str(const struct llama_model * model, const char * key, char * buf, size_t buf_size);
 
-/* testing only: exported by libllama but declared in its internal src/llama-moe-cache.h */
+/* testing only: exported by libllama but declared in its internal llama-moe-cache.h (native/llama/) */
 void    llama_moe_cache_set_upload_delay_us(struct llama_context * ctx, int64_t delay_us);

@@ -5,9 +5,10 @@
 #                          [--export-source DIR | --source DIR]
 #
 # Fetches the pinned llama-cpp-python sdist with pip (sha256 checked), applies patches/series
-# in order, and builds a wheel with a local version (0.3.36+moecache.<key>). The default build
-# is CPU-only with the ggml RPC backend (the test device). A rebuild is skipped when the sdist,
-# the patches, the flags and this script are unchanged; ccache is used when installed.
+# in order, copies the expert cache's own C++ (native/llama/) into its llama.cpp's src/, and
+# builds a wheel with a local version (0.3.36+moecache.<key>). The default build is CPU-only with
+# the ggml RPC backend (the test device). A rebuild is skipped when the sdist, the patches, the
+# sources, the flags and this script are unchanged; ccache is used when installed.
 #
 #   --cuda [ARCHS]       also build the CUDA backend (CMAKE_CUDA_ARCHITECTURES, default "native").
 #                        Needs nvcc (CUDA 12/13) and cuBLAS: the toolkit's, or else python3's
@@ -16,8 +17,8 @@
 #   --cmake-args ARGS    more CMake flags, e.g. "-DGGML_CUDA_FA=OFF"
 #   --jobs N             parallel compile jobs (default: nproc)
 #   --out DIR            where to put the wheel (default: dist/)
-#   --export-source DIR  write the patched source tree (version set) to DIR and stop: for a
-#                        machine without network (scripts/gpu_bundle.sh packs it)
+#   --export-source DIR  write the patched source tree (version set, native/llama/ copied in) to
+#                        DIR and stop: for a machine without network (scripts/gpu_bundle.sh packs it)
 #   --source DIR         build from such a tree, offline: no download, no patching, and no build
 #                        isolation (scikit-build-core must be installed)
 #
@@ -93,7 +94,12 @@ echo "$SDIST_SHA256  $sdist" | sha256sum --check --status \
 series=$repo/patches/series
 [ -f "$series" ] || die "$series not found"
 mapfile -t patches < <(grep -v -e '^#' -e '^[[:space:]]*$' "$series")
-key=$( { echo "$SDIST_SHA256 $flags"; cat "${BASH_SOURCE[0]}" "$series"; for p in "${patches[@]}"; do cat "$repo/patches/$p"; done; } \
+# the cache's C++ (native/llama/), which the patches add to libllama's sources: named and hashed in order
+native=$repo/native/llama
+mapfile -t sources < <(cd "$native" && find . -maxdepth 1 -type f \( -name '*.h' -o -name '*.cpp' \) | sed 's|^\./||' | LC_ALL=C sort)
+[ "${#sources[@]}" -gt 0 ] || die "no C++ sources in $native"
+key=$( { echo "$SDIST_SHA256 $flags"; cat "${BASH_SOURCE[0]}" "$series"; for p in "${patches[@]}"; do cat "$repo/patches/$p"; done
+         for f in "${sources[@]}"; do echo "$f"; cat "$native/$f"; done; } \
        | sha256sum | cut -c1-12)
 wheel_dir=$cache/wheels/$key
 if [ -z "$export_dir" ] && ls "$wheel_dir"/*.whl >/dev/null 2>&1; then
@@ -112,6 +118,11 @@ for p in "${patches[@]}"; do
         die "patch patches/$p does not apply: $(echo "$msg" | head -n 2 | tr '\n' ' ')"
     fi
     (cd "$src" && git apply "$repo/patches/$p")
+done
+dest=$src/vendor/llama.cpp/src
+for f in "${sources[@]}"; do  # beside llama.cpp's own files, never over one of them
+    [ ! -e "$dest/$f" ] || die "native/llama/$f: vendor/llama.cpp/src/$f exists already (the sdist's, or a patch's)"
+    cp "$native/$f" "$dest/$f"
 done
 sed -i "s/^__version__ = \"$VERSION\"$/__version__ = \"$VERSION+moecache.$key\"/" "$src/llama_cpp/__init__.py"
 grep -q "moecache.$key" "$src/llama_cpp/__init__.py" || die "could not set the local version in llama_cpp/__init__.py"

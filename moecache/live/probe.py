@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from . import ggml, native
 from .config import CacheConfig
 
-# the per-expert tensors libllama banks, in its order (moe_cache_banked in llama-moe-cache.cpp): every
-# tensor of the expert FFN but the down bias, which the graph adds after the merge
+# the per-expert tensors libllama banks, in its order (llama_moe_banked in
+# native/llama/llama-moe-layer.cpp): every tensor of the expert FFN but the down bias, which the
+# graph adds after the merge
 BANKED_TENSORS = ("ffn_up_exps.weight", "ffn_gate_exps.weight", "ffn_gate_up_exps.weight",
                   "ffn_down_exps.weight", "ffn_up_exps.bias", "ffn_gate_exps.bias",
                   "ffn_gate_up_exps.bias", "ffn_up_exps.scale", "ffn_gate_exps.scale",
