@@ -187,11 +187,6 @@ class LiveCache:
             print(self.summary(), file=sys.stderr)
         self.reports.close()
 
-    def write_reports(self):
-        """Write the stats and add this run's new usage to the profile, each atomically and on
-        its own (one that fails does not keep the other from being written)."""
-        self.reports.write()
-
     def detach(self):
         """Forget this cache without reporting; a new init of the same context replaces it."""
         self.detached = True
