@@ -9,7 +9,7 @@
 between two live steps: the step then runs with cold CPU caches.
 --planner CLASS also times each eager row with the miss planner as it runs live
 (LLAMA_MOE_CACHE_PLANNER=1: the copy-on-miss lane and the payback margin) at that hardware class's
-rates (moecache.offline.cost.HARDWARE).
+rates (moecache.core.hardware.HARDWARE).
 --replay RUNS times whole replays instead (moecache.offline.replay.simulate, the offline driver) and
 prints the median replay throughput of RUNS runs in lookups/s; --trace replays that trace file
 instead of the synthetic routing.
@@ -22,7 +22,7 @@ import numpy as np
 from moecache.core.traces import RouteTrace, read_trace, synthetic_routing
 from moecache.core.policies import POLICIES, resolve_policy
 from moecache.offline.cli import admission_list_arg
-from moecache.offline.cost import HARDWARE
+from moecache.core.hardware import HARDWARE
 from moecache.offline.replay import PER_LAYER, simulate
 from moecache.util import OneLineParser, int_arg
 

@@ -21,12 +21,12 @@ our K slots per layer (moecache.core.banks.equal_bytes).
    (moecache.offline.experiments.CLASSLRU_CANDIDATES), the same over one pool of slots per group
    of layers (moecache.offline.pooled), and each candidate in the grid below in place of the
    default.
-4. The grid: per trace, K and hardware class (moecache.offline.cost.HARDWARE), modelled ms per
+4. The grid: per trace, K and hardware class (moecache.core.hardware.HARDWARE), modelled ms per
    decode token of stock --cpu-moe, upstream b12191 at the best F its tuner picks from on that
    class (scripts/moe-cache-tune.py's shares), and ours with zero configuration (what
    LLAMA_MOE_CACHE_SLOTS=K alone runs: moecache.offline.replay.zero_configuration, the miss
    planner where moecache.core.missplan.planner_by_default turns it on, at the class's rates),
-   the slowest cell's time term by term (moecache.offline.cost.Hardware.breakdown); it ends with
+   the slowest cell's time term by term (moecache.offline.cost.WorkTally.breakdown); it ends with
    the line
 
     geomean ours/min(stock,upstream) = 0.xx over N cells, M cells above 1.0
@@ -43,7 +43,7 @@ from moecache.core.missplan import planner_by_default
 from moecache.core.model import hit_rate
 from moecache.core.policies import make_policy
 from moecache.core.traces import DECODE, SHIPPED_TRACES, RouteTrace, read_trace
-from moecache.offline.cost import HARDWARE
+from moecache.core.hardware import HARDWARE
 from moecache.offline.experiments import (CLASSLRU_CANDIDATES, HeatMargin, HeatOracleAdmission, HeatSeenBefore,
                                           synthetic_routings, synthetic_traces)
 from moecache.offline.pooled import POOLED_RUNS, pooled_replay
@@ -310,8 +310,8 @@ def timeline_grid(traces, sizes=SIZES, shares=None):
 
 
 def breakdown(cell, hw, ours, up):
-    """A cell's modelled time per decode token, term by term (moecache.offline.cost.Hardware.breakdown)."""
-    terms = [hw.breakdown(r.work, r.decode_tokens) for r in (ours, up)]
+    """A cell's modelled time per decode token, term by term (moecache.offline.cost.WorkTally.breakdown)."""
+    terms = [r.work.breakdown(hw.rates, r.decode_tokens) for r in (ours, up)]
     print(f"\nThe slowest cell, {cell}, per decode token (ms; experts per token; MODELLED): ours, and upstream at "
           f"F = {up.cpu_share:g} (its copies are its lane)\n")
     print("| term | ours | upstream |")

@@ -19,7 +19,7 @@ import numpy as np
 
 from moecache.core.missplan import OUR_LAYOUT, Rates
 from moecache.core.traces import SHIPPED_TRACES, read_trace
-from moecache.offline.cost import HARDWARE, Hardware
+from moecache.core.hardware import HARDWARE, Hardware
 from moecache.offline.replay import PER_LAYER, simulate
 from moecache.util import Progress
 

@@ -346,7 +346,7 @@ from conftest import TRACES  # noqa: E402
 
 from moecache.core.traces import read_trace  # noqa: E402
 from moecache.offline.cli import main  # noqa: E402
-from moecache.offline.cost import HARDWARE  # noqa: E402
+from moecache.core.hardware import HARDWARE  # noqa: E402
 
 QWEN, GPTOSS = TRACES / "qwen3-30b-a3b.route.csv", TRACES / "gpt-oss-120b.route.csv"
 

@@ -56,6 +56,7 @@ from ..core.admission import ADMISSIONS, live_admission
 from ..core.binary_trace import write_binary_trace
 from ..core.missplan import MissPlanner
 from ..core.banks import equal_bytes
+from ..core.hardware import DEFAULT_HARDWARE, HARDWARE
 from ..core.policies import DEFAULT_POLICY, POLICIES, resolve_policy
 from ..core.profile import UsageProfile
 from ..core.traces import DECODE, PREFILL, read_trace
@@ -63,7 +64,7 @@ from ..util import OneLineParser, Progress, atomic_write, gbps_arg, int_arg, int
 from .budget import BUDGET_POLICIES
 from .readahead import PREDICTORS, ReadAhead, parse_spec
 from .steps import decode_steps
-from .cost import DEFAULT_HARDWARE, HARDWARE, Disk
+from .cost import Disk
 from .replay import (GLOBAL, MIB, MODELS, PAGE_CACHE, PER_LAYER, PREFILL_MODES, UPSTREAM, ReplayResult,
                      per_layer_slots, policy_names, ram_tier_slots, simulate)
 from .upstream import TUNER_SHARES, UPSTREAM_TAGS
@@ -180,7 +181,7 @@ def parser() -> OneLineParser:
     ap.add_argument("--preload-profile", metavar="JSON",
                     help="per-layer model: warm start from a saved usage profile")
     ap.add_argument("--hardware", choices=list(HARDWARE), default=DEFAULT_HARDWARE,
-                    help="the machine of the MODELLED ms/token, a named class (moecache.offline.cost): "
+                    help="the machine of the MODELLED ms/token, a named class (moecache.core.hardware): "
                          + "; ".join(f"{h.name}: {h.summary}" for h in HARDWARE.values()))
     for flag, what in (("--host-gbps", "the CPU's read rate of host memory for experts, GB/s"),
                        ("--link-gbps", "host-to-device copy rate, GB/s"),

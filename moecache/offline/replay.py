@@ -56,6 +56,7 @@ import numpy as np
 from ..core.admission import live_admission
 from ..core.banks import equal_bytes, ram_slots, slots_for_budget
 from ..core.engine import CacheEngine
+from ..core.hardware import Hardware
 from ..core.model import hit_rate
 from ..core.policies import POLICIES, Policy, make_policy, resolve_policy
 from ..core.profile import UsageProfile
@@ -65,7 +66,7 @@ from . import steps
 from .budget import BUDGET_POLICIES, BudgetPolicy, ByteBudgetCache, make_budget_policy
 from ..core.missplan import (OUR_LAYOUT, STOCK_LAYOUT, UPSTREAM_CPU_SHARE_LAYOUT, UPSTREAM_LAYOUT, MissPlanner,
                              Rates, planner_by_default)
-from .cost import Disk, Hardware, WorkTally
+from .cost import Disk, WorkTally
 from .pagecache import PAGE, PAGE_POLICIES, PAGE_TABLE_BYTES, ExpertLayout
 from .readahead import ReadAhead
 from .steps import GLOBAL, PAGE_CACHE, PER_LAYER, PREFILL_MODES, UPSTREAM
@@ -138,7 +139,7 @@ class ReplayResult:
         the global model, whose cost is not modelled, or without decode tokens."""
         if self.work is None or not self.decode_tokens:
             return None
-        return hardware.token_ms(self.work, self.decode_tokens)
+        return self.work.token_ms(hardware.rates, self.decode_tokens)
 
     def disk_reads(self) -> tuple[int, int]:
         """(bytes read from the model file, reads a layer waited for) in the decode tokens, of a
@@ -168,7 +169,7 @@ class ReplayResult:
         routing (every selected expert on the CPU)."""
         if self.work is None or not self.decode_tokens:
             return None
-        return hardware.token_ms(self.work.as_stock(), self.decode_tokens)
+        return self.work.as_stock().token_ms(hardware.rates, self.decode_tokens)
 
 
 def simulate(trace: RouteTrace, model: str, policy, size=None, *, inserts: int | None = 2,
