@@ -19,7 +19,7 @@ import sys
 
 import numpy as np
 
-from moecache.core.traces import RouteTrace, read_trace, synthetic_routing
+from moecache.formats.traces import RouteTrace, read_trace, synthetic_routing
 from moecache.core.policies import POLICIES, resolve_policy
 from moecache.offline.cli import admission_list_arg
 from moecache.core.hardware import HARDWARE

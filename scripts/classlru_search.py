@@ -12,7 +12,7 @@ the cells behind and every cell's margin.
 
 import numpy as np
 
-from moecache.core.traces import SHIPPED_TRACES, read_trace
+from moecache.formats.traces import SHIPPED_TRACES, read_trace
 from moecache.offline.experiments import CLASSLRU_SEARCH
 from moecache.offline.replay import PER_LAYER, simulate
 

@@ -42,7 +42,7 @@ from moecache.core.banks import equal_bytes
 from moecache.core.missplan import planner_by_default
 from moecache.core.model import hit_rate
 from moecache.core.policies import make_policy
-from moecache.core.traces import DECODE, SHIPPED_TRACES, RouteTrace, read_trace
+from moecache.formats.traces import DECODE, SHIPPED_TRACES, RouteTrace, read_trace
 from moecache.core.hardware import HARDWARE
 from moecache.offline.experiments import (CLASSLRU_CANDIDATES, HeatMargin, HeatOracleAdmission, HeatSeenBefore,
                                           synthetic_routings, synthetic_traces)

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from moecache.core.missplan import OUR_LAYOUT, Rates
-from moecache.core.traces import SHIPPED_TRACES, read_trace
+from moecache.formats.traces import SHIPPED_TRACES, read_trace
 from moecache.core.hardware import HARDWARE, Hardware
 from moecache.offline.replay import PER_LAYER, simulate
 from moecache.util import Progress

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moecache.core.traces import SHIPPED_TRACES, RouteTrace, read_trace
+from moecache.formats.traces import SHIPPED_TRACES, RouteTrace, read_trace
 from moecache.offline.experiments import DEFAULT_CANDIDATES, SKEWED, SYNTHETIC, synthetic_routings
 from moecache.offline.replay import PER_LAYER, simulate
 

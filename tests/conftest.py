@@ -16,7 +16,7 @@ import pytest
 
 N_THREADS = max(1, min(2, os.cpu_count() or 1))
 
-from moecache.core.traces import TRACES_DIR as TRACES  # noqa: E402  (the shipped real traces)
+from moecache.formats.traces import TRACES_DIR as TRACES  # noqa: E402  (the shipped real traces)
 from moecache.live import decode  # noqa: E402
 
 PROMPT = b"The three primary colors are"

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from moecache.core.profile import UsageProfile
-from moecache.core.traces import DECODE, SHIPPED_TRACES, RouteTrace, read_trace
+from moecache.formats.profile import UsageProfile
+from moecache.formats.traces import DECODE, SHIPPED_TRACES, RouteTrace, read_trace
 from moecache.offline.experiments import (DEFAULT_CANDIDATES, SKEWED, SYNTHETIC, PopularityOracle,
                                           preloaded_only, synthetic_routings)
 from moecache.offline.replay import GLOBAL, MIB, PER_LAYER, per_layer_slots, simulate

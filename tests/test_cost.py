@@ -138,7 +138,7 @@ def test_the_comparison_script_ends_with_the_geomean_line(capsys):
     import re
     from pathlib import Path
 
-    from moecache.core.traces import RouteTrace, synthetic_routing
+    from moecache.formats.traces import RouteTrace, synthetic_routing
 
     script = Path(__file__).resolve().parents[1] / "scripts" / "compare_upstream.py"
     spec = importlib.util.spec_from_file_location("compare_upstream", script)

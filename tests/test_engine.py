@@ -3,7 +3,7 @@ import pytest
 
 from moecache.core.engine import CacheEngine
 from moecache.core.policies import Lru, NextUse, Policy, make_policy
-from moecache.core.traces import synthetic_routing
+from moecache.formats.traces import synthetic_routing
 
 
 class ReferenceLru:

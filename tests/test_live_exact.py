@@ -126,7 +126,7 @@ def speculative(path, n_tokens, **cache_args):
 
 
 def test_speculative_decoding_is_bit_identical_and_accounts_every_lookup(tmp_path, rpc_device, smol_path):
-    from moecache.core.traces import read_trace
+    from moecache.formats.traces import read_trace
     from moecache.offline.replay import PER_LAYER, simulate
 
     text_off, evals_off, _ = speculative(smol_path, 128)

@@ -26,7 +26,7 @@ COUNTED = ("hits", "misses", "uploads", "declined", "lane_misses")
 
 def test_a_slow_link_keeps_misses_on_the_cpu_a_fast_one_sends_them_through_the_lane(tmp_path, rpc_device, synth48):
     from moecache.core.missplan import Rates
-    from moecache.core.traces import read_trace
+    from moecache.formats.traces import read_trace
     from moecache.offline.replay import PER_LAYER, simulate
 
     n_tokens = 64

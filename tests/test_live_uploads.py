@@ -39,7 +39,7 @@ def test_waiting_for_uploads_is_an_option(rpc_device, tiny_path):
 # --- eager admission: libllama's observers start the uploads of a graph's misses ------------------
 
 def test_eager_admission_raises_the_live_hit_rate_and_replays_exactly(tmp_path, rpc_device, synth48):
-    from moecache.core.traces import read_trace
+    from moecache.formats.traces import read_trace
     from moecache.offline.replay import PER_LAYER, simulate
 
     n_tokens = 128
@@ -75,7 +75,7 @@ def test_a_long_prompt_warms_the_cache_exactly_and_replays_to_the_live_hit_count
     """A prompt longer than LLAMA_MOE_CACHE_MAX_BATCH runs the stock graph (in ubatches of n_batch
     tokens), each ubatch a prefill step that uploads its most used experts; the logits stay
     bit-identical, and the replay with prefill="warm" reproduces the live hit count."""
-    from moecache.core.traces import PREFILL, read_trace
+    from moecache.formats.traces import PREFILL, read_trace
     from moecache.offline.replay import PER_LAYER, simulate
 
     n_tokens = 48

@@ -10,7 +10,7 @@ from moecache.core.admission import Handover, admissions, admissions_with_lane, 
 from moecache.core.engine import CacheEngine
 from moecache.core.missplan import BUSY_POWER, OUR_LAYOUT, MissPlanner, Rates
 from moecache.core.policies import make_policy
-from moecache.core.traces import RouteTrace, synthetic_routing
+from moecache.formats.traces import RouteTrace, synthetic_routing
 from moecache.core.hardware import Hardware
 from moecache.offline.replay import PER_LAYER, simulate
 

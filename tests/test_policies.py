@@ -4,7 +4,7 @@ import pytest
 
 from moecache.core.engine import CacheEngine
 from moecache.core.policies import DEFAULT_POLICY, POLICIES, make_policy
-from moecache.core.traces import SHIPPED_TRACES, RouteTrace, read_trace, synthetic_routing
+from moecache.formats.traces import SHIPPED_TRACES, RouteTrace, read_trace, synthetic_routing
 from moecache.offline.budget import BUDGET_POLICIES, make_budget_policy
 from moecache.offline.replay import PER_LAYER, simulate
 from moecache.offline.steps import next_use, observation_keys

@@ -8,7 +8,7 @@ import pytest
 from moecache.core.admission import Handover
 from moecache.core.engine import CacheEngine
 from moecache.core.policies import make_policy
-from moecache.core.traces import RouteTrace, synthetic_routing
+from moecache.formats.traces import RouteTrace, synthetic_routing
 from moecache.offline.experiments import HeatSum
 from moecache.offline.pooled import PooledEngine, pool_admissions, pooled_replay, pooled_trace
 from moecache.offline.replay import PER_LAYER, simulate

@@ -9,7 +9,7 @@ import pytest
 from conftest import N_THREADS, PROMPT, TRACES, replay_cli
 
 from moecache.core.banks import ram_slots
-from moecache.core.traces import PREFILL, RouteTrace, read_trace
+from moecache.formats.traces import PREFILL, RouteTrace, read_trace
 from moecache.offline.cli import main
 from moecache.core.missplan import OUR_LAYOUT
 from moecache.offline.cost import Disk, WorkTally

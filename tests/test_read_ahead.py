@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import TRACES, replay_cli
 
-from moecache.core.traces import read_trace
+from moecache.formats.traces import read_trace
 from moecache.offline import readahead
 from moecache.offline.cost import Disk
 from moecache.offline.readahead import PREDICTORS, WINDOW, Predictor, ReadAhead

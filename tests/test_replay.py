@@ -11,8 +11,9 @@ import pytest
 from conftest import TRACES, replay_cli  # noqa: E402
 
 from moecache.core.policies import Heat
-from moecache.core.profile import ProfileError, UsageProfile
-from moecache.core.traces import DECODE, PREFILL, RouteTrace, TraceWriter, read_trace, synthetic_routing
+from moecache.formats.profile import ProfileError, UsageProfile
+from moecache.formats.trace_writer import TraceWriter
+from moecache.formats.traces import DECODE, PREFILL, RouteTrace, read_trace, synthetic_routing
 from moecache.offline.cli import main
 from moecache.offline.replay import GLOBAL, MIB, PER_LAYER, PREFILL_MODES, UPSTREAM, simulate
 
@@ -268,7 +269,7 @@ def test_cli_engine_larger_than_memory_is_one_line(tmp_path, monkeypatch, capsys
 def _huge_trace(path):
     """A valid binary trace of 4 steps that declares 4096 layers x 65536 experts (400 KB): a
     replay's engine for it takes 12 GiB."""
-    from moecache.core.binary_trace import write_binary_trace
+    from moecache.formats.binary_trace import write_binary_trace
 
     ids = np.random.default_rng(0).integers(0, 65536, size=(4, 4096, 2)).astype(np.int32)
     write_binary_trace(RouteTrace.from_routing(ids, 65536, expert_bytes=np.full(4096, 1 << 20)), path)
@@ -408,7 +409,7 @@ def test_a_converted_trace_replays_every_stored_figure_of_its_csv(tmp_path):
     """The gpt-oss trace's 102 runs of tests/replay_values.json, replayed from its binary form."""
     from replay_values import STORED, trace_values
 
-    from moecache.core.binary_trace import write_binary_trace
+    from moecache.formats.binary_trace import write_binary_trace
 
     write_binary_trace(read_trace(str(GPTOSS)), tmp_path / "t.bin")
     now = trace_values(read_trace(str(tmp_path / "t.bin")), "gpt-oss-120b")
@@ -428,7 +429,7 @@ def test_cli_damaged_binary_trace_exits_2_with_one_line(tmp_path):
 
 MAPPED_REPLAY = """
 import sys
-from moecache.core.traces import read_trace
+from moecache.formats.traces import read_trace
 from moecache.offline.replay import PER_LAYER, simulate
 result = simulate(read_trace(sys.argv[1]), PER_LAYER, "lru", 4, admission="boundary")
 with open("/proc/self/status") as f:  # VmHWM: this program's peak (ru_maxrss counts the parent's too)
@@ -442,7 +443,7 @@ def test_a_mapped_replay_needs_the_same_memory_for_a_trace_4_times_as_long(tmp_p
     """Replaying the binary form maps it and drops each window's pages: peak memory (RSS) does
     not grow with the trace, whose arrays here grow by 38 MB (only its per-step numbers do,
     some 40 bytes a step)."""
-    from moecache.core.binary_trace import write_binary_trace
+    from moecache.formats.binary_trace import write_binary_trace
 
     routing = synthetic_routing(10000, 16, 64, 8, seed=2)
     peaks = []

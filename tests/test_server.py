@@ -217,7 +217,7 @@ def test_the_trace_and_the_stats_count_a_request_alike(tmp_path, tiny_path):
     one decode step of several tokens. The stats counted it as one step, the replay of the trace
     as one per token (a 150-token completion: 149 decode steps against 152); the replay now counts
     steps as the stats do, and tokens apart."""
-    from moecache.core.traces import PREFILL, read_trace
+    from moecache.formats.traces import PREFILL, read_trace
     from moecache.offline.replay import PER_LAYER, simulate
 
     port = _free_port()

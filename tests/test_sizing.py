@@ -80,7 +80,7 @@ def test_slots_for_budget_is_the_largest_k_that_fits(budget):
 def test_replay_per_layer_k_is_the_largest_that_fits_the_budget():
     from conftest import TRACES
 
-    from moecache.core.traces import read_trace
+    from moecache.formats.traces import read_trace
     from moecache.offline.replay import per_layer_slots
 
     trace = read_trace(str(TRACES / "qwen3-30b-a3b.route.csv"))
@@ -95,7 +95,7 @@ def test_replay_per_layer_k_is_the_largest_that_fits_the_budget():
 def test_replay_budget_runs_both_models_at_the_same_bytes(tmp_path):
     from conftest import TRACES
 
-    from moecache.core.traces import read_trace
+    from moecache.formats.traces import read_trace
     from moecache.offline.cli import main
     from moecache.offline.replay import PER_LAYER, simulate
 

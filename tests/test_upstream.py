@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from moecache.core.banks import equal_bytes
-from moecache.core.traces import DECODE, PREFILL, RouteTrace
+from moecache.formats.traces import DECODE, PREFILL, RouteTrace
 from moecache.offline.replay import MIB, fastest, simulate, tuned_upstream
 from moecache.offline.upstream import (CRF_HALF_LIFE, MAX_BATCH, TUNER_SHARES, ClassLru, SlotLru, UpstreamCache,
                                        size_groups)
@@ -344,7 +344,7 @@ def test_equal_bytes_counts_one_zero_slot_per_bank():
 
 from conftest import TRACES  # noqa: E402
 
-from moecache.core.traces import read_trace  # noqa: E402
+from moecache.formats.traces import read_trace  # noqa: E402
 from moecache.offline.cli import main  # noqa: E402
 from moecache.core.hardware import HARDWARE  # noqa: E402
 

@@ -17,7 +17,7 @@ import time
 from ..core.engine import CacheEngine
 from ..core.missplan import MissPlanner
 from ..core.policies import make_policy
-from ..core.profile import ProfileError, UsageProfile
+from ..formats.profile import ProfileError, UsageProfile
 from . import native
 from .boundary import Boundary, file_changed
 from .config import CacheConfig, ConfigError

@@ -32,7 +32,7 @@ adds the RAM tier run again reading ahead, during each layer's compute, the R ex
 predictor expects the next layer to miss (moecache.offline.readahead: its precision, recall and
 MODELLED ms per decode token on a timeline where the disk overlaps the CPU).
 
---convert writes the trace's compact binary form (moecache.core.binary_trace), which any
+--convert writes the trace's compact binary form (moecache.formats.binary_trace), which any
 replay reads in place of the CSV: mapped, not parsed, so a long recording replays in a
 fraction of the time, in memory that does not grow with its length.
 
@@ -53,18 +53,18 @@ import os
 import sys
 
 from ..core.admission import ADMISSIONS, live_admission
-from ..core.binary_trace import write_binary_trace
-from ..core.missplan import MissPlanner
 from ..core.banks import equal_bytes
 from ..core.hardware import DEFAULT_HARDWARE, HARDWARE
+from ..core.missplan import MissPlanner
 from ..core.policies import DEFAULT_POLICY, POLICIES, resolve_policy
-from ..core.profile import UsageProfile
-from ..core.traces import DECODE, PREFILL, read_trace
+from ..formats.binary_trace import write_binary_trace
+from ..formats.profile import UsageProfile
+from ..formats.traces import DECODE, PREFILL, read_trace
 from ..util import OneLineParser, Progress, atomic_write, gbps_arg, int_arg, int_list_arg, output_problem
 from .budget import BUDGET_POLICIES
+from .cost import Disk
 from .readahead import PREDICTORS, ReadAhead, parse_spec
 from .steps import decode_steps
-from .cost import Disk
 from .replay import (GLOBAL, MIB, MODELS, PAGE_CACHE, PER_LAYER, PREFILL_MODES, UPSTREAM, ReplayResult,
                      per_layer_slots, policy_names, ram_tier_slots, simulate)
 from .upstream import TUNER_SHARES, UPSTREAM_TAGS
@@ -541,7 +541,7 @@ def plot(path, trace, results) -> None:
 
 
 def convert(args) -> None:
-    """--convert: the trace in its binary form (moecache.core.binary_trace), nothing replayed."""
+    """--convert: the trace in its binary form (moecache.formats.binary_trace), nothing replayed."""
     defaults = vars(parser().parse_args([args.trace]))
     given = [f"--{name.replace('_', '-')}" for name, value in vars(args).items()
              if name not in ("trace", "convert") and value != defaults[name]]

@@ -37,8 +37,8 @@ import numpy as np
 
 from ..core.engine import CacheEngine
 from ..core.policies import Belady, DecayedLfu, Heat, NextUse, Policy, make_policy
-from ..core.profile import UsageProfile
-from ..core.traces import RouteTrace, synthetic_routing
+from ..formats.profile import UsageProfile
+from ..formats.traces import RouteTrace, synthetic_routing
 from .replay import PER_LAYER, ReplayResult, simulate
 from .upstream import CRF_HALF_LIFE, N_CLASSES
 

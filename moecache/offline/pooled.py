@@ -37,7 +37,7 @@ import numpy as np
 from ..core.banks import layers_by_size
 from ..core.engine import CacheEngine
 from ..core.policies import POLICIES, make_policy, resolve_policy
-from ..core.traces import RouteTrace
+from ..formats.traces import RouteTrace
 from . import steps
 from .experiments import HeatSum, HeatSumAdmission
 from .replay import PER_LAYER, ReplayResult, simulate

@@ -57,15 +57,15 @@ from ..core.admission import live_admission
 from ..core.banks import equal_bytes, ram_slots, slots_for_budget
 from ..core.engine import CacheEngine
 from ..core.hardware import Hardware
+from ..core.missplan import (OUR_LAYOUT, STOCK_LAYOUT, UPSTREAM_CPU_SHARE_LAYOUT, UPSTREAM_LAYOUT, MissPlanner,
+                             Rates, planner_by_default)
 from ..core.model import hit_rate
 from ..core.policies import POLICIES, Policy, make_policy, resolve_policy
-from ..core.profile import UsageProfile
-from ..core.traces import DECODE, RouteTrace
+from ..formats.profile import UsageProfile
+from ..formats.traces import DECODE, RouteTrace
 from ..util import require_memory
 from . import steps
 from .budget import BUDGET_POLICIES, BudgetPolicy, ByteBudgetCache, make_budget_policy
-from ..core.missplan import (OUR_LAYOUT, STOCK_LAYOUT, UPSTREAM_CPU_SHARE_LAYOUT, UPSTREAM_LAYOUT, MissPlanner,
-                             Rates, planner_by_default)
 from .cost import Disk, WorkTally
 from .pagecache import PAGE, PAGE_POLICIES, PAGE_TABLE_BYTES, ExpertLayout
 from .readahead import ReadAhead
