@@ -453,7 +453,7 @@ def test_prefill_step_models_no_eager_admission_and_hands_over_for_the_next_grap
 def test_counter_names_are_the_c_enums_in_the_reported_order():
     """COUNTERS is read from engine_core.h's mc_counter: the names, their order (the stats'
     and the live report's) and the C's row of each must agree."""
-    from moecache._core import lib
+    from moecache.core.bookkeeping import lib
     from moecache.core.engine import COUNTERS
 
     assert COUNTERS == ("hits", "misses", "uploads", "evictions", "prefetch_uploads", "prefetch_hits",

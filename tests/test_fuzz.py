@@ -275,7 +275,7 @@ def test_every_variable_through_zero_code_activation(tmp_path_factory, environ):
     os.chdir(folder)
     # a registered context callback stands in for an earlier install: no process-wide change here
     with mock.patch.dict(os.environ, {**clean, **environ}, clear=True), \
-            mock.patch.object(activate, "_context_callback", object()):
+            mock.patch.object(activate, "context_callback", object()):
         log.addHandler(handler)
         try:
             installed = activate.install()

@@ -103,7 +103,7 @@ def test_the_planner_hands_over_the_policys_worths_with_its_lane_table_and_margi
 def planned_core(planner, n_expert=8):
     """The C side of an engine running this planner: its observations model the graphs."""
     return CacheEngine(len(planner.expert_bytes), n_expert, 4, make_policy("heat"), admission="eager",
-                       miss_planner=planner)._core
+                       miss_planner=planner).bookkeeping
 
 
 def copies(n, layer=0):
@@ -159,7 +159,7 @@ def test_an_engine_takes_several_tokens_graphs_by_the_formula():
     rng = np.random.default_rng(3)
     for _ in range(20):  # graphs of three tokens: the table holds one token's counts
         engine.step(rng.integers(0, 8, (2, 6)))
-    assert 0 < engine._core.busy < 1
+    assert 0 < engine.bookkeeping.busy < 1
 
 
 def test_the_link_carries_each_copys_layer_bytes_and_the_counters_the_planners():
@@ -174,7 +174,7 @@ def test_the_link_carries_each_copys_layer_bytes_and_the_counters_the_planners()
         assert seen.graph_ms == pytest.approx(planner.graph_ms(seen.hits, seen.lane, seen.misses))
         assert core.busy == pytest.approx(min(1.0, seen.link_ms / seen.graph_ms))
     engine = CacheEngine(2, 8, 4, make_policy("heat"), admission="eager", miss_planner=planner)
-    core = engine._core
+    core = engine.bookkeeping
     core.observe(ids, True, writes, 1, declined=np.array([2, 0], dtype=np.int32))
     core.observe(ids, False, writes, 1, declined=np.array([2, 0], dtype=np.int32))  # a prompt: not counted
     assert engine.counters["lane_misses"].tolist() == [1, 0] and engine.counters["declined"].tolist() == [2, 0]
@@ -211,7 +211,7 @@ def test_a_graphs_time_is_the_formulas_and_the_observation_sums_it_for_one_token
         else:
             assert seen.graph_ms == -1
     assert summed >= 4
-    plain = CacheEngine(3, 8, 4, make_policy("heat"), admission="eager")._core
+    plain = CacheEngine(3, 8, 4, make_policy("heat"), admission="eager").bookkeeping
     seen = plain.observe(rng.integers(-1, 8, (3, 2)), True)
     assert seen.graph_ms == -1 and seen.lane is None  # no planner, no table
 

@@ -83,7 +83,7 @@ def layout():
 
 
 def cached(cache):
-    return set(np.flatnonzero(cache._stamp).tolist())
+    return set(cache.cached_pages().tolist())
 
 
 def test_layout_puts_each_experts_slice_where_its_tensor_has_it():
@@ -116,11 +116,11 @@ def test_page_cache_readahead_reads_around_the_fault_and_streams_on_its_mark():
     # gate 2: fault, [0, 4) read, 3 marked; 3: mark, [4, 8) read, 4 marked; up 10: fault, [8, 12),
     # 11 marked; 11: [12, 16), 12 marked; down 18: fault, [16, 20); 19: [20, 24), 20 marked
     assert cache.counters["faults"] == 3 and cache.counters["uploads"] == 24 and cache.counters["misses"] == 1
-    assert np.flatnonzero(cache._marked).tolist() == [4, 12, 20]
+    assert cache.marked_pages().tolist() == [4, 12, 20]
     cache.step([[0]])  # all cached, no mark touched
     assert cache.counters["uploads"] == 24 and cache.counters["hits"] == 1
     cache.step([[2]])  # touches the marks 4, 12, 20: nothing after them is missing, nothing read
-    assert cache.counters["uploads"] == 24 and cache.counters["hits"] == 2 and not cache._marked.any()
+    assert cache.counters["uploads"] == 24 and cache.counters["hits"] == 2 and not cache.marked_pages().size
 
 
 def test_a_readahead_window_larger_than_the_budget_is_cut_to_half_of_it():
@@ -161,12 +161,12 @@ def test_two_lists_activate_a_page_used_at_two_scans():
     # page 1: the scan passes 0, 4, 8 and 1 (each read once: rotated, referenced), then drops 0;
     # page 5 drops 4, page 9 drops 8
     cache.step([[1]])
-    assert cached(cache) == {1, 5, 9} and cache._referenced[[1, 5, 9]].tolist() == [True, False, False]
+    assert cached(cache) == {1, 5, 9} and cache.referenced_pages().tolist() == [1]
     cache.step([[1]])
     # page 2: page 1, read at this scan and the one before, is activated; 5, 9 and 2 rotate, 5 is
     # dropped; page 6 drops 9, page 10 drops 2
     cache.step([[2]])
-    assert cache._list[1] == TwoListPageCache.ACTIVE and cached(cache) == {1, 6, 10}
+    assert cache.active_pages().tolist() == [1] and cached(cache) == {1, 6, 10}
     assert cache.counters["evictions"] == 6
 
 

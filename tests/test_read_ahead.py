@@ -53,13 +53,13 @@ def tier(predictor, width, tokens, *, gbps=1.0, host=1.0, kept=None, n_expert=4,
 def chosen_by_step(monkeypatch, predictor, tokens):
     """Every read-ahead decision of a run: [(src layer, dst layer, experts)], in order."""
     picks = []
-    best = readahead._best
+    best = readahead.choose_reads
 
     def recording(scores, kept, width):
         chosen = best(scores, kept, width)
         picks.append(tuple(chosen.tolist()))
         return chosen
-    monkeypatch.setattr(readahead, "_best", recording)
+    monkeypatch.setattr(readahead, "choose_reads", recording)
     tier(predictor, 2, tokens, n_expert=8)
     return picks
 
