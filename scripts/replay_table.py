@@ -19,11 +19,11 @@ from moecache.core.policies import DEFAULT_POLICY, POLICIES
 from moecache.formats.profile import UsageProfile
 from moecache.formats.traces import DECODE, SHIPPED_TRACES, RouteTrace, read_trace
 from moecache.offline.experiments import PopularityOracle, preloaded_only, synthetic_routings
-from moecache.offline.replay import PER_LAYER, simulate
+from moecache.offline.replay import PerLayerReplay, simulate
 
 
 def hit_pct(trace, policy, slots, inserts=2, **options):
-    return 100 * simulate(trace, PER_LAYER, policy, slots, inserts=inserts, prefill="off", **options).hit_rate
+    return 100 * simulate(trace, PerLayerReplay(policy, slots, inserts=inserts, prefill="off", **options)).hit_rate
 
 
 def preloaded_pct(trace, slots, profile):

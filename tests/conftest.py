@@ -111,7 +111,7 @@ def greedy(llm, prompt: bytes, n: int):
 
 
 def replayed_as_live(cache) -> dict:
-    """simulate()'s settings for what the live cache ran: its admission, and its miss planner at
+    """PerLayerReplay's settings for what the live cache ran: its admission, and its miss planner at
     the rates attach measured (on by default where it can run)."""
     return {"admission": cache.config.admission, "miss_plan": cache.planner.rates if cache.planner else None}
 

@@ -25,7 +25,7 @@ from moecache.live.activate import attach  # noqa: E402
 
 @pytest.mark.parametrize("policy", ["lru", "default"])
 def test_live_trace_replays_to_the_live_hit_count(tmp_path, rpc_device, smol_path, policy):
-    from moecache.offline.replay import PER_LAYER, simulate
+    from moecache.offline.replay import PerLayerReplay, simulate
 
     trace_path = tmp_path / "live.route.csv"
     llm = load(smol_path)
@@ -36,7 +36,7 @@ def test_live_trace_replays_to_the_live_hit_count(tmp_path, rpc_device, smol_pat
 
     trace = read_trace(str(trace_path))
     assert int((trace.residency[trace.phase == 1] > 0).sum()) == live["hits"]
-    replayed = simulate(trace, PER_LAYER, cache.config.policy, 2, inserts=1, **replayed_as_live(cache)).totals
+    replayed = simulate(trace, PerLayerReplay(cache.config.policy, 2, inserts=1, **replayed_as_live(cache))).totals
     assert (replayed["hits"], replayed["misses"]) == (live["hits"], live["misses"])
 
 

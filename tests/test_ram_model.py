@@ -14,7 +14,7 @@ from moecache.offline.cli import main
 from moecache.core.missplan import OUR_LAYOUT
 from moecache.offline.cost import Disk, WorkTally
 from moecache.offline.pagecache import PAGE, ExpertLayout, LruPageCache, TwoListPageCache
-from moecache.offline.replay import MIB, PAGE_CACHE, PER_LAYER, ram_tier_slots, simulate
+from moecache.offline.replay import MIB, PageCacheReplay, PerLayerReplay, ram_tier_slots, simulate
 
 SYNTH = TRACES / "synth-qwen3-30b-a3b-L8.ram-tier.route.csv"
 PROG = "python -m moecache.replay"
@@ -25,7 +25,7 @@ PROG = "python -m moecache.replay"
 def ram_tier_replay(trace, ram_mib, policy="default"):
     """The RAM tier as --ram-mib replays it: RAM_MIB's K, eager admission, INSERTS = K, prompts looked up."""
     k = ram_tier_slots(trace, ram_mib)
-    return simulate(trace, PER_LAYER, policy, k, inserts=k, admission="eager", prefill="lookup")
+    return simulate(trace, PerLayerReplay(policy, k, inserts=k, admission="eager", prefill="lookup"))
 
 
 LIVE_COUNTS = ("hits", "misses", "uploads", "evictions")
@@ -197,13 +197,11 @@ def test_disk_time_is_compute_waits_and_bytes():
 
 def test_page_cache_runs_through_the_one_driver():
     trace = RouteTrace.from_routing(np.array([[[0, 1]], [[0, 1]], [[2, 3]]]), 4, expert_bytes=[3 * PAGE])
-    run = simulate(trace, PAGE_CACHE, "lru", 1.0, read_ahead_kb=0)
+    run = simulate(trace, PageCacheReplay("lru", 1.0, read_ahead_kb=0))
     assert (run.totals["hits"], run.totals["misses"], run.totals["faults"]) == (2, 4, 12)
     assert run.disk_reads() == (12 * PAGE, 12)
-    with pytest.raises(ValueError, match="read_ahead_kb is a page-cache model option"):
-        simulate(trace, PER_LAYER, "lru", 2, read_ahead_kb=128)
     with pytest.raises(ValueError, match="unknown policy 'clock' for the page-cache model; valid: lru, two-list"):
-        simulate(trace, PAGE_CACHE, "clock", 1.0, read_ahead_kb=0)
+        simulate(trace, PageCacheReplay("clock", 1.0, read_ahead_kb=0))
 
 
 def test_cli_prints_the_tier_beside_stock_mmap(capsys):

@@ -348,7 +348,7 @@ def test_a_multi_token_step_reads_back_as_one_batch_and_replays_as_one_observati
     fewer tokens (the outputs only). The per-layer replay observes the batch as one step."""
     from moecache.core.engine import CacheEngine
     from moecache.core.policies import make_policy
-    from moecache.offline.replay import PER_LAYER, simulate
+    from moecache.offline.replay import PerLayerReplay, simulate
 
     path = str(tmp_path / "batches.csv")
     single = np.array([[1, 2], [3, 0]])
@@ -366,7 +366,7 @@ def test_a_multi_token_step_reads_back_as_one_batch_and_replays_as_one_observati
     engine.step(None)
     for ids in (single, batch, single):
         engine.step(ids)
-    replayed = simulate(trace, PER_LAYER, "lru", 2, inserts=2).totals
+    replayed = simulate(trace, PerLayerReplay("lru", 2, inserts=2)).totals
     assert (replayed["hits"], replayed["misses"]) == (int(engine.counters["hits"].sum()),
                                                       int(engine.counters["misses"].sum()))
     assert replayed["hits"] + replayed["misses"] == 4 + 8 + 4

@@ -65,8 +65,9 @@ from .budget import BUDGET_POLICIES
 from .cost import Disk
 from .readahead import PREDICTORS, ReadAhead, parse_spec
 from .steps import decode_steps
-from .replay import (GLOBAL, MIB, MODELS, PAGE_CACHE, PER_LAYER, PREFILL_MODES, UPSTREAM, ReplayResult,
-                     per_layer_slots, policy_names, ram_tier_slots, simulate)
+from .replay import (GLOBAL, MIB, MODELS, PAGE_CACHE, PER_LAYER, PREFILL_MODES, UPSTREAM, GlobalReplay,
+                     PageCacheReplay, PerLayerReplay, ReplayResult, UpstreamReplay, per_layer_slots, policy_names,
+                     ram_tier_slots, simulate)
 from .upstream import TUNER_SHARES, UPSTREAM_TAGS
 
 
@@ -302,43 +303,49 @@ def run(args, trace, profile) -> list[ReplayResult]:
     --budget-mib."""
     def equal(k):
         return equal_bytes(trace.expert_bytes, k) / MIB
-    # (model, policy, size, options, what the result stands against: the K of an upstream run,
-    # the budget of a per-layer run sized by one)
-    plan = {"miss_plan": args.hardware.rates} if args.planner else {}
-    per_layer = [(p, {"inserts": args.inserts, "prefill": args.prefill, "profile": profile,
-                      "admission": a, **plan}) for p in args.policies if p in policy_names(PER_LAYER)
-                 for a in args.admission or [live_admission(POLICIES[resolve_policy(p)])]]
-    runs = [(PER_LAYER, p, k, options, {}) for p, options in per_layer for k in args.slots] + \
-           [(PER_LAYER, p, args.budget_slots[b], options, {"budget_mib": b}) for p, options in per_layer
+
+    def per_layer(policy, admission, k):
+        return PerLayerReplay(policy, k, inserts=args.inserts, admission=admission, prefill=args.prefill,
+                              profile=profile, seed=args.seed, miss_plan=args.hardware.rates if args.planner else None)
+
+    def ram_tier(policy, admission, k, read_ahead):
+        return PerLayerReplay(policy, k, inserts=k, admission=admission, prefill="lookup", seed=args.seed,
+                              read_ahead=read_ahead)
+
+    def read_aheads():  # the RAM tier without, then with each --expert-read-ahead (new ones each run)
+        return [None] + [ReadAhead(name, width, args.disk, args.hardware.rates.host_gbps)
+                         for name, width in args.expert_read_ahead]
+
+    timings = [(p, a) for p in args.policies if p in policy_names(PER_LAYER)
+               for a in args.admission or [live_admission(POLICIES[resolve_policy(p)])]]
+    upstream = [p for p in args.policies if p in policy_names(UPSTREAM)]
+    # (replay, what the result stands against: the K of an upstream run, the budget of a
+    # per-layer run sized by one, the RAM budget of the RAM tier's and the page cache's)
+    runs = [(per_layer(p, a, k), {}) for p, a in timings for k in args.slots] + \
+           [(per_layer(p, a, args.budget_slots[b]), {"budget_mib": b}) for p, a in timings for b in args.budget_mib] + \
+           [(UpstreamReplay(p, equal(k), share), {"slots": k}) for p in upstream for k in args.slots
+            for share in _shares(p, args)] + \
+           [(GlobalReplay(p, b, seed=args.seed), {}) for p in args.policies if p in policy_names(GLOBAL)
             for b in args.budget_mib] + \
-           [(UPSTREAM, p, equal(k), share, {"slots": k}) for p in args.policies if p in policy_names(UPSTREAM)
-            for k in args.slots for share in _shares(p, args)] + \
-           [(GLOBAL, p, b, {}, {}) for p in args.policies if p in policy_names(GLOBAL) for b in args.budget_mib] + \
-           [(UPSTREAM, p, b, share, {}) for p in args.policies if p in policy_names(UPSTREAM)
-            for b in args.budget_mib for share in _shares(p, args)] + \
-           [(PER_LAYER, p, args.ram_slots[b], {"inserts": args.ram_slots[b], "prefill": "lookup", "admission": a,
-                                                **read_ahead}, {"ram_mib": b})
-            for p in args.policies if p in policy_names(PER_LAYER)
-            for a in args.admission or [live_admission(POLICIES[resolve_policy(p)])] for b in args.ram_mib
-            for read_ahead in [{}] + [{"read_ahead": ReadAhead(name, width, args.disk, args.hardware.rates.host_gbps)}
-                                      for name, width in args.expert_read_ahead]] + \
-           [(PAGE_CACHE, p, b, {"read_ahead_kb": args.read_ahead_kb}, {"ram_mib": b})
+           [(UpstreamReplay(p, b, share), {}) for p in upstream for b in args.budget_mib for share in _shares(p, args)] + \
+           [(ram_tier(p, a, args.ram_slots[b], read_ahead), {"ram_mib": b}) for p, a in timings for b in args.ram_mib
+            for read_ahead in read_aheads()] + \
+           [(PageCacheReplay(p, b, args.read_ahead_kb), {"ram_mib": b})
             for p in policy_names(PAGE_CACHE) for b in args.ram_mib]
     results = []
     with Progress(len(runs)) as progress:
-        for model, policy, size, options, against in runs:
-            result = simulate(trace, model, policy, size, seed=args.seed, **options)
+        for replay, against in runs:
+            result = simulate(trace, replay)
+            progress.advance(f"{result.policy} {result.slots or result.budget_mib:g}")
             for name, value in against.items():
                 setattr(result, name, value)
             results.append(result)
-            progress.advance(f"{policy} {size:g}")
     return results
 
 
-def _shares(policy, args) -> list[dict]:
-    """The upstream runs' options: each --cpu-share for a version that has one."""
-    shares = args.cpu_share if MODELS[UPSTREAM][policy].takes_cpu_share else [0.0]
-    return [{"cpu_share": share} for share in shares]
+def _shares(policy, args) -> list[float]:
+    """The upstream runs' CPU shares: each --cpu-share for a version that has one."""
+    return args.cpu_share if MODELS[UPSTREAM][policy].takes_cpu_share else [0.0]
 
 
 def _pct(rate):
