@@ -169,3 +169,46 @@ def test_the_private_name_scan_can_fail(tmp_path, monkeypatch):
     assert [hit.split(": ")[0] for hit in private_names_reached(test)] == \
         ["tests/test_x.py:1", "tests/test_x.py:2", "tests/test_x.py:3", "tests/test_x.py:5", "tests/test_x.py:6"]
 
+
+
+# --- function length ------------------------------------------------------------------------
+
+MAX_FUNCTION_LINES = 60
+# the functions allowed longer (2 at most), each with its reason
+LONGER_FUNCTIONS = {}
+
+
+def function_lengths(roots) -> dict[str, int]:
+    """{'file:function' (nested: outer.inner): lines from its def to its last line}."""
+    lengths = {}
+
+    def visit(node, path, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = prefix + child.name
+                if not isinstance(child, ast.ClassDef):
+                    lengths[f"{path.relative_to(REPO)}:{name}"] = child.end_lineno - child.lineno + 1
+                visit(child, path, name + ".")
+            else:
+                visit(child, path, prefix)
+
+    for root in roots:
+        for path in sorted(root.rglob("*.py")) if root.is_dir() else [root]:
+            if path.name != "_native.py":
+                visit(ast.parse(path.read_text(), str(path)), path, "")
+    return lengths
+
+
+def test_no_function_is_longer_than_a_screen():
+    long = {name: n for name, n in function_lengths([PACKAGE, REPO / "scripts", REPO / "run.py"]).items()
+            if n > MAX_FUNCTION_LINES}
+    assert len(LONGER_FUNCTIONS) <= 2
+    assert long.keys() == LONGER_FUNCTIONS.keys(), long
+
+
+def test_a_function_is_measured_from_its_def_to_its_last_line(tmp_path, monkeypatch):
+    source = tmp_path / "m.py"
+    source.write_text("def outer():\n    def inner():\n        pass\n" + "    x = 1\n" * 60
+                      + "class C:\n    def method(self):\n        return 1\n")
+    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
+    assert function_lengths([source]) == {"m.py:outer": 63, "m.py:outer.inner": 2, "m.py:C.method": 2}

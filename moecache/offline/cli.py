@@ -143,6 +143,20 @@ def parser() -> OneLineParser:
     ap = OneLineParser(prog="python -m moecache.replay",
                        description="Replay a routing trace through cache policies.")
     ap.add_argument("trace")
+    _add_cache_flags(ap)
+    _add_ram_flags(ap)
+    _add_cost_flags(ap)
+    ap.add_argument("--seed", type=int_arg(minimum=0), default=0, help="seed of the random policies")
+    ap.add_argument("--csv", help="also write the results here")
+    ap.add_argument("--plot", help="also plot hit%% vs cache size here (needs matplotlib)")
+    ap.add_argument("--convert", metavar="OUT",
+                    help="write the trace in its compact binary form (route_trace binary v1) to OUT and "
+                         "replay nothing: replays of OUT read it in a fraction of the time and memory")
+    return ap
+
+
+def _add_cache_flags(ap) -> None:
+    """The cache models' sizes, policies and per-layer settings."""
     ap.add_argument("--slots", type=int_list_arg(minimum=1),
                     help="per-layer cache sizes K, comma separated (default 8,16,32,64 unless "
                          "--budget-mib is given)")
@@ -160,6 +174,17 @@ def parser() -> OneLineParser:
     ap.add_argument("--budget-mib", type=_budgets_arg, default=[],
                     help="byte budgets, comma separated: the global model's (BigMoeOnEdge), and the "
                          "per-layer model at the largest K that fits")
+    ap.add_argument("--prefill", choices=PREFILL_MODES, default="warm",
+                    help="per-layer model: each prompt ubatch as a prefill step that uploads its most "
+                         "used experts, as the live cache does (warm, the default); no prefill (off); "
+                         "each turn's prompt as one batched observation (plain); each prompt ubatch "
+                         "looked up as a decode step is (lookup: the RAM tier's, which --ram-mib uses)")
+    ap.add_argument("--preload-profile", metavar="JSON",
+                    help="per-layer model: warm start from a saved usage profile")
+
+
+def _add_ram_flags(ap) -> None:
+    """The models of a model larger than RAM and the disk they read."""
     ap.add_argument("--ram-mib", type=_budgets_arg, default=[],
                     help="RAM budgets in MiB, comma separated: the RAM tier (RAM_MIB's K, eager, INSERTS = K) "
                          "and stock mmap's page cache, on the CPU, timed over --disk-gbps")
@@ -174,13 +199,10 @@ def parser() -> OneLineParser:
                     help=f"with --ram-mib: also run the RAM tier reading ahead in decode, PREDICTOR:R, comma "
                          f"separated: R experts the next layer will likely miss, read while this one computes, "
                          f"predicted by {', '.join(PREDICTORS)} (oracle reads the future: a bound)")
-    ap.add_argument("--prefill", choices=PREFILL_MODES, default="warm",
-                    help="per-layer model: each prompt ubatch as a prefill step that uploads its most "
-                         "used experts, as the live cache does (warm, the default); no prefill (off); "
-                         "each turn's prompt as one batched observation (plain); each prompt ubatch "
-                         "looked up as a decode step is (lookup: the RAM tier's, which --ram-mib uses)")
-    ap.add_argument("--preload-profile", metavar="JSON",
-                    help="per-layer model: warm start from a saved usage profile")
+
+
+def _add_cost_flags(ap) -> None:
+    """The machine of the modelled time, the miss planner at its rates, upstream's CPU share."""
     ap.add_argument("--hardware", choices=list(HARDWARE), default=DEFAULT_HARDWARE,
                     help="the machine of the MODELLED ms/token, a named class (moecache.core.hardware): "
                          + "; ".join(f"{h.name}: {h.summary}" for h in HARDWARE.values()))
@@ -201,13 +223,6 @@ def parser() -> OneLineParser:
                     help="upstream (b12191): --moe-cache-cpu-share F, the share of the misses its full cache "
                          "computes on the CPU, comma separated, or 'tuned': "
                          + ", ".join(f"{v:g}" for v in TUNER_SHARES) + ", its tuner's (default 0)")
-    ap.add_argument("--seed", type=int_arg(minimum=0), default=0, help="seed of the random policies")
-    ap.add_argument("--csv", help="also write the results here")
-    ap.add_argument("--plot", help="also plot hit%% vs cache size here (needs matplotlib)")
-    ap.add_argument("--convert", metavar="OUT",
-                    help="write the trace in its compact binary form (route_trace binary v1) to OUT and "
-                         "replay nothing: replays of OUT read it in a fraction of the time and memory")
-    return ap
 
 
 def check_args(args) -> None:
