@@ -52,7 +52,7 @@ import functools
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, ClassVar
+from typing import Callable, ClassVar, Iterable
 
 import numpy as np
 
@@ -182,7 +182,7 @@ class _Run:
 
     label: str                                # the policy's name as the result shows it
     steps: tuple[Callable, Callable]          # (prompt step, decode step)
-    segments: object                          # moecache.offline.steps.segments of the model
+    segments: Iterable                        # moecache.offline.steps.segments of the model
     totals: Callable[[], dict]                # the model's own counters, now
     work: WorkTally | None                    # decode layer passes (global: None)
     settings: dict                            # the ReplayResult fields the model's settings give
@@ -201,7 +201,7 @@ class PerLayerReplay:
     token and the engine's outcome. seed: the random policy's."""
 
     model: ClassVar[str] = PER_LAYER
-    policy: object
+    policy: str | Policy | CacheEngine
     slots: int | None = None
     inserts: int | None = 2
     admission: str = "boundary"
@@ -288,7 +288,7 @@ class GlobalReplay:
     BudgetPolicy; seed: the random policy's."""
 
     model: ClassVar[str] = GLOBAL
-    policy: object
+    policy: str | BudgetPolicy
     budget_mib: float
     seed: int = 0
 
