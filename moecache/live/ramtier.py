@@ -20,7 +20,7 @@ from ..core.banks import ram_slots
 from ..util import available_memory
 from . import native
 from .config import ENV_PREFIX
-from .probe import BANKED, CachedLayer, CacheUnavailable, cached_layers, split_files, gguf_header
+from .probe import BANKED, CachedLayer, CacheUnavailable, cached_layers, gguf_header, split_files
 from .sizing import MIB, CachePlan, DevicePlan
 
 F16_BYTES = 2  # llama.cpp's KV cache type by default
