@@ -214,33 +214,19 @@ def measure(args, name, slots, progress, mib=None, planner_off=False):
     """One configuration: load, warm up, time; returns (row, model info or None). A cache of
     `slots` per layer, or of the largest K that `mib` MiB hold; planner_off: without the miss
     planner (LLAMA_MOE_CACHE_PLANNER=0), else as the default decides."""
-    import llama_cpp
-
     from moecache.live.activate import attach
-    from moecache.live.probe import CacheUnavailable
     from moecache.live.config import ConfigError
-    from moecache.live.decode import greedy
-    from moecache.live.placement import experts_on_host
+    from moecache.live.probe import CacheUnavailable
 
     row = {"config": name, "slots": slots, "status": "ok", "tok_s_runs": [], "tok_s_median": None,
            "tok_s_min": None, "tok_s_max": None, "prompt_tok_s_runs": [], "prompt_tok_s_median": None,
            "hit_rate": None, "uploads_per_token": None,
            "step_us_per_token": None, "device_bytes": None, "cache_device": None, "mib": mib}
-    common = dict(n_ctx=args.ctx_size, n_threads=args.threads, n_threads_batch=args.threads,
-                  seed=args.seed, verbose=False)
-    try:
-        if name == "all-device":
-            llm = llama_cpp.Llama(args.model, n_gpu_layers=-1, **common)
-        else:
-            with experts_on_host(repack=not args.plain):
-                llm = llama_cpp.Llama(args.model, n_gpu_layers=args.n_gpu_layers, **common)
-    except (ValueError, RuntimeError) as e:
-        if name != "all-device":
-            raise BenchError(f"{name}: could not load {args.model}: {e}") from None
+    llm = _load(args, name)
+    if llm is None:  # all-device: the whole model did not fit the device
         row["status"] = "did not fit"
         progress.advance(f"{name} did not fit", 1 + args.repetitions)
         return row, None
-
     cache = None
     try:
         n_expert = int(next((v for k, v in llm.metadata.items() if k.endswith(".expert_count")), 0))
@@ -261,27 +247,7 @@ def measure(args, name, slots, progress, mib=None, planner_off=False):
             row["slots"], row["device_bytes"] = cache.slots, cache.device_bytes
             row["cache_device"] = cache.layers[0].device
             row["planner"] = cache.planner.line() if cache.planner else None  # its rates, as attach printed them
-
-        greedy(llm, prompt, args.n_predict)  # warm-up: untimed
-        progress.advance(f"{name} warm-up")
-        before = _cache_counters(cache)
-        for i in range(args.repetitions):
-            run = greedy(llm, prompt, args.n_predict)
-            row["tok_s_runs"].append(args.n_predict / run.seconds)
-            row["prompt_tok_s_runs"].append(len(prompt) / run.prompt_seconds)
-            progress.advance(f"{name} run {i + 1}/{args.repetitions}")
-        runs = row["tok_s_runs"]
-        row.update(tok_s_median=statistics.median(runs), tok_s_min=min(runs), tok_s_max=max(runs),
-                   prompt_tok_s_median=statistics.median(row["prompt_tok_s_runs"]))
-        if cache is not None:
-            delta = {k: v - before[k] for k, v in _cache_counters(cache).items()}
-            lookups = delta["hits"] + delta["misses"]
-            tokens = args.repetitions * args.n_predict
-            row["hit_rate"] = delta["hits"] / lookups if lookups else None
-            row["uploads_per_token"] = delta["uploads"] / tokens
-            row["step_us_per_token"] = delta["step_ns"] / 1e3 / delta["steps"] if delta["steps"] else None
-            if cache.failed:
-                row["status"] = f"cache failed: {cache.failed}"
+        _time_runs(args, name, llm, prompt, cache, row, progress)
         return row, info
     finally:
         if cache is not None:
@@ -289,6 +255,51 @@ def measure(args, name, slots, progress, mib=None, planner_off=False):
         llm.close()
         del llm
         gc.collect()
+
+
+def _load(args, name):
+    """The model as the configuration runs it; None where all-device does not fit the device."""
+    import llama_cpp
+
+    from moecache.live.placement import experts_on_host
+
+    common = dict(n_ctx=args.ctx_size, n_threads=args.threads, n_threads_batch=args.threads,
+                  seed=args.seed, verbose=False)
+    try:
+        if name == "all-device":
+            return llama_cpp.Llama(args.model, n_gpu_layers=-1, **common)
+        with experts_on_host(repack=not args.plain):
+            return llama_cpp.Llama(args.model, n_gpu_layers=args.n_gpu_layers, **common)
+    except (ValueError, RuntimeError) as e:
+        if name != "all-device":
+            raise BenchError(f"{name}: could not load {args.model}: {e}") from None
+        return None
+
+
+def _time_runs(args, name, llm, prompt, cache, row, progress):
+    """A warm-up, then the timed repetitions, into row: the speeds, and the cache's counts over them."""
+    from moecache.live.decode import greedy
+
+    greedy(llm, prompt, args.n_predict)  # warm-up: untimed
+    progress.advance(f"{name} warm-up")
+    before = _cache_counters(cache)
+    for i in range(args.repetitions):
+        run = greedy(llm, prompt, args.n_predict)
+        row["tok_s_runs"].append(args.n_predict / run.seconds)
+        row["prompt_tok_s_runs"].append(len(prompt) / run.prompt_seconds)
+        progress.advance(f"{name} run {i + 1}/{args.repetitions}")
+    runs = row["tok_s_runs"]
+    row.update(tok_s_median=statistics.median(runs), tok_s_min=min(runs), tok_s_max=max(runs),
+               prompt_tok_s_median=statistics.median(row["prompt_tok_s_runs"]))
+    if cache is not None:
+        delta = {k: v - before[k] for k, v in _cache_counters(cache).items()}
+        lookups = delta["hits"] + delta["misses"]
+        tokens = args.repetitions * args.n_predict
+        row["hit_rate"] = delta["hits"] / lookups if lookups else None
+        row["uploads_per_token"] = delta["uploads"] / tokens
+        row["step_us_per_token"] = delta["step_ns"] / 1e3 / delta["steps"] if delta["steps"] else None
+        if cache.failed:
+            row["status"] = f"cache failed: {cache.failed}"
 
 
 def _cache_counters(cache):

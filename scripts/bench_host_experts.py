@@ -115,12 +115,7 @@ def measure(args) -> list[dict]:
     cases = []
     for cached in args.cached:
         missed = base.ggml_new_tensor_2d(ctx, GGML_TYPE_I32, k - cached, T)
-        stock_out = base.ggml_mul_mat_id(ctx, experts, x, missed)            # [ff, k - cached, T]
-        split_out = base.ggml_mul_mat_id_skip(ctx, experts, x, ids, skip, None, None)  # [ff, k, T]
-        stock, split = base.ggml_new_graph(ctx), base.ggml_new_graph(ctx)
-        base.ggml_build_forward_expand(stock, stock_out)
-        base.ggml_build_forward_expand(split, split_out)
-        cases.append((cached, missed, stock, split, stock_out, split_out))
+        cases.append((cached, missed, *_graphs(base, ctx, experts, x, missed, ids, skip)))
     buf = base.ggml_backend_alloc_ctx_tensors_from_buft(ctx, ggml.cpu_buffer_type())
 
     def set_tensor(tensor, array):
@@ -141,24 +136,14 @@ def measure(args) -> list[dict]:
         set_tensor(skip, table)
         set_tensor(missed, selected[:, cached:])
         for graph in (stock, split):
-            if base.ggml_backend_graph_compute(backend, graph) != 0:
-                raise RuntimeError("ggml_backend_graph_compute failed")
+            _compute(base, backend, graph)
         got = np.empty((T, k, F), dtype=np.float32)
         want = np.empty((T, k - cached, F), dtype=np.float32)
         base.ggml_backend_tensor_get(split_out, got.ctypes.data, 0, got.nbytes)
         base.ggml_backend_tensor_get(stock_out, want.ctypes.data, 0, want.nbytes)
         if not (np.array_equal(got[:, cached:], want) and not got[:, :cached].any()):
             raise RuntimeError(f"with {cached} cached: the skip graph's rows are not stock's missed rows and zeros")
-        times = {"stock": [], "cache": []}
-        for run in range(args.runs + 1):  # run 0 warms up
-            for name, graph in (("stock", stock), ("cache", split)):
-                start = time.perf_counter()
-                for _ in range(args.reps):
-                    if base.ggml_backend_graph_compute(backend, graph) != 0:
-                        raise RuntimeError("ggml_backend_graph_compute failed")
-                if run:
-                    times[name].append((time.perf_counter() - start) / args.reps)
-        stock_t, cache_t = np.array(times["stock"]), np.array(times["cache"])
+        stock_t, cache_t = _times(base, backend, (stock, split), args.runs, args.reps)
         rows.append({"cached": cached, "stock_us": 1e6 * np.median(stock_t), "cache_us": 1e6 * np.median(cache_t),
                      "ratio": float(np.median(cache_t / stock_t))})
     base.ggml_backend_buffer_free(buf)
@@ -167,6 +152,36 @@ def measure(args) -> list[dict]:
     base.ggml_free(weights_ctx)
     base.ggml_backend_free(backend)
     return rows
+
+
+def _graphs(base, ctx, experts, x, missed, ids, skip):
+    """(the stock graph, the split graph, their outputs): stock computes the missed ids, the split
+    graph all ids but the cached ones (skip)."""
+    stock_out = base.ggml_mul_mat_id(ctx, experts, x, missed)            # [ff, k - cached, T]
+    split_out = base.ggml_mul_mat_id_skip(ctx, experts, x, ids, skip, None, None)  # [ff, k, T]
+    stock, split = base.ggml_new_graph(ctx), base.ggml_new_graph(ctx)
+    base.ggml_build_forward_expand(stock, stock_out)
+    base.ggml_build_forward_expand(split, split_out)
+    return stock, split, stock_out, split_out
+
+
+def _compute(base, backend, graph) -> None:
+    if base.ggml_backend_graph_compute(backend, graph) != 0:
+        raise RuntimeError("ggml_backend_graph_compute failed")
+
+
+def _times(base, backend, graphs, runs: int, reps: int) -> list[np.ndarray]:
+    """Each graph's seconds per compute in each of `runs` runs of `reps` computes, the graphs
+    taking turns, after a run that warms up."""
+    times = [[] for _ in graphs]
+    for run in range(runs + 1):
+        for graph, seconds in zip(graphs, times):
+            start = time.perf_counter()
+            for _ in range(reps):
+                _compute(base, backend, graph)
+            if run:
+                seconds.append((time.perf_counter() - start) / reps)
+    return [np.array(seconds) for seconds in times]
 
 
 def main(argv=None) -> int:

@@ -700,22 +700,7 @@ def markdown(report: dict) -> str:
             "| peak RSS MB | anon MB | disk reads MB/token | greedy tokens | load average |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
         ]
-        for r in report["rows"]:
-            failed = f" ({len(r['runs']) - r['ok_runs']} failed: {'; '.join(r['failures'])})" if r["failures"] else ""
-            if not r["ok_runs"]:
-                lines.append(f"| {r['config']}{failed} | - | - | | | | | | | | |")
-                continue
-            speeds = [f"{r[k]:.2f} [{r[k + '_range'][0]:.2f}, {r[k + '_range'][1]:.2f}]"
-                      for k in ("decode_tok_s", "prompt_tok_s")]
-            tokens = "reference" if r["kind"] == "stock" and r["placement"] == "ram" else \
-                {True: "identical", False: "DIFFER", None: "-"}[r["tokens_match"]]
-            peak = _fmt(r["peak_bytes"], ".0f", MB)
-            if r["peak_within_limit"] is False:
-                peak += " (over the limit)"
-            lines.append(f"| {r['config']}{failed} | {speeds[0]} | {speeds[1]} | {_fmt(r['cached_at_start'], '.0%')} "
-                         f"| {peak} | {_fmt(r['page_cache_bytes'], '.0f', MB)} | {_fmt(r['peak_rss_bytes'], '.0f', MB)} "
-                         f"| {_fmt(r['anon_bytes'], '.0f', MB)} | {_fmt(r['decode_read_bytes_per_token'], '.0f', MB)} | {tokens} "
-                         f"| {_fmt(r['load_average'], '.1f')} |")
+        lines += [_table_row(r) for r in report["rows"]]
         lines.append("")
         for placement, ratio in report.get("paired", {}).items():
             decode, prompt = ratio["decode_tok_s"], ratio["prompt_tok_s"]
@@ -730,30 +715,54 @@ def markdown(report: dict) -> str:
                      f"queue depth 1, {disk['sequential_threads_gbps']:.2f} GB/s with {disk['threads']} threads; "
                      f"4 KiB random reads at queue depth 1 {disk['random_4k_qd1_gbps']:.3f} GB/s "
                      f"({disk['random_4k_qd1_us']:.0f} us each)")
-    bound = report["bound"]
-    if bound:
-        stock = next(r for r in report["rows"] if r["kind"] == "stock" and r["placement"] == "limited")
-        lines.append(
-            f"I/O bound of the {report['limit_mb']} MB run's decode: {bound['resident_share']:.0%} of the experts fit "
-            f"beside the rest of the model and the run's anonymous memory; each token's experts are "
-            f"{bound['expert_bytes_per_token'] / MB:.0f} MB, the non-resident share of them "
-            f"{bound['read_bytes_per_token'] / MB:.0f} MB, read once at {bound['gbps']:.2f} GB/s: "
-            f"{_fmt(bound['decode_tok_s'], '.1f')} tok/s; stock reaches "
-            f"{_fmt(_share(stock['decode_tok_s'], bound['decode_tok_s']), '.0%')} of it. Stock read "
-            f"{_fmt(stock['decode_read_bytes_per_token'], '.0f', MB)} MB per decode token: at {bound['gbps']:.2f} GB/s "
-            f"alone {_fmt(_share(bound['gbps'] * 1e9, stock['decode_read_bytes_per_token']), '.2f')} tok/s")
-        rows = {r["kind"]: r for r in report["rows"] if r["placement"] == "limited"}
-        reads = "; ".join(
-            f"{kind} read {read['bytes'] / 1e9:.2f} GB in its prompt, at {bound['gbps']:.2f} GB/s alone "
-            f"{_fmt(read['tok_s'], '.1f')} tok/s, and ran at {_fmt(_share(rows[kind]['prompt_tok_s'], read['tok_s']), '.0%')} "
-            f"of that" for kind, read in bound["prompt_reads"].items())
-        ceiling = bound["prompt_ceiling_tok_s"]
-        lines.append(
-            f"The {report['limit_mb']} MB runs' prompts (a fresh process: every expert the prompt selects is read): "
-            f"{reads}. No design's limited prompt beats stock's in RAM ({_fmt(ceiling, '.2f')} tok/s, "
-            f"{_fmt(_share(ceiling, stock['prompt_tok_s']), '.2f')}x the limited stock's)")
+    if report["bound"]:
+        lines += _bound_lines(report)
     lines += [f"Note: {note}" for note in report["notes"]]
     return "\n".join(lines)
+
+
+def _table_row(r: dict) -> str:
+    """One configuration's row of the runs' table."""
+    failed = f" ({len(r['runs']) - r['ok_runs']} failed: {'; '.join(r['failures'])})" if r["failures"] else ""
+    if not r["ok_runs"]:
+        return f"| {r['config']}{failed} | - | - | | | | | | | | |"
+    speeds = [f"{r[k]:.2f} [{r[k + '_range'][0]:.2f}, {r[k + '_range'][1]:.2f}]"
+              for k in ("decode_tok_s", "prompt_tok_s")]
+    tokens = "reference" if r["kind"] == "stock" and r["placement"] == "ram" else \
+        {True: "identical", False: "DIFFER", None: "-"}[r["tokens_match"]]
+    peak = _fmt(r["peak_bytes"], ".0f", MB)
+    if r["peak_within_limit"] is False:
+        peak += " (over the limit)"
+    return (f"| {r['config']}{failed} | {speeds[0]} | {speeds[1]} | {_fmt(r['cached_at_start'], '.0%')} "
+            f"| {peak} | {_fmt(r['page_cache_bytes'], '.0f', MB)} | {_fmt(r['peak_rss_bytes'], '.0f', MB)} "
+            f"| {_fmt(r['anon_bytes'], '.0f', MB)} | {_fmt(r['decode_read_bytes_per_token'], '.0f', MB)} | {tokens} "
+            f"| {_fmt(r['load_average'], '.1f')} |")
+
+
+def _bound_lines(report: dict) -> list[str]:
+    """The limited run's I/O bound: its decode's, and its prompts' beside stock's."""
+    bound = report["bound"]
+    stock = next(r for r in report["rows"] if r["kind"] == "stock" and r["placement"] == "limited")
+    decode = (
+        f"I/O bound of the {report['limit_mb']} MB run's decode: {bound['resident_share']:.0%} of the experts fit "
+        f"beside the rest of the model and the run's anonymous memory; each token's experts are "
+        f"{bound['expert_bytes_per_token'] / MB:.0f} MB, the non-resident share of them "
+        f"{bound['read_bytes_per_token'] / MB:.0f} MB, read once at {bound['gbps']:.2f} GB/s: "
+        f"{_fmt(bound['decode_tok_s'], '.1f')} tok/s; stock reaches "
+        f"{_fmt(_share(stock['decode_tok_s'], bound['decode_tok_s']), '.0%')} of it. Stock read "
+        f"{_fmt(stock['decode_read_bytes_per_token'], '.0f', MB)} MB per decode token: at {bound['gbps']:.2f} GB/s "
+        f"alone {_fmt(_share(bound['gbps'] * 1e9, stock['decode_read_bytes_per_token']), '.2f')} tok/s")
+    rows = {r["kind"]: r for r in report["rows"] if r["placement"] == "limited"}
+    reads = "; ".join(
+        f"{kind} read {read['bytes'] / 1e9:.2f} GB in its prompt, at {bound['gbps']:.2f} GB/s alone "
+        f"{_fmt(read['tok_s'], '.1f')} tok/s, and ran at {_fmt(_share(rows[kind]['prompt_tok_s'], read['tok_s']), '.0%')} "
+        f"of that" for kind, read in bound["prompt_reads"].items())
+    ceiling = bound["prompt_ceiling_tok_s"]
+    prompts = (
+        f"The {report['limit_mb']} MB runs' prompts (a fresh process: every expert the prompt selects is read): "
+        f"{reads}. No design's limited prompt beats stock's in RAM ({_fmt(ceiling, '.2f')} tok/s, "
+        f"{_fmt(_share(ceiling, stock['prompt_tok_s']), '.2f')}x the limited stock's)")
+    return [decode, prompts]
 
 
 def _share(value, of):

@@ -35,7 +35,8 @@ EXPERT_BYTES = 3059712  # a Qwen3-30B-A3B expert at Q4_K_M
 GENERATE = """
 import sys
 import numpy as np
-from moecache.core.traces import DECODE, TraceWriter, synthetic_routing
+from moecache.formats.trace_writer import TraceWriter
+from moecache.formats.traces import DECODE, synthetic_routing
 path, (tokens, layers, experts, k, size) = sys.argv[1], map(int, sys.argv[2:])
 unrecorded = np.zeros((layers, k), dtype=np.int8)
 with TraceWriter(path, model="synthetic", arch="qwen3moe", n_layer=layers, n_expert=experts,

@@ -9,7 +9,7 @@
 between two live steps: the step then runs with cold CPU caches.
 --planner CLASS also times each eager row with the miss planner as it runs live
 (LLAMA_MOE_CACHE_PLANNER=1: the copy-on-miss lane and the payback margin) at that hardware class's
-rates (moecache.offline.cost.HARDWARE).
+rates (moecache.core.hardware.HARDWARE).
 --replay RUNS times whole replays instead (moecache.offline.replay.simulate, the offline driver) and
 prints the median replay throughput of RUNS runs in lookups/s; --trace replays that trace file
 instead of the synthetic routing.
@@ -19,11 +19,11 @@ import sys
 
 import numpy as np
 
-from moecache.core.traces import RouteTrace, read_trace, synthetic_routing
+from moecache.formats.traces import RouteTrace, read_trace, synthetic_routing
 from moecache.core.policies import POLICIES, resolve_policy
 from moecache.offline.cli import admission_list_arg
-from moecache.offline.cost import HARDWARE
-from moecache.offline.replay import PER_LAYER, simulate
+from moecache.core.hardware import HARDWARE
+from moecache.offline.replay import PerLayerReplay, simulate
 from moecache.util import OneLineParser, int_arg
 
 
@@ -67,8 +67,8 @@ def bench(args):
             if args.planner and admission == "eager" and POLICIES[resolve_policy(name)].counts_uses:
                 planners.append(HARDWARE[args.planner].rates)
             for rates in planners:
-                result = simulate(trace, PER_LAYER, name, args.slots, inserts=args.inserts, admission=admission,
-                                  step_times=True, before_step=streamed.sum, miss_plan=rates)
+                replay = PerLayerReplay(name, args.slots, inserts=args.inserts, admission=admission, miss_plan=rates)
+                result = simulate(trace, replay, step_times=True, before_step=streamed.sum)
                 times = result.step_seconds[args.steps // 10:] * 1e6  # skip the cold-start fill
                 label = admission + ("+planner" if rates else "")
                 print(f"{name:>8} {label:>8}: step() median {np.median(times):6.1f} us  min "
@@ -90,7 +90,7 @@ def replay_throughput(args):
     print(f"{shape}, {len(trace.ids)} steps, K={args.slots}, inserts={args.inserts}; median of {args.replay} replays")
     for admission in args.admission:
         for name in args.policy.split(","):
-            results = [simulate(trace, PER_LAYER, name, args.slots, inserts=args.inserts, admission=admission)
+            results = [simulate(trace, PerLayerReplay(name, args.slots, inserts=args.inserts, admission=admission))
                        for _ in range(args.replay)]
             rates = [r.lookups_per_s for r in results]
             print(f"{name:>8} {admission:>8}: {np.median(rates) / 1e6:.2f} M lookups/s (min {min(rates) / 1e6:.2f}, "

@@ -12,9 +12,9 @@ the cells behind and every cell's margin.
 
 import numpy as np
 
-from moecache.core.traces import SHIPPED_TRACES, read_trace
+from moecache.formats.traces import SHIPPED_TRACES, read_trace
 from moecache.offline.experiments import CLASSLRU_SEARCH
-from moecache.offline.replay import PER_LAYER, simulate
+from moecache.offline.replay import PerLayerReplay, simulate
 
 from compare_upstream import equal_bytes_cells, upstream
 
@@ -28,8 +28,8 @@ def main():
     for family, settings in CLASSLRU_SEARCH:
         rows = []
         for label, factory, inserts in settings:
-            margins = np.array([100 * (simulate(trace, PER_LAYER, factory(), k, inserts=inserts, admission="eager",
-                                                prefill="warm").hit_rate - classlru[name, k])
+            margins = np.array([100 * (simulate(trace, PerLayerReplay(factory(), k, inserts=inserts, admission="eager",
+                                                                      prefill="warm")).hit_rate - classlru[name, k])
                                 for name, trace, k in cells])
             rows.append((margins.min(), label, margins))
         rows.sort(key=lambda row: -row[0])

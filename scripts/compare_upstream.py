@@ -21,12 +21,12 @@ our K slots per layer (moecache.core.banks.equal_bytes).
    (moecache.offline.experiments.CLASSLRU_CANDIDATES), the same over one pool of slots per group
    of layers (moecache.offline.pooled), and each candidate in the grid below in place of the
    default.
-4. The grid: per trace, K and hardware class (moecache.offline.cost.HARDWARE), modelled ms per
+4. The grid: per trace, K and hardware class (moecache.core.hardware.HARDWARE), modelled ms per
    decode token of stock --cpu-moe, upstream b12191 at the best F its tuner picks from on that
    class (scripts/moe-cache-tune.py's shares), and ours with zero configuration (what
    LLAMA_MOE_CACHE_SLOTS=K alone runs: moecache.offline.replay.zero_configuration, the miss
    planner where moecache.core.missplan.planner_by_default turns it on, at the class's rates),
-   the slowest cell's time term by term (moecache.offline.cost.Hardware.breakdown); it ends with
+   the slowest cell's time term by term (moecache.offline.cost.WorkTally.breakdown); it ends with
    the line
 
     geomean ours/min(stock,upstream) = 0.xx over N cells, M cells above 1.0
@@ -42,13 +42,13 @@ from moecache.core.banks import equal_bytes
 from moecache.core.missplan import planner_by_default
 from moecache.core.model import hit_rate
 from moecache.core.policies import make_policy
-from moecache.core.traces import DECODE, SHIPPED_TRACES, RouteTrace, read_trace
-from moecache.offline.cost import HARDWARE
+from moecache.formats.traces import DECODE, SHIPPED_TRACES, RouteTrace, read_trace
+from moecache.core.hardware import HARDWARE
 from moecache.offline.experiments import (CLASSLRU_CANDIDATES, HeatMargin, HeatOracleAdmission, HeatSeenBefore,
                                           synthetic_routings, synthetic_traces)
 from moecache.offline.pooled import POOLED_RUNS, pooled_replay
-from moecache.offline.replay import (GLOBAL, MIB, PER_LAYER, UPSTREAM, fastest, simulate, tuned_upstream,
-                                     zero_configuration)
+from moecache.offline.replay import (MIB, PER_LAYER, GlobalReplay, PerLayerReplay, UpstreamReplay, fastest, simulate,
+                                     tuned_upstream, zero_configuration)
 from moecache.offline.steps import future
 from moecache.offline.upstream import UPSTREAM_TAGS
 
@@ -97,11 +97,11 @@ SIZES = (8, 16, 32)
 
 def upstream(trace, k, policy="upstream"):
     """An upstream version at the device bytes of K slots per layer, no CPU share."""
-    return simulate(trace, UPSTREAM, policy, equal_bytes(trace.expert_bytes, k) / MIB)
+    return simulate(trace, UpstreamReplay(policy, equal_bytes(trace.expert_bytes, k) / MIB))
 
 
 def live_default(trace, k, **options):
-    return simulate(trace, PER_LAYER, "default", k, admission="eager", prefill="warm", **options)
+    return simulate(trace, PerLayerReplay("default", k, admission="eager", prefill="warm", **options))
 
 
 def cells(result):
@@ -116,7 +116,7 @@ def comparison_table(trace):
     print("|---:|---|---:|---:|---:|---:|")
     for k in SIZES:
         for label, policy, admission, prefill in ROWS:
-            runs[k, label] = simulate(trace, PER_LAYER, policy, k, admission=admission, prefill=prefill)
+            runs[k, label] = simulate(trace, PerLayerReplay(policy, k, admission=admission, prefill=prefill))
             print(f"| {k} | {label} | {cells(runs[k, label])} |")
         for policy, label in VERSIONS:
             runs[k, policy] = upstream(trace, k, policy)
@@ -153,7 +153,8 @@ def candidate_table(traces):
     for label, factory, inserts, admission in CANDIDATES:
         row = []
         for i, (name, trace) in enumerate(routings):
-            r = simulate(trace, PER_LAYER, factory(), trace.n_expert // 8, inserts=inserts, admission=admission, prefill="off")
+            r = simulate(trace, PerLayerReplay(factory(), trace.n_expert // 8, inserts=inserts, admission=admission,
+                                               prefill="off"))
             ms = " / ".join(f"{r.modelled_ms(bw):.2f}" for _, bw in LINKS)
             row.append(f"{100 * r.hit_rate:.1f}" + (f" ({r.upload_bytes_per_token / MIB:.0f}, {ms})"
                                                      if i < len(traces) else ""))
@@ -180,7 +181,7 @@ def frontier(traces):
         gains, shares, row = [], [], []
         for trace, up in zip(traces, ups):
             policy = factory(future(trace, PER_LAYER, "warm"))
-            r = simulate(trace, PER_LAYER, policy, 16, inserts=inserts, admission="eager", prefill="warm")
+            r = simulate(trace, PerLayerReplay(policy, 16, inserts=inserts, admission="eager", prefill="warm"))
             gains.append(100 * (r.hit_rate - up.hit_rate))
             shares.append(r.upload_bytes_per_token / up.upload_bytes_per_token)
             row.append(f"{100 * r.hit_rate:.1f} ({gains[-1]:+.1f}), {shares[-1]:.0%}")
@@ -227,8 +228,8 @@ def hit_rate_table(cells):
         ours = live_default(trace, k).hit_rate
         classlru[label, k] = upstream(trace, k).hit_rate
         lru = upstream(trace, k, "upstream-b11480").hit_rate
-        belady = simulate(trace, PER_LAYER, "belady", k, admission="eager", prefill="warm").hit_rate
-        pool = simulate(trace, GLOBAL, "belady", mib).hit_rate
+        belady = simulate(trace, PerLayerReplay("belady", k, admission="eager", prefill="warm")).hit_rate
+        pool = simulate(trace, GlobalReplay("belady", mib)).hit_rate
         print(f"| {label} | {k} | {100 * ours:.1f} | {100 * classlru[label, k]:.1f} | {100 * lru:.1f} | "
               f"{100 * (ours - classlru[label, k]):+.1f} | {100 * belady:.1f} | {100 * pool:.1f} |", flush=True)
     return classlru
@@ -241,8 +242,9 @@ def candidate_margins(cells, classlru):
     print("| candidate | " + " | ".join(f"{label.split(',')[0]} {k}" for label, _, k in cells) + " | min | mean |")
     print("|---|" + "---:|" * (len(cells) + 2))
     for label, factory, inserts in CLASSLRU_CANDIDATES:
-        margins = [100 * (simulate(trace, PER_LAYER, factory(), k, inserts=inserts, admission="eager",
-                                   prefill="warm").hit_rate - classlru[name, k]) for name, trace, k in cells]
+        margins = [100 * (simulate(trace, PerLayerReplay(factory(), k, inserts=inserts, admission="eager",
+                                                         prefill="warm")).hit_rate - classlru[name, k])
+                   for name, trace, k in cells]
         print(f"| {label} | " + " | ".join(f"{m:+.1f}" for m in margins)
               + f" | {min(margins):+.2f} | {np.mean(margins):+.2f} |", flush=True)
 
@@ -310,8 +312,8 @@ def timeline_grid(traces, sizes=SIZES, shares=None):
 
 
 def breakdown(cell, hw, ours, up):
-    """A cell's modelled time per decode token, term by term (moecache.offline.cost.Hardware.breakdown)."""
-    terms = [hw.breakdown(r.work, r.decode_tokens) for r in (ours, up)]
+    """A cell's modelled time per decode token, term by term (moecache.offline.cost.WorkTally.breakdown)."""
+    terms = [r.work.breakdown(hw.rates, r.decode_tokens) for r in (ours, up)]
     print(f"\nThe slowest cell, {cell}, per decode token (ms; experts per token; MODELLED): ours, and upstream at "
           f"F = {up.cpu_share:g} (its copies are its lane)\n")
     print("| term | ours | upstream |")
@@ -341,8 +343,8 @@ def candidate_grid(traces, shares):
             for k in SIZES:
                 for hw in HARDWARE.values():
                     up = fastest(shares[name, k], hw)
-                    r = simulate(trace, PER_LAYER, factory(), k, inserts=inserts, admission="eager", prefill="warm",
-                                 miss_plan=hw.rates if planned else None)
+                    r = simulate(trace, PerLayerReplay(factory(), k, inserts=inserts, admission="eager", prefill="warm",
+                                                       miss_plan=hw.rates if planned else None))
                     ratios.append(r.modelled_ms(hw) / min(up.stock_ms(hw), up.modelled_ms(hw)))
         geomean = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
         print(f"| {label} | {'on' if planned else 'off'} | {geomean:.2f} | {sum(x > 1.0 for x in ratios)} | "

@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 
 from moecache.core.missplan import OUR_LAYOUT, Rates
-from moecache.core.traces import SHIPPED_TRACES, read_trace
-from moecache.offline.cost import HARDWARE, Hardware
-from moecache.offline.replay import PER_LAYER, simulate
+from moecache.formats.traces import SHIPPED_TRACES, read_trace
+from moecache.core.hardware import HARDWARE, Hardware
+from moecache.offline.replay import PerLayerReplay, simulate
 from moecache.util import Progress
 
 SIZES = (8, 16, 32)
@@ -49,10 +49,11 @@ def main():
         for trace in traces:
             name = Path(trace.path).name.split(".")[0]
             for k in SIZES:
-                without = simulate(trace, PER_LAYER, "default", k, admission="eager", prefill="warm")
+                without = simulate(trace, PerLayerReplay("default", k, admission="eager", prefill="warm"))
                 for i, (label, rates) in enumerate(rate_sets):
                     hw = Hardware(label, "", rates, "")
-                    ours = simulate(trace, PER_LAYER, "default", k, admission="eager", prefill="warm", miss_plan=rates)
+                    ours = simulate(trace, PerLayerReplay("default", k, admission="eager", prefill="warm",
+                                                          miss_plan=rates))
                     cells.append((label, name, k, i < len(classes), ours.modelled_ms(hw) / without.modelled_ms(hw),
                                   upload_share(trace, rates)))
                     progress.advance(f"{name} K={k}")

@@ -15,14 +15,14 @@ from pathlib import Path
 
 import numpy as np
 
-from moecache.core.traces import SHIPPED_TRACES, RouteTrace, read_trace
+from moecache.formats.traces import SHIPPED_TRACES, RouteTrace, read_trace
 from moecache.offline.experiments import DEFAULT_CANDIDATES, SKEWED, SYNTHETIC, synthetic_routings
-from moecache.offline.replay import PER_LAYER, simulate
+from moecache.offline.replay import PerLayerReplay, simulate
 
 
 def run(trace, slots, policy):
     """Decode hit% and uploads per layer per step."""
-    result = simulate(trace, PER_LAYER, policy, slots, prefill="off")
+    result = simulate(trace, PerLayerReplay(policy, slots, prefill="off"))
     return 100 * result.hit_rate, result.totals["uploads"] / (result.decode_tokens * trace.layers.size)
 
 

@@ -16,14 +16,14 @@ from pathlib import Path
 import numpy as np
 
 from moecache.core.policies import DEFAULT_POLICY, POLICIES
-from moecache.core.profile import UsageProfile
-from moecache.core.traces import DECODE, SHIPPED_TRACES, RouteTrace, read_trace
+from moecache.formats.profile import UsageProfile
+from moecache.formats.traces import DECODE, SHIPPED_TRACES, RouteTrace, read_trace
 from moecache.offline.experiments import PopularityOracle, preloaded_only, synthetic_routings
-from moecache.offline.replay import PER_LAYER, simulate
+from moecache.offline.replay import PerLayerReplay, simulate
 
 
 def hit_pct(trace, policy, slots, inserts=2, **options):
-    return 100 * simulate(trace, PER_LAYER, policy, slots, inserts=inserts, prefill="off", **options).hit_rate
+    return 100 * simulate(trace, PerLayerReplay(policy, slots, inserts=inserts, prefill="off", **options)).hit_rate
 
 
 def preloaded_pct(trace, slots, profile):
@@ -58,7 +58,7 @@ def policy_table(trace, slots):
 
 def synthetic_table():
     names = ["lru", "lfu", "gdsf", "arc", "sieve", DEFAULT_POLICY]
-    print("\nsynthetic locality routing (moecache.core.traces.synthetic_routing, 300 steps, seeds 3..5), "
+    print("\nsynthetic locality routing (moecache.formats.traces.synthetic_routing, 300 steps, seeds 3..5), "
           "K = experts/8, INSERTS=2: hit% (gap closed)\n")
     print("| routing | belady | " + " | ".join(names) + " |")
     print("|---|---:|" + "---:|" * len(names))

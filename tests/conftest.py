@@ -16,7 +16,7 @@ import pytest
 
 N_THREADS = max(1, min(2, os.cpu_count() or 1))
 
-from moecache.core.traces import TRACES_DIR as TRACES  # noqa: E402  (the shipped real traces)
+from moecache.formats.traces import TRACES_DIR as TRACES  # noqa: E402  (the shipped real traces)
 from moecache.live import decode  # noqa: E402
 
 PROMPT = b"The three primary colors are"
@@ -111,7 +111,7 @@ def greedy(llm, prompt: bytes, n: int):
 
 
 def replayed_as_live(cache) -> dict:
-    """simulate()'s settings for what the live cache ran: its admission, and its miss planner at
+    """PerLayerReplay's settings for what the live cache ran: its admission, and its miss planner at
     the rates attach measured (on by default where it can run)."""
     return {"admission": cache.config.admission, "miss_plan": cache.planner.rates if cache.planner else None}
 

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import numpy as np
 
-from moecache.core.profile import UsageProfile
-from moecache.core.traces import DECODE, SHIPPED_TRACES, RouteTrace, read_trace
+from moecache.formats.profile import UsageProfile
+from moecache.formats.traces import DECODE, SHIPPED_TRACES, RouteTrace, read_trace
 from moecache.offline.experiments import (DEFAULT_CANDIDATES, SKEWED, SYNTHETIC, PopularityOracle,
                                           preloaded_only, synthetic_routings)
-from moecache.offline.replay import GLOBAL, MIB, PER_LAYER, per_layer_slots, simulate
+from moecache.offline.replay import MIB, GlobalReplay, PerLayerReplay, per_layer_slots, simulate
 
 STORED = Path(__file__).with_name("replay_values.json")
 PER_LAYER_POLICIES = ["belady", "lru", "lfu", "gdsf", "random", "arc", "sieve", "heat"]
@@ -47,17 +47,17 @@ def trace_values(trace, name):
                  for k in (4, 8, 32, 64, 96)]
     for policy, k, inserts in runs:
         values[f"{name} per-layer {policy} K={k} inserts={inserts}"] = value(
-            simulate(trace, PER_LAYER, policy, k, inserts=inserts, prefill="off"))
+            simulate(trace, PerLayerReplay(policy, k, inserts=inserts, prefill="off")))
     values[f"{name} per-layer lru K={k16} inserts=2 prefill"] = value(
-        simulate(trace, PER_LAYER, "lru", k16, prefill="plain"))
+        simulate(trace, PerLayerReplay("lru", k16, prefill="plain")))
     values[f"{name} per-layer random K={k16} inserts=2 seed=7"] = value(
-        simulate(trace, PER_LAYER, "random", k16, seed=7, prefill="off"))
+        simulate(trace, PerLayerReplay("random", k16, seed=7, prefill="off")))
     for inserts in (2, None):
         values[f"{name} per-layer popularity-oracle K={k16} inserts={inserts}"] = value(
-            simulate(trace, PER_LAYER, PopularityOracle(trace.decode_ids), k16, inserts=inserts, prefill="off"))
+            simulate(trace, PerLayerReplay(PopularityOracle(trace.decode_ids), k16, inserts=inserts, prefill="off")))
     for candidate, factory in DEFAULT_CANDIDATES.items():
         values[f"{name} per-layer candidate-{candidate} K={k16} inserts=2"] = value(
-            simulate(trace, PER_LAYER, factory(), k16, prefill="off"))
+            simulate(trace, PerLayerReplay(factory(), k16, prefill="off")))
 
     decode = np.flatnonzero(trace.phase == DECODE)
     half = len(decode) // 2
@@ -69,7 +69,7 @@ def trace_values(trace, name):
             for warm in (False, True):
                 label = f"warm <- {source}" if warm else "cold"
                 values[f"{name} {replayed}-half per-layer {policy} K={k16} inserts=2 {label}"] = value(
-                    simulate(part, PER_LAYER, policy, k16, profile=profile if warm else None, prefill="off"))
+                    simulate(part, PerLayerReplay(policy, k16, profile=profile if warm else None, prefill="off")))
         values[f"{name} {replayed}-half per-layer heat K={k16} inserts=2 preloaded <- {source}"] = \
             value(preloaded_only(part, "heat", k16, profile))
 
@@ -77,7 +77,7 @@ def trace_values(trace, name):
         k = per_layer_slots(trace, budget)
         for policy in ("lru", "heat", "belady"):
             values[f"{name} per-layer {policy} MiB={budget} K={k} inserts=2"] = value(
-                simulate(trace, PER_LAYER, policy, k, prefill="off"))
+                simulate(trace, PerLayerReplay(policy, k, prefill="off")))
 
     budgets = [500, 750, 780, 1000, 2000, 3000, 4000]
     working_set = trace.working_set_bytes() / MIB
@@ -85,7 +85,7 @@ def trace_values(trace, name):
     runs += [("lru", f * working_set) for f in (0.25, 0.5, 0.9, 0.95, 2.0)] + [("belady", 0.5 * working_set)]
     for policy, budget in runs:
         label = RECORDED_AS.get(policy, policy)
-        values[f"{name} global {label} MiB={budget:.6g}"] = value(simulate(trace, GLOBAL, policy, budget))
+        values[f"{name} global {label} MiB={budget:.6g}"] = value(simulate(trace, GlobalReplay(policy, budget)))
     return values
 
 
@@ -96,19 +96,21 @@ def synthetic_values():
         slots = experts // 8
         name = f"synthetic {label} seed={seed}"
         for policy in ("belady", "lru", "lfu", "gdsf", "arc", "sieve", "heat"):
-            values[f"{name} {policy} K={slots}"] = value(simulate(trace, PER_LAYER, policy, slots, prefill="off"))
+            values[f"{name} {policy} K={slots}"] = value(simulate(trace, PerLayerReplay(policy, slots, prefill="off")))
         for candidate, factory in DEFAULT_CANDIDATES.items():
-            values[f"{name} candidate-{candidate} K={slots}"] = value(simulate(trace, PER_LAYER, factory(), slots, prefill="off"))
+            values[f"{name} candidate-{candidate} K={slots}"] = value(
+                simulate(trace, PerLayerReplay(factory(), slots, prefill="off")))
         if label == SKEWED[0]:  # the warm-start tables run the others only
             continue
         for replayed, source in ((slice(150, None), slice(0, 150)), (slice(0, 150), slice(150, None))):
             part = RouteTrace.from_routing(routing[replayed], experts)
             profile = UsageProfile.from_ids("synthetic", range(routing.shape[1]), experts, routing[source])
             span = f"{replayed.start or 0}-{(replayed.stop or 300) - 1}"
-            values[f"{name} steps {span} heat K={slots} cold"] = value(simulate(part, PER_LAYER, "heat", slots, prefill="off"))
+            values[f"{name} steps {span} heat K={slots} cold"] = value(
+                simulate(part, PerLayerReplay("heat", slots, prefill="off")))
             values[f"{name} steps {span} heat K={slots} preloaded"] = value(preloaded_only(part, "heat", slots, profile))
             values[f"{name} steps {span} heat K={slots} warm"] = value(
-                simulate(part, PER_LAYER, "heat", slots, profile=profile, prefill="off"))
+                simulate(part, PerLayerReplay("heat", slots, profile=profile, prefill="off")))
     return values
 
 

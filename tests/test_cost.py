@@ -5,10 +5,10 @@ and --hardware on the command line."""
 import pytest
 from conftest import TRACES
 
+from moecache.core.hardware import DEFAULT_HARDWARE, HARDWARE, ddr_peak_gbps, pcie_peak_gbps
 from moecache.core.missplan import OUR_LAYOUT, STOCK_LAYOUT, UPSTREAM_LAYOUT, Rates
 from moecache.offline.cli import main
-from moecache.offline.cost import (DEFAULT_HARDWARE, HARDWARE, Hardware, WorkTally, ddr_peak_gbps,
-                                   pcie_peak_gbps)
+from moecache.offline.cost import WorkTally
 
 MB = 1e6
 # host 50 GB/s: 1 MB in 0.02 ms; link 25: 0.04 ms; dram 80: 0.0125 ms; device 500: 0.002 ms
@@ -67,14 +67,13 @@ def test_a_token_is_its_layers_unless_the_background_uploads_outgrow_the_link_or
     tally = WorkTally(OUR_LAYOUT, [MB, 2 * MB], [DENSE, DENSE])
     tally.add_layers([1, 0], [0, 0], [1, 2])   # token 1
     tally.add_layers([1, 0], [0, 0], [1, 2])   # token 2
-    hw = Hardware("test", "", RATES, "")
     # layer 0: 0.01 + max(0.01 + 0.02 + 0.005, 0.002); layer 1: 0.01 + 0.01 + 4 MB / 50 + 0.005
     per_token = 0.045 + 0.105
-    assert hw.token_ms(tally, 2) == pytest.approx(per_token)
+    assert tally.token_ms(RATES, 2) == pytest.approx(per_token)
     tally.add_async([10, 0])                  # 10 MB over the run: 0.4 ms of link, beyond 2 tokens
-    assert hw.token_ms(tally, 2) == pytest.approx(10 * MB / 25e6 / 2)
+    assert tally.token_ms(RATES, 2) == pytest.approx(10 * MB / 25e6 / 2)
     # stock on the same passes: every expert on the CPU
-    assert hw.token_ms(tally.as_stock(), 2) == pytest.approx(
+    assert tally.as_stock().token_ms(RATES, 2) == pytest.approx(
         layer(STOCK_LAYOUT, cpu=2) + RATES.layer_ms(STOCK_LAYOUT, 2 * MB, DENSE, 0, 0, 2))
 
 
@@ -83,9 +82,8 @@ def test_a_tokens_breakdown_is_its_terms_per_token():
     tally.add_layers([1, 0], [1, 0], [1, 2])   # token 1: layer 0 a hit, a lane copy, a CPU miss
     tally.add_layers([0, 1], [0, 0], [2, 1])   # token 2
     tally.add_async([3, 0])
-    hw = Hardware("test", "", RATES, "")
-    terms = hw.breakdown(tally, 2)
-    assert hw.token_ms(tally, 2) == max(terms["layers"], terms["link"], terms["dram"])
+    terms = tally.breakdown(RATES, 2)
+    assert tally.token_ms(RATES, 2) == max(terms["layers"], terms["link"], terms["dram"])
     assert (terms["hits"], terms["lane"], terms["cpu"]) == (1.0, 0.5, 3.0)
     assert terms["router"] == pytest.approx(4 * 0.01 / 2)
     assert terms["joins"] == pytest.approx(4 * 0.005 / 2)  # our graph always has the CPU node
@@ -140,7 +138,7 @@ def test_the_comparison_script_ends_with_the_geomean_line(capsys):
     import re
     from pathlib import Path
 
-    from moecache.core.traces import RouteTrace, synthetic_routing
+    from moecache.formats.traces import RouteTrace, synthetic_routing
 
     script = Path(__file__).resolve().parents[1] / "scripts" / "compare_upstream.py"
     spec = importlib.util.spec_from_file_location("compare_upstream", script)

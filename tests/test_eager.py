@@ -6,7 +6,7 @@ import pytest
 from moecache.core.admission import Handover, admissions, build_handover
 from moecache.core.engine import CacheEngine
 from moecache.core.policies import Lru, make_policy
-from moecache.core.traces import synthetic_routing
+from moecache.formats.traces import synthetic_routing
 
 INF = np.inf
 

@@ -3,7 +3,7 @@ import pytest
 
 from moecache.core.engine import CacheEngine
 from moecache.core.policies import Lru, NextUse, Policy, make_policy
-from moecache.core.traces import synthetic_routing
+from moecache.formats.traces import synthetic_routing
 
 
 class ReferenceLru:
@@ -453,7 +453,7 @@ def test_prefill_step_models_no_eager_admission_and_hands_over_for_the_next_grap
 def test_counter_names_are_the_c_enums_in_the_reported_order():
     """COUNTERS is read from engine_core.h's mc_counter: the names, their order (the stats'
     and the live report's) and the C's row of each must agree."""
-    from moecache._core import lib
+    from moecache.core.bookkeeping import lib
     from moecache.core.engine import COUNTERS
 
     assert COUNTERS == ("hits", "misses", "uploads", "evictions", "prefetch_uploads", "prefetch_hits",

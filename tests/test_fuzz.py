@@ -17,10 +17,11 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from test_traces import SMALL as SMALL_TRACE  # noqa: E402
 
-from moecache.core import traces  # noqa: E402
-from moecache.core.binary_trace import MAGIC as BINARY_MAGIC  # noqa: E402
-from moecache.core.profile import ProfileError, UsageProfile  # noqa: E402
-from moecache.core.traces import OPTIONAL_COLUMNS, REQUIRED_COLUMNS, TraceError, read_trace  # noqa: E402
+from moecache.formats import csv_trace  # noqa: E402
+from moecache.formats.binary_trace import MAGIC as BINARY_MAGIC  # noqa: E402
+from moecache.formats.csv_trace import OPTIONAL_COLUMNS, REQUIRED_COLUMNS  # noqa: E402
+from moecache.formats.profile import ProfileError, UsageProfile  # noqa: E402
+from moecache.formats.traces import TraceError, read_trace  # noqa: E402
 
 # CI has 2 cores: a bounded number of examples per property, each fast
 FUZZ = settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", 150)), deadline=2000, derandomize=True,
@@ -130,10 +131,10 @@ def test_loadtxt_reads_a_block_as_the_csv_module_does(rows, end):
     """The trace reader takes numpy's loadtxt's values for a block only where they are the csv
     module's, int()'s and float()'s: the same values, and nothing they refuse."""
     text = "".join(",".join(row) + end for row in rows)
-    fast = traces._parse_fast(text, list(ROW_COLUMNS))
+    fast = csv_trace.parse_fast(text, list(ROW_COLUMNS))
     if fast is None:
         return
-    pieces = list(traces._parse_exact("t.csv", text, 1, list(ROW_COLUMNS), None))
+    pieces = list(csv_trace.parse_exact("t.csv", text, 1, list(ROW_COLUMNS), None))
     assert len(pieces) == 1
     exact = pieces[0][1]
     for name in ROW_COLUMNS:
@@ -274,7 +275,7 @@ def test_every_variable_through_zero_code_activation(tmp_path_factory, environ):
     os.chdir(folder)
     # a registered context callback stands in for an earlier install: no process-wide change here
     with mock.patch.dict(os.environ, {**clean, **environ}, clear=True), \
-            mock.patch.object(activate, "_context_callback", object()):
+            mock.patch.object(activate, "context_callback", object()):
         log.addHandler(handler)
         try:
             installed = activate.install()

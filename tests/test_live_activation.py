@@ -44,7 +44,7 @@ def test_zero_code_activation(tmp_path, tiny_path):
 
 
 def test_zero_code_trace_of_a_model_whose_name_has_spaces(tmp_path, tiny_path):
-    from moecache.core.traces import read_trace
+    from moecache.formats.traces import read_trace
 
     trace_path = tmp_path / "live.route.csv"
     run = run_python(UNMODIFIED_PROGRAM.format(path=tiny_path),
@@ -57,7 +57,7 @@ def test_zero_code_trace_of_a_model_whose_name_has_spaces(tmp_path, tiny_path):
 
 def test_zero_code_trace_of_a_long_non_ascii_model_name(tmp_path, tiny_path):
     """general.name is read into 255 bytes: a long UTF-8 name is cut mid-character."""
-    from moecache.core.traces import read_trace
+    from moecache.formats.traces import read_trace
 
     model = tmp_path / "named.gguf"
     subprocess.run([sys.executable, "-m", "gguf.scripts.gguf_new_metadata", "--force", "--general-name",

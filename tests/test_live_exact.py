@@ -126,8 +126,8 @@ def speculative(path, n_tokens, **cache_args):
 
 
 def test_speculative_decoding_is_bit_identical_and_accounts_every_lookup(tmp_path, rpc_device, smol_path):
-    from moecache.core.traces import read_trace
-    from moecache.offline.replay import PER_LAYER, simulate
+    from moecache.formats.traces import read_trace
+    from moecache.offline.replay import PerLayerReplay, simulate
 
     text_off, evals_off, _ = speculative(smol_path, 128)
     trace_path = tmp_path / "spec.route.csv"
@@ -156,7 +156,7 @@ def test_speculative_decoding_is_bit_identical_and_accounts_every_lookup(tmp_pat
     cache.close()
     trace = read_trace(str(trace_path))
     assert len(np.unique(trace.batch)) == len(sizes) - 1
-    replayed = simulate(trace, PER_LAYER, "lru", 2, inserts=2, admission=cache.config.admission).totals
+    replayed = simulate(trace, PerLayerReplay("lru", 2, inserts=2, admission=cache.config.admission)).totals
     assert (replayed["hits"], replayed["misses"]) == (stats["totals"]["hits"], stats["totals"]["misses"])
 
 

@@ -26,8 +26,8 @@ COUNTED = ("hits", "misses", "uploads", "declined", "lane_misses")
 
 def test_a_slow_link_keeps_misses_on_the_cpu_a_fast_one_sends_them_through_the_lane(tmp_path, rpc_device, synth48):
     from moecache.core.missplan import Rates
-    from moecache.core.traces import read_trace
-    from moecache.offline.replay import PER_LAYER, simulate
+    from moecache.formats.traces import read_trace
+    from moecache.offline.replay import PerLayerReplay, simulate
 
     n_tokens = 64
     stock = greedy(load(synth48), PROMPT, n_tokens)
@@ -58,8 +58,8 @@ def test_a_slow_link_keeps_misses_on_the_cpu_a_fast_one_sends_them_through_the_l
         assert sum(layer["declined"] for layer in live["layers"]) == live["totals"]["declined"]
         # the offline planner at the rates the stats report is the live run
         used = Rates(**{f.name: live["planner"][f.name] for f in dataclasses.fields(Rates)})
-        replayed = simulate(read_trace(str(trace_path)), PER_LAYER, "heat", 16, inserts=2, admission="eager",
-                            miss_plan=used).totals
+        replayed = simulate(read_trace(str(trace_path)),
+                            PerLayerReplay("heat", 16, inserts=2, admission="eager", miss_plan=used)).totals
         assert {k: replayed[k] for k in COUNTED} == {k: live["totals"][k] for k in COUNTED}
     off, slow, fast = (runs[name]["totals"] for name in ("off", "slow", "fast"))
     print(f"decode, {n_tokens} tokens, K=16: planner off {off['misses']} misses, {off['uploads']} uploads; "

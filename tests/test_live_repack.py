@@ -181,7 +181,7 @@ def test_a_lane_copy_from_a_changed_file_fails_its_ubatch_and_decoding_goes_on_s
     cache = attach(llm, slots=4, inserts=2, wait=1, planner=1, link_gbps=1000, host_gbps=1)
 
     def next_token() -> int:
-        row = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
+        row = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
         return int(np.argmax(np.ctypeslib.as_array(row, shape=(llm.n_vocab(),))))
 
     llm.eval(llm.tokenize(PROMPT))
@@ -327,7 +327,7 @@ def forced(llm, tokens):
     rows = []
     for batch in [llm.tokenize(PROMPT)] + [[t] for t in tokens]:
         llm.eval(batch)
-        rows.append(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(n_vocab,)).copy())
+        rows.append(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,)).copy())
     return np.stack(rows)
 
 

@@ -18,14 +18,14 @@ from conftest import PROMPT, REPO, greedy, load, moecache_log_lines, record_plan
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
-from moecache.core.profile import UsageProfile  # noqa: E402
-from moecache.core.traces import read_trace  # noqa: E402
+from moecache.formats.profile import UsageProfile  # noqa: E402
+from moecache.formats.traces import read_trace  # noqa: E402
 from moecache.live.activate import attach  # noqa: E402
 
 
 @pytest.mark.parametrize("policy", ["lru", "default"])
 def test_live_trace_replays_to_the_live_hit_count(tmp_path, rpc_device, smol_path, policy):
-    from moecache.offline.replay import PER_LAYER, simulate
+    from moecache.offline.replay import PerLayerReplay, simulate
 
     trace_path = tmp_path / "live.route.csv"
     llm = load(smol_path)
@@ -36,7 +36,7 @@ def test_live_trace_replays_to_the_live_hit_count(tmp_path, rpc_device, smol_pat
 
     trace = read_trace(str(trace_path))
     assert int((trace.residency[trace.phase == 1] > 0).sum()) == live["hits"]
-    replayed = simulate(trace, PER_LAYER, cache.config.policy, 2, inserts=1, **replayed_as_live(cache)).totals
+    replayed = simulate(trace, PerLayerReplay(cache.config.policy, 2, inserts=1, **replayed_as_live(cache))).totals
     assert (replayed["hits"], replayed["misses"]) == (live["hits"], live["misses"])
 
 
@@ -111,7 +111,7 @@ def test_a_failing_trace_write_stops_the_trace_not_the_cache(tmp_path, caplog, m
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return write(fd, data)
 
-    monkeypatch.setattr("moecache.core.traces.os.write", full_disk_for_the_trace)
+    monkeypatch.setattr("moecache.formats.trace_writer.os.write", full_disk_for_the_trace)
     with moecache_log_lines(caplog) as lines:
         tokens, logits = greedy(llm, PROMPT, 16)
     assert tokens == stock[0] and np.array_equal(logits, stock[1])
@@ -130,7 +130,7 @@ def test_a_full_disk_at_start_leaves_the_cache_without_its_trace(tmp_path, caplo
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return write(fd, data)
 
-    monkeypatch.setattr("moecache.core.traces.os.write", full_disk_for_the_trace)
+    monkeypatch.setattr("moecache.formats.trace_writer.os.write", full_disk_for_the_trace)
     with moecache_log_lines(caplog) as lines:
         cache = attach(llm, slots=2, trace=str(trace_path))
         greedy(llm, PROMPT, 4)

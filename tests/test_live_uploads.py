@@ -39,8 +39,8 @@ def test_waiting_for_uploads_is_an_option(rpc_device, tiny_path):
 # --- eager admission: libllama's observers start the uploads of a graph's misses ------------------
 
 def test_eager_admission_raises_the_live_hit_rate_and_replays_exactly(tmp_path, rpc_device, synth48):
-    from moecache.core.traces import read_trace
-    from moecache.offline.replay import PER_LAYER, simulate
+    from moecache.formats.traces import read_trace
+    from moecache.offline.replay import PerLayerReplay, simulate
 
     n_tokens = 128
     stock = greedy(load(synth48), PROMPT, n_tokens)
@@ -57,7 +57,7 @@ def test_eager_admission_raises_the_live_hit_rate_and_replays_exactly(tmp_path, 
         assert live["failed"] is None and live["admission"] == admission
         assert tokens == stock[0] and np.array_equal(logits, stock[1])
         trace = read_trace(str(trace_path))
-        replayed = simulate(trace, PER_LAYER, cache.config.policy, 16, inserts=2, **replayed_as_live(cache)).totals
+        replayed = simulate(trace, PerLayerReplay(cache.config.policy, 16, inserts=2, **replayed_as_live(cache))).totals
         assert (replayed["hits"], replayed["misses"]) == (live["totals"]["hits"], live["totals"]["misses"])
         decode = trace.batch > trace.batch[0]  # the one-token ubatches after the prompt's
         rates[admission] = (trace.residency[decode] > 0).sum() / (trace.ids[decode] >= 0).sum()
@@ -75,8 +75,8 @@ def test_a_long_prompt_warms_the_cache_exactly_and_replays_to_the_live_hit_count
     """A prompt longer than LLAMA_MOE_CACHE_MAX_BATCH runs the stock graph (in ubatches of n_batch
     tokens), each ubatch a prefill step that uploads its most used experts; the logits stay
     bit-identical, and the replay with prefill="warm" reproduces the live hit count."""
-    from moecache.core.traces import PREFILL, read_trace
-    from moecache.offline.replay import PER_LAYER, simulate
+    from moecache.formats.traces import PREFILL, read_trace
+    from moecache.offline.replay import PerLayerReplay, simulate
 
     n_tokens = 48
     stock = greedy(load(synth48, n_batch=n_batch), LONG_PROMPT, n_tokens)
@@ -95,8 +95,9 @@ def test_a_long_prompt_warms_the_cache_exactly_and_replays_to_the_live_hit_count
 
     trace = read_trace(str(trace_path))
     assert (trace.phase == PREFILL).sum() == n_prompt
-    replay = {prefill: simulate(trace, PER_LAYER, cache.config.policy, 16, inserts=2, prefill=prefill,
-                                **replayed_as_live(cache)) for prefill in ("warm", "off")}
+    replay = {prefill: simulate(trace, PerLayerReplay(cache.config.policy, 16, inserts=2, prefill=prefill,
+                                                      **replayed_as_live(cache)))
+              for prefill in ("warm", "off")}
     warm = replay["warm"].totals
     assert (warm["hits"], warm["misses"]) == (live["totals"]["hits"], live["totals"]["misses"])
     assert replay["warm"].totals_all["prefill_uploads"] == live["totals"]["prefill_uploads"]

@@ -10,9 +10,9 @@ from moecache.core.admission import Handover, admissions, admissions_with_lane, 
 from moecache.core.engine import CacheEngine
 from moecache.core.missplan import BUSY_POWER, OUR_LAYOUT, MissPlanner, Rates
 from moecache.core.policies import make_policy
-from moecache.core.traces import RouteTrace, synthetic_routing
-from moecache.offline.cost import Hardware
-from moecache.offline.replay import PER_LAYER, simulate
+from moecache.formats.traces import RouteTrace, synthetic_routing
+from moecache.core.hardware import Hardware
+from moecache.offline.replay import PerLayerReplay, simulate
 
 MB = 10 ** 6
 SLOW = Rates(host_gbps=50, link_gbps=1, dram_gbps=60, device_gbps=1000, ids_trip_us=10, join_us=5)
@@ -103,7 +103,7 @@ def test_the_planner_hands_over_the_policys_worths_with_its_lane_table_and_margi
 def planned_core(planner, n_expert=8):
     """The C side of an engine running this planner: its observations model the graphs."""
     return CacheEngine(len(planner.expert_bytes), n_expert, 4, make_policy("heat"), admission="eager",
-                       miss_planner=planner)._core
+                       miss_planner=planner).bookkeeping
 
 
 def copies(n, layer=0):
@@ -159,7 +159,7 @@ def test_an_engine_takes_several_tokens_graphs_by_the_formula():
     rng = np.random.default_rng(3)
     for _ in range(20):  # graphs of three tokens: the table holds one token's counts
         engine.step(rng.integers(0, 8, (2, 6)))
-    assert 0 < engine._core.busy < 1
+    assert 0 < engine.bookkeeping.busy < 1
 
 
 def test_the_link_carries_each_copys_layer_bytes_and_the_counters_the_planners():
@@ -174,7 +174,7 @@ def test_the_link_carries_each_copys_layer_bytes_and_the_counters_the_planners()
         assert seen.graph_ms == pytest.approx(planner.graph_ms(seen.hits, seen.lane, seen.misses))
         assert core.busy == pytest.approx(min(1.0, seen.link_ms / seen.graph_ms))
     engine = CacheEngine(2, 8, 4, make_policy("heat"), admission="eager", miss_planner=planner)
-    core = engine._core
+    core = engine.bookkeeping
     core.observe(ids, True, writes, 1, declined=np.array([2, 0], dtype=np.int32))
     core.observe(ids, False, writes, 1, declined=np.array([2, 0], dtype=np.int32))  # a prompt: not counted
     assert engine.counters["lane_misses"].tolist() == [1, 0] and engine.counters["declined"].tolist() == [2, 0]
@@ -211,7 +211,7 @@ def test_a_graphs_time_is_the_formulas_and_the_observation_sums_it_for_one_token
         else:
             assert seen.graph_ms == -1
     assert summed >= 4
-    plain = CacheEngine(3, 8, 4, make_policy("heat"), admission="eager")._core
+    plain = CacheEngine(3, 8, 4, make_policy("heat"), admission="eager").bookkeeping
     seen = plain.observe(rng.integers(-1, 8, (3, 2)), True)
     assert seen.graph_ms == -1 and seen.lane is None  # no planner, no table
 
@@ -369,9 +369,9 @@ def routing_trace():
 
 def test_through_the_replay_the_link_decides_where_misses_go():
     trace = routing_trace()
-    runs = {name: simulate(trace, PER_LAYER, "heat", 8, admission="eager", prefill="off", miss_plan=rates)
+    runs = {name: simulate(trace, PerLayerReplay("heat", 8, admission="eager", prefill="off", miss_plan=rates))
             for name, rates in (("slow", SLOW), ("fast", FAST))}
-    plain = simulate(trace, PER_LAYER, "heat", 8, admission="eager", prefill="off")
+    plain = simulate(trace, PerLayerReplay("heat", 8, admission="eager", prefill="off"))
     assert runs["slow"].totals["lane_misses"] == 0 < runs["fast"].totals["lane_misses"]
     assert runs["fast"].totals["lane_misses"] <= min(runs["fast"].totals["misses"], runs["fast"].totals["uploads"])
     # a slow link: only the uploads that pay 51 uses, far fewer than eager heat's
@@ -396,9 +396,9 @@ def test_the_planner_needs_eager_admission_a_policy_that_counts_uses_and_n_used_
 def test_the_replay_runs_the_planner_without_its_lane_beside_it():
     trace = routing_trace()
     kw = dict(admission="eager", prefill="off")
-    no_lane = simulate(trace, PER_LAYER, "heat", 8, miss_plan=SLOW, lane=False, **kw)
-    lane = simulate(trace, PER_LAYER, "heat", 8, miss_plan=SLOW, **kw)
-    plain = simulate(trace, PER_LAYER, "heat", 8, **kw)
+    no_lane = simulate(trace, PerLayerReplay("heat", 8, miss_plan=SLOW, lane=False, **kw))
+    lane = simulate(trace, PerLayerReplay("heat", 8, miss_plan=SLOW, **kw))
+    plain = simulate(trace, PerLayerReplay("heat", 8, **kw))
     assert "lane_misses" not in no_lane.totals and no_lane.totals["declined"] > 0
     # a slow link: the lane takes nothing, so both are the payback rule alone
     assert lane.totals["lane_misses"] == 0
@@ -406,8 +406,8 @@ def test_the_replay_runs_the_planner_without_its_lane_beside_it():
         {k: lane.totals[k] for k in ("hits", "uploads", "declined")}
     assert no_lane.totals["uploads"] < plain.totals["uploads"]
     # a fast link: the lane takes misses the lane-less planner leaves to the CPU, in less modelled time
-    fast_no_lane = simulate(trace, PER_LAYER, "heat", 8, miss_plan=FAST, lane=False, **kw)
-    fast_lane = simulate(trace, PER_LAYER, "heat", 8, miss_plan=FAST, **kw)
+    fast_no_lane = simulate(trace, PerLayerReplay("heat", 8, miss_plan=FAST, lane=False, **kw))
+    fast_lane = simulate(trace, PerLayerReplay("heat", 8, miss_plan=FAST, **kw))
     hardware = Hardware("fast", "", FAST, "")
     assert fast_lane.totals["lane_misses"] > 0
     assert fast_lane.modelled_ms(hardware) < fast_no_lane.modelled_ms(hardware)
@@ -422,9 +422,9 @@ def test_the_planner_is_on_by_default_wherever_it_can_run():
 
 
 def test_zero_configuration_replays_the_default_with_the_planner_it_turns_on():
-    from moecache.offline.replay import zero_configuration
+    from moecache.offline.replay import PerLayerReplay, zero_configuration
     trace = RouteTrace.from_routing(synthetic_routing(24, 4, 16, 2, seed=3), 16, expert_bytes=[4 * MB] * 4)
     ours = zero_configuration(trace, 4, SLOW)
-    planned = simulate(trace, PER_LAYER, "heat", 4, admission="eager", prefill="warm", miss_plan=SLOW)
+    planned = simulate(trace, PerLayerReplay("heat", 4, admission="eager", prefill="warm", miss_plan=SLOW))
     assert ours.totals == planned.totals and ours.admission == "eager" and ours.totals["declined"] > 0
-    assert ours.totals != simulate(trace, PER_LAYER, "heat", 4, admission="eager", prefill="warm").totals
+    assert ours.totals != simulate(trace, PerLayerReplay("heat", 4, admission="eager", prefill="warm")).totals

@@ -4,9 +4,9 @@ import pytest
 
 from moecache.core.engine import CacheEngine
 from moecache.core.policies import DEFAULT_POLICY, POLICIES, make_policy
-from moecache.core.traces import SHIPPED_TRACES, RouteTrace, read_trace, synthetic_routing
+from moecache.formats.traces import SHIPPED_TRACES, RouteTrace, read_trace, synthetic_routing
 from moecache.offline.budget import BUDGET_POLICIES, make_budget_policy
-from moecache.offline.replay import PER_LAYER, simulate
+from moecache.offline.replay import PerLayerReplay, simulate
 from moecache.offline.steps import next_use, observation_keys
 
 ONLINE = [name for name, factory in POLICIES.items() if name != "belady"]
@@ -25,8 +25,7 @@ def test_registry_and_default():
 
 
 def hit_rate(routing, n_expert, slots, policy, inserts):
-    return simulate(RouteTrace.from_routing(routing, n_expert), PER_LAYER, policy, slots,
-                    inserts=inserts).hit_rate
+    return simulate(RouteTrace.from_routing(routing, n_expert), PerLayerReplay(policy, slots, inserts=inserts)).hit_rate
 
 
 RANDOM_CASES = [  # (seed, experts, top-k, slots, generator options)
@@ -48,9 +47,9 @@ def test_belady_beats_every_online_policy_on_random_traces(seed, experts, k, slo
 def test_belady_beats_every_online_policy_on_real_traces(path):
     trace = read_trace(str(path))
     for slots, inserts in ((8, 2), (16, 2), (32, 2), (16, None)):
-        best = simulate(trace, PER_LAYER, "belady", slots, inserts=inserts).hit_rate
+        best = simulate(trace, PerLayerReplay("belady", slots, inserts=inserts)).hit_rate
         for name in ONLINE:
-            got = simulate(trace, PER_LAYER, name, slots, inserts=inserts).hit_rate
+            got = simulate(trace, PerLayerReplay(name, slots, inserts=inserts)).hit_rate
             assert got <= best + 1e-9, (name, slots, inserts)
 
 

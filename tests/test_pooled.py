@@ -8,10 +8,10 @@ import pytest
 from moecache.core.admission import Handover
 from moecache.core.engine import CacheEngine
 from moecache.core.policies import make_policy
-from moecache.core.traces import RouteTrace, synthetic_routing
+from moecache.formats.traces import RouteTrace, synthetic_routing
 from moecache.offline.experiments import HeatSum
 from moecache.offline.pooled import PooledEngine, pool_admissions, pooled_replay, pooled_trace
-from moecache.offline.replay import PER_LAYER, simulate
+from moecache.offline.replay import PerLayerReplay, simulate
 
 
 def routing(n_layers=4, sizes=None, steps=40, seed=3):
@@ -40,7 +40,7 @@ def test_a_pool_of_one_layer_replays_as_the_per_layer_engine(policy, inserts):
     make = (lambda: HeatSum()) if policy == "heat-sum" else (lambda: make_policy(policy))
     for rule in ("oracle", "run", "ahead"):
         pooled = pooled_replay(trace, make(), 4, inserts=inserts, rule=rule)
-        plain = simulate(trace, PER_LAYER, make(), 4, inserts=inserts, admission="eager", prefill="warm")
+        plain = simulate(trace, PerLayerReplay(make(), 4, inserts=inserts, admission="eager", prefill="warm"))
         assert {k: pooled.totals[k] for k in ("hits", "misses", "uploads")} == \
             {k: plain.totals[k] for k in ("hits", "misses", "uploads")}, rule
 
@@ -93,7 +93,7 @@ def test_an_expert_evicted_ahead_and_used_later_in_the_graph_is_a_miss():
     pooled, n = pooled_trace(trace)
     engine = PooledEngine(pooled.layers.size, pooled.n_expert, 4 * n, make_policy("lru"), n_sub=n, inserts=None,
                           rule="ahead")
-    result = simulate(pooled, PER_LAYER, engine, prefill="warm")
+    result = simulate(pooled, PerLayerReplay(engine, prefill="warm"))
     counted = CacheEngine.stats(engine)["totals"]  # the engine's own count: hits while published
     assert engine.clobbered > 0
     assert result.totals["hits"] == counted["hits"] - engine.clobbered

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from moecache.core.profile import ProfileError, UsageProfile
+from moecache.formats.profile import ProfileError, UsageProfile
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -89,7 +89,7 @@ def test_processes_sharing_a_profile_lose_no_counts(tmp_path):
     # each adds one step of use 40 times: read, merge and replace race without the lock
     path = tmp_path / "shared.json"
     code = textwrap.dedent(f"""
-        from moecache.core.profile import UsageProfile
+        from moecache.formats.profile import UsageProfile
         one = UsageProfile("m", [0, 1], [[1, 0, 2], [0, 1, 0]])
         for _ in range(40):
             one.add_to({str(path)!r})

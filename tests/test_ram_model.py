@@ -9,12 +9,12 @@ import pytest
 from conftest import N_THREADS, PROMPT, TRACES, replay_cli
 
 from moecache.core.banks import ram_slots
-from moecache.core.traces import PREFILL, RouteTrace, read_trace
+from moecache.formats.traces import PREFILL, RouteTrace, read_trace
 from moecache.offline.cli import main
 from moecache.core.missplan import OUR_LAYOUT
 from moecache.offline.cost import Disk, WorkTally
 from moecache.offline.pagecache import PAGE, ExpertLayout, LruPageCache, TwoListPageCache
-from moecache.offline.replay import MIB, PAGE_CACHE, PER_LAYER, ram_tier_slots, simulate
+from moecache.offline.replay import MIB, PageCacheReplay, PerLayerReplay, ram_tier_slots, simulate
 
 SYNTH = TRACES / "synth-qwen3-30b-a3b-L8.ram-tier.route.csv"
 PROG = "python -m moecache.replay"
@@ -25,7 +25,7 @@ PROG = "python -m moecache.replay"
 def ram_tier_replay(trace, ram_mib, policy="default"):
     """The RAM tier as --ram-mib replays it: RAM_MIB's K, eager admission, INSERTS = K, prompts looked up."""
     k = ram_tier_slots(trace, ram_mib)
-    return simulate(trace, PER_LAYER, policy, k, inserts=k, admission="eager", prefill="lookup")
+    return simulate(trace, PerLayerReplay(policy, k, inserts=k, admission="eager", prefill="lookup"))
 
 
 LIVE_COUNTS = ("hits", "misses", "uploads", "evictions")
@@ -83,7 +83,7 @@ def layout():
 
 
 def cached(cache):
-    return set(np.flatnonzero(cache._stamp).tolist())
+    return set(cache.cached_pages().tolist())
 
 
 def test_layout_puts_each_experts_slice_where_its_tensor_has_it():
@@ -116,11 +116,11 @@ def test_page_cache_readahead_reads_around_the_fault_and_streams_on_its_mark():
     # gate 2: fault, [0, 4) read, 3 marked; 3: mark, [4, 8) read, 4 marked; up 10: fault, [8, 12),
     # 11 marked; 11: [12, 16), 12 marked; down 18: fault, [16, 20); 19: [20, 24), 20 marked
     assert cache.counters["faults"] == 3 and cache.counters["uploads"] == 24 and cache.counters["misses"] == 1
-    assert np.flatnonzero(cache._marked).tolist() == [4, 12, 20]
+    assert cache.marked_pages().tolist() == [4, 12, 20]
     cache.step([[0]])  # all cached, no mark touched
     assert cache.counters["uploads"] == 24 and cache.counters["hits"] == 1
     cache.step([[2]])  # touches the marks 4, 12, 20: nothing after them is missing, nothing read
-    assert cache.counters["uploads"] == 24 and cache.counters["hits"] == 2 and not cache._marked.any()
+    assert cache.counters["uploads"] == 24 and cache.counters["hits"] == 2 and not cache.marked_pages().size
 
 
 def test_a_readahead_window_larger_than_the_budget_is_cut_to_half_of_it():
@@ -161,12 +161,12 @@ def test_two_lists_activate_a_page_used_at_two_scans():
     # page 1: the scan passes 0, 4, 8 and 1 (each read once: rotated, referenced), then drops 0;
     # page 5 drops 4, page 9 drops 8
     cache.step([[1]])
-    assert cached(cache) == {1, 5, 9} and cache._referenced[[1, 5, 9]].tolist() == [True, False, False]
+    assert cached(cache) == {1, 5, 9} and cache.referenced_pages().tolist() == [1]
     cache.step([[1]])
     # page 2: page 1, read at this scan and the one before, is activated; 5, 9 and 2 rotate, 5 is
     # dropped; page 6 drops 9, page 10 drops 2
     cache.step([[2]])
-    assert cache._list[1] == TwoListPageCache.ACTIVE and cached(cache) == {1, 6, 10}
+    assert cache.active_pages().tolist() == [1] and cached(cache) == {1, 6, 10}
     assert cache.counters["evictions"] == 6
 
 
@@ -197,13 +197,11 @@ def test_disk_time_is_compute_waits_and_bytes():
 
 def test_page_cache_runs_through_the_one_driver():
     trace = RouteTrace.from_routing(np.array([[[0, 1]], [[0, 1]], [[2, 3]]]), 4, expert_bytes=[3 * PAGE])
-    run = simulate(trace, PAGE_CACHE, "lru", 1.0, read_ahead_kb=0)
+    run = simulate(trace, PageCacheReplay("lru", 1.0, read_ahead_kb=0))
     assert (run.totals["hits"], run.totals["misses"], run.totals["faults"]) == (2, 4, 12)
     assert run.disk_reads() == (12 * PAGE, 12)
-    with pytest.raises(ValueError, match="read_ahead_kb is a page-cache model option"):
-        simulate(trace, PER_LAYER, "lru", 2, read_ahead_kb=128)
     with pytest.raises(ValueError, match="unknown policy 'clock' for the page-cache model; valid: lru, two-list"):
-        simulate(trace, PAGE_CACHE, "clock", 1.0, read_ahead_kb=0)
+        simulate(trace, PageCacheReplay("clock", 1.0, read_ahead_kb=0))
 
 
 def test_cli_prints_the_tier_beside_stock_mmap(capsys):

@@ -135,7 +135,7 @@ def test_ram_tier_refusals(tier_path, expert_bytes):
     llm = load_from_file(tier_path)
     with pytest.raises(CacheUnavailable, match=r"RAM_MIB=1: 1 MiB keep fewer than one expert per layer"):
         attach(llm, ram_mib=1)
-    assert native.lib().llama_moe_cache_n_layers(native.as_context(llm._ctx.ctx), native.RAM) == 0  # stock again
+    assert native.lib().llama_moe_cache_n_layers(native.as_context(llm.ctx), native.RAM) == 0  # stock again
     llm.close()
     # experts read into memory: dropping their pages would lose them, so no tier
     with default_params("llama_model_default_params", use_extra_bufts=False):
@@ -370,7 +370,7 @@ def test_run_py_refuses_ram_mib_auto_before_loading_into_too_little_memory(smol_
     from moecache.live import cli, ramtier
 
     monkeypatch.setattr(ramtier, "available_memory", lambda: (110 * MIB, LIMITED))
-    monkeypatch.setattr(cli, "_load", lambda *a: pytest.fail("loaded"))
+    monkeypatch.setattr(cli, "load_model", lambda *a: pytest.fail("loaded"))
     assert cli.main(["-m", smol_path, "--ram-mib", "auto", "-n", "4"]) == 2
     err = capsys.readouterr().err
     assert err.splitlines() == [
@@ -436,14 +436,14 @@ def test_run_py_says_why_a_decode_failed_when_the_model_file_changed(tmp_path, m
 
     path = tmp_path / "model.gguf"
     path.write_bytes(tiny_moe(n_layer=2, n_expert=8, n_embd=128).read_bytes())
-    generate = cli._generate
+    generate = cli.generate
 
     def cut_then_generate(llm, args):
         with open(path, "r+b") as f:
             f.truncate(path.stat().st_size // 2)
         return generate(llm, args)
 
-    monkeypatch.setattr(cli, "_generate", cut_then_generate)
+    monkeypatch.setattr(cli, "generate", cut_then_generate)
     assert cli.main(["-m", str(path), "--ram-mib", "1", "-n", "8", "--no-chat", "-p", "The three"]) == 2
     err = capsys.readouterr().err.splitlines()
     assert err[-1].startswith("run.py: error: llama_decode returned -3: the RAM tier stopped: RuntimeError: the "

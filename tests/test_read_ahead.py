@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from conftest import TRACES, replay_cli
 
-from moecache.core.traces import read_trace
+from moecache.formats.traces import read_trace
 from moecache.offline import readahead
 from moecache.offline.cost import Disk
 from moecache.offline.readahead import PREDICTORS, WINDOW, Predictor, ReadAhead
-from moecache.offline.replay import PER_LAYER, ram_tier_slots, simulate
+from moecache.offline.replay import PerLayerReplay, ram_tier_slots, simulate
 
 SYNTH = TRACES / "synth-qwen3-30b-a3b-L8.ram-tier.route.csv"
 PROG = "python -m moecache.replay"
@@ -53,13 +53,13 @@ def tier(predictor, width, tokens, *, gbps=1.0, host=1.0, kept=None, n_expert=4,
 def chosen_by_step(monkeypatch, predictor, tokens):
     """Every read-ahead decision of a run: [(src layer, dst layer, experts)], in order."""
     picks = []
-    best = readahead._best
+    best = readahead.choose_reads
 
     def recording(scores, kept, width):
         chosen = best(scores, kept, width)
         picks.append(tuple(chosen.tolist()))
         return chosen
-    monkeypatch.setattr(readahead, "_best", recording)
+    monkeypatch.setattr(readahead, "choose_reads", recording)
     tier(predictor, 2, tokens, n_expert=8)
     return picks
 
@@ -176,7 +176,7 @@ def test_without_read_ahead_the_timeline_is_the_disk_formula(monkeypatch):
         seen.append(1)
         decode(ids, hit_mask, kept, boundary)
     monkeypatch.setattr(ra, "decode", checked)
-    run = simulate(trace, PER_LAYER, "default", k, inserts=k, admission="eager", prefill="lookup", read_ahead=ra)
+    run = simulate(trace, PerLayerReplay("default", k, inserts=k, admission="eager", prefill="lookup", read_ahead=ra))
     assert len(seen) == ra.tokens == run.decode_tokens == run.decode_steps == 15
     assert ra.read_ahead == 0 and ra.misses == run.totals["misses"]
     assert ra.ms_per_token == pytest.approx(run.disk_ms(5.26, disk), rel=1e-12)

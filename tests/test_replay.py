@@ -11,10 +11,11 @@ import pytest
 from conftest import TRACES, replay_cli  # noqa: E402
 
 from moecache.core.policies import Heat
-from moecache.core.profile import ProfileError, UsageProfile
-from moecache.core.traces import DECODE, PREFILL, RouteTrace, TraceWriter, read_trace, synthetic_routing
+from moecache.formats.profile import ProfileError, UsageProfile
+from moecache.formats.trace_writer import TraceWriter
+from moecache.formats.traces import DECODE, PREFILL, RouteTrace, read_trace, synthetic_routing
 from moecache.offline.cli import main
-from moecache.offline.replay import GLOBAL, MIB, PER_LAYER, PREFILL_MODES, UPSTREAM, simulate
+from moecache.offline.replay import MIB, PREFILL_MODES, GlobalReplay, PerLayerReplay, UpstreamReplay, simulate
 
 QWEN = TRACES / "qwen3-30b-a3b.route.csv"
 GPTOSS = TRACES / "gpt-oss-120b.route.csv"
@@ -31,31 +32,31 @@ def qwen():
     ("lru", 3000, 70.6), ("plain-lfu", 3000, 71.3), ("layer-plain-lfu", 3000, 74.2), ("belady", 3000, 87.8),
 ])
 def test_global_model_reproduces_bigmoeonedge_published_figures(qwen, policy, budget, published):
-    result = simulate(qwen, GLOBAL, policy, budget)
+    result = simulate(qwen, GlobalReplay(policy, budget))
     assert round(100 * result.hit_rate, 1) == published
 
 
 def test_global_lru_matches_the_recorded_residency(qwen):
     # the trace was recorded by that engine's global LRU at 4000 MiB
     recorded = 100 * (qwen.residency[qwen.phase == DECODE] > 0).mean()
-    assert 100 * simulate(qwen, GLOBAL, "lru", 4000).hit_rate == pytest.approx(recorded, abs=0.01)
+    assert 100 * simulate(qwen, GlobalReplay("lru", 4000)).hit_rate == pytest.approx(recorded, abs=0.01)
 
 
 def test_global_lru_falls_to_zero_below_one_tokens_working_set(qwen):
     working_set_mib = qwen.working_set_bytes() / MIB
     for fraction in (0.25, 0.5, 0.9, 0.95):
-        assert simulate(qwen, GLOBAL, "lru", fraction * working_set_mib).hit_rate == 0.0
-    assert simulate(qwen, GLOBAL, "lru", 2 * working_set_mib).hit_rate > 0.3
+        assert simulate(qwen, GlobalReplay("lru", fraction * working_set_mib)).hit_rate == 0.0
+    assert simulate(qwen, GlobalReplay("lru", 2 * working_set_mib)).hit_rate > 0.3
     # belady is not trapped by the layer cycle
-    assert simulate(qwen, GLOBAL, "belady", 0.5 * working_set_mib).hit_rate > 0.3
+    assert simulate(qwen, GlobalReplay("belady", 0.5 * working_set_mib)).hit_rate > 0.3
 
 
 def test_per_layer_replay_counts_lookups_and_bytes(qwen):
-    result = simulate(qwen, PER_LAYER, "lru", 16, inserts=2, prefill="off")
+    result = simulate(qwen, PerLayerReplay("lru", 16, inserts=2, prefill="off"))
     decode_lookups = result.totals["hits"] + result.totals["misses"]
     assert decode_lookups == result.lookups == 128 * 48 * 6
     assert 0 < result.upload_bytes_per_token <= 2 * 48 * qwen.expert_bytes.max()
-    with_prefill = simulate(qwen, PER_LAYER, "lru", 16, inserts=2, prefill="plain")
+    with_prefill = simulate(qwen, PerLayerReplay("lru", 16, inserts=2, prefill="plain"))
     assert with_prefill.lookups > decode_lookups
     assert with_prefill.totals["hits"] + with_prefill.totals["misses"] == decode_lookups
 
@@ -164,7 +165,7 @@ def test_first_half_profile_warms_the_second_half(path, monkeypatch):
     profile = UsageProfile.from_ids(trace.model, trace.layers, trace.n_expert, decode[:half])
     second = trace.select(np.flatnonzero(trace.phase == DECODE)[half:])
     hit = lambda policy, warm: simulate(  # noqa: E731
-        second, PER_LAYER, policy, 16, profile=profile if warm else None).hit_rate
+        second, PerLayerReplay(policy, 16, profile=profile if warm else None)).hit_rate
     assert hit("lru", True) > hit("lru", False)
     heat_warm = hit("heat", True)
     monkeypatch.setattr(Heat, "prior", lambda self, rates: None)  # preload alone
@@ -268,7 +269,7 @@ def test_cli_engine_larger_than_memory_is_one_line(tmp_path, monkeypatch, capsys
 def _huge_trace(path):
     """A valid binary trace of 4 steps that declares 4096 layers x 65536 experts (400 KB): a
     replay's engine for it takes 12 GiB."""
-    from moecache.core.binary_trace import write_binary_trace
+    from moecache.formats.binary_trace import write_binary_trace
 
     ids = np.random.default_rng(0).integers(0, 65536, size=(4, 4096, 2)).astype(np.int32)
     write_binary_trace(RouteTrace.from_routing(ids, 65536, expert_bytes=np.full(4096, 1 << 20)), path)
@@ -306,7 +307,7 @@ def test_cli_csv_uses_fractions_and_the_stats_names(tmp_path):
 ])
 def test_documented_prefill_warm_figures(path, figures):
     trace = read_trace(str(path))
-    runs = [simulate(trace, PER_LAYER, "default", k, admission="eager", prefill=prefill)
+    runs = [simulate(trace, PerLayerReplay("default", k, admission="eager", prefill=prefill))
             for k in (16, 32) for prefill in ("off", "warm")]
     assert [(round(100 * r.hit_rate, 1), round(r.upload_bytes_per_token / MIB, 1),
              round(r.prefill_upload_bytes_per_turn / MIB, 1)) for r in runs] == figures
@@ -341,11 +342,10 @@ def test_a_replay_in_windows_of_a_few_steps_counts_as_in_one(tmp_path, monkeypat
     from moecache.offline import steps
 
     def counts(traces):
-        per_layer = [(PER_LAYER, policy, 3, {"prefill": prefill}) for policy in ("lru", "belady")
-                     for prefill in PREFILL_MODES]
-        return [simulate(trace, model, policy, size, **options).totals_all for trace, mib in traces
-                for model, policy, size, options in per_layer + [
-                    (GLOBAL, "lru", mib, {}), (GLOBAL, "belady", mib, {}), (UPSTREAM, "upstream", mib, {})]]
+        per_layer = [PerLayerReplay(policy, 3, prefill=prefill) for policy in ("lru", "belady") for prefill in PREFILL_MODES]
+        return [simulate(trace, replay).totals_all for trace, mib in traces
+                for replay in per_layer + [GlobalReplay("lru", mib), GlobalReplay("belady", mib),
+                                           UpstreamReplay("upstream", mib)]]
 
     def traces():  # new objects: the NextUse of a trace is kept
         return [(batched_turns(tmp_path / "b.csv"), 5), (qwen.select(slice(None)), 3000)]
@@ -408,7 +408,7 @@ def test_a_converted_trace_replays_every_stored_figure_of_its_csv(tmp_path):
     """The gpt-oss trace's 102 runs of tests/replay_values.json, replayed from its binary form."""
     from replay_values import STORED, trace_values
 
-    from moecache.core.binary_trace import write_binary_trace
+    from moecache.formats.binary_trace import write_binary_trace
 
     write_binary_trace(read_trace(str(GPTOSS)), tmp_path / "t.bin")
     now = trace_values(read_trace(str(tmp_path / "t.bin")), "gpt-oss-120b")
@@ -428,9 +428,9 @@ def test_cli_damaged_binary_trace_exits_2_with_one_line(tmp_path):
 
 MAPPED_REPLAY = """
 import sys
-from moecache.core.traces import read_trace
-from moecache.offline.replay import PER_LAYER, simulate
-result = simulate(read_trace(sys.argv[1]), PER_LAYER, "lru", 4, admission="boundary")
+from moecache.formats.traces import read_trace
+from moecache.offline.replay import PerLayerReplay, simulate
+result = simulate(read_trace(sys.argv[1]), PerLayerReplay("lru", 4, admission="boundary"))
 with open("/proc/self/status") as f:  # VmHWM: this program's peak (ru_maxrss counts the parent's too)
     peak = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
 print(result.lookups, peak)
@@ -442,7 +442,7 @@ def test_a_mapped_replay_needs_the_same_memory_for_a_trace_4_times_as_long(tmp_p
     """Replaying the binary form maps it and drops each window's pages: peak memory (RSS) does
     not grow with the trace, whose arrays here grow by 38 MB (only its per-step numbers do,
     some 40 bytes a step)."""
-    from moecache.core.binary_trace import write_binary_trace
+    from moecache.formats.binary_trace import write_binary_trace
 
     routing = synthetic_routing(10000, 16, 64, 8, seed=2)
     peaks = []

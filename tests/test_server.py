@@ -217,8 +217,8 @@ def test_the_trace_and_the_stats_count_a_request_alike(tmp_path, tiny_path):
     one decode step of several tokens. The stats counted it as one step, the replay of the trace
     as one per token (a 150-token completion: 149 decode steps against 152); the replay now counts
     steps as the stats do, and tokens apart."""
-    from moecache.core.traces import PREFILL, read_trace
-    from moecache.offline.replay import PER_LAYER, simulate
+    from moecache.formats.traces import PREFILL, read_trace
+    from moecache.offline.replay import PerLayerReplay, simulate
 
     port = _free_port()
     stats, trace = tmp_path / "stats.json", tmp_path / "trace.csv"
@@ -234,7 +234,7 @@ def test_the_trace_and_the_stats_count_a_request_alike(tmp_path, tiny_path):
         _, err = server.communicate(timeout=60)
     assert server.returncode == 0, err[-2000:]
     report, recorded = json.loads(stats.read_text()), read_trace(str(trace))
-    run = simulate(recorded, PER_LAYER, "lru", 2)
+    run = simulate(recorded, PerLayerReplay("lru", 2))
     assert (run.decode_steps, run.decode_tokens) == (report["decode_steps"], report["decode_tokens"])
     # the prompt, then each sampled token but the last; the very last graph goes unobserved
     assert report["decode_steps"] == 1 + (n_tokens - 1) - 1 and report["decode_tokens"] > report["decode_steps"]

@@ -80,7 +80,7 @@ def test_slots_for_budget_is_the_largest_k_that_fits(budget):
 def test_replay_per_layer_k_is_the_largest_that_fits_the_budget():
     from conftest import TRACES
 
-    from moecache.core.traces import read_trace
+    from moecache.formats.traces import read_trace
     from moecache.offline.replay import per_layer_slots
 
     trace = read_trace(str(TRACES / "qwen3-30b-a3b.route.csv"))
@@ -95,9 +95,9 @@ def test_replay_per_layer_k_is_the_largest_that_fits_the_budget():
 def test_replay_budget_runs_both_models_at_the_same_bytes(tmp_path):
     from conftest import TRACES
 
-    from moecache.core.traces import read_trace
+    from moecache.formats.traces import read_trace
     from moecache.offline.cli import main
-    from moecache.offline.replay import PER_LAYER, simulate
+    from moecache.offline.replay import PerLayerReplay, simulate
 
     path = TRACES / "qwen3-30b-a3b.route.csv"
     out = tmp_path / "r.csv"
@@ -107,7 +107,7 @@ def test_replay_budget_runs_both_models_at_the_same_bytes(tmp_path):
     rows = {row["model"]: row for row in csv.DictReader(out.open())}
     assert rows.keys() == {"per-layer", "global"}
     assert rows["per-layer"]["slots"] == "22" and rows["per-layer"]["budget_mib"] == "3000.0"
-    expected = simulate(read_trace(str(path)), PER_LAYER, "lru", 22, admission="eager").totals  # the live default
+    expected = simulate(read_trace(str(path)), PerLayerReplay("lru", 22, admission="eager")).totals  # the live default
     assert int(rows["per-layer"]["hits"]) == expected["hits"]
     assert rows["global"]["budget_mib"] == "3000.0" and rows["global"]["slots"] == ""
 

@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 from conftest import TRACES  # noqa: E402
 
-import moecache.core.traces as traces
+from moecache.formats import csv_trace
 import moecache.util as util
-from moecache.core.binary_trace import write_binary_trace
-from moecache.core.traces import DECODE, PREFILL, TraceError, TraceWriter, read_trace, synthetic_routing
+from moecache.formats.binary_trace import write_binary_trace
+from moecache.formats.trace_writer import TraceWriter
+from moecache.formats.traces import DECODE, PREFILL, TraceError, read_trace, synthetic_routing
 
 QWEN = TRACES / "qwen3-30b-a3b.route.csv"
 GPTOSS = TRACES / "gpt-oss-120b.route.csv"
@@ -40,7 +41,7 @@ def blocks(request, monkeypatch):
     """The reader parses the text a block at a time: read in one block, and in blocks of a line
     or two, so that every check meets rows of several blocks."""
     if request.param:
-        monkeypatch.setattr(traces, "_BLOCK_CHARS", request.param)
+        monkeypatch.setattr(csv_trace, "BLOCK_CHARS", request.param)
 
 
 def test_real_traces_load_with_the_documented_shapes():
@@ -288,7 +289,7 @@ def digest(trace) -> str:
 @pytest.mark.parametrize("block_chars", [None, 4096])
 def test_the_shipped_traces_read_as_before_in_blocks_of_any_size(monkeypatch, path, block_chars):
     if block_chars:
-        monkeypatch.setattr(traces, "_BLOCK_CHARS", block_chars)
+        monkeypatch.setattr(csv_trace, "BLOCK_CHARS", block_chars)
     assert digest(read_trace(str(path))) == READ_BEFORE[path]
 
 
@@ -300,7 +301,7 @@ def test_rows_in_any_order_read_as_in_writing_order(tmp_path, monkeypatch):
     rows = lines[header + 1:]
     shuffled = [rows[i] for i in np.random.default_rng(0).permutation(len(rows))]
     path = write(tmp_path, "".join(lines[:header + 1] + shuffled))
-    monkeypatch.setattr(traces, "_BLOCK_CHARS", 1 << 16)
+    monkeypatch.setattr(csv_trace, "BLOCK_CHARS", 1 << 16)
     assert digest(read_trace(path)) == READ_BEFORE[QWEN]
     with open(path, "a") as f:
         f.write(shuffled[0])
@@ -312,7 +313,7 @@ def test_reading_holds_the_arrays_not_the_text(tmp_path, monkeypatch):
     """Peak memory while reading is the trace's arrays (10 bytes a lookup, a quarter more while
     they grow) and one block's temporaries, whatever the text's length (the reader before
     held some 160 bytes a row)."""
-    monkeypatch.setattr(traces, "_BLOCK_CHARS", 1 << 15)
+    monkeypatch.setattr(csv_trace, "BLOCK_CHARS", 1 << 15)
     path = str(tmp_path / "long.csv")
     ids = synthetic_routing(200, 48, 128, 8, seed=1)
     with TraceWriter(path, model="m", arch="a", n_layer=48, n_expert=128, n_expert_used=8,
@@ -332,7 +333,7 @@ def test_reading_holds_the_arrays_not_the_text(tmp_path, monkeypatch):
 
 
 def test_from_routing_and_select():
-    from moecache.core.traces import RouteTrace
+    from moecache.formats.traces import RouteTrace
 
     routing = synthetic_routing(6, 2, 8, 2, seed=1)
     trace = RouteTrace.from_routing(routing, 8, expert_bytes=[10, 20])
@@ -347,7 +348,7 @@ def test_a_multi_token_step_reads_back_as_one_batch_and_replays_as_one_observati
     fewer tokens (the outputs only). The per-layer replay observes the batch as one step."""
     from moecache.core.engine import CacheEngine
     from moecache.core.policies import make_policy
-    from moecache.offline.replay import PER_LAYER, simulate
+    from moecache.offline.replay import PerLayerReplay, simulate
 
     path = str(tmp_path / "batches.csv")
     single = np.array([[1, 2], [3, 0]])
@@ -365,7 +366,7 @@ def test_a_multi_token_step_reads_back_as_one_batch_and_replays_as_one_observati
     engine.step(None)
     for ids in (single, batch, single):
         engine.step(ids)
-    replayed = simulate(trace, PER_LAYER, "lru", 2, inserts=2).totals
+    replayed = simulate(trace, PerLayerReplay("lru", 2, inserts=2)).totals
     assert (replayed["hits"], replayed["misses"]) == (int(engine.counters["hits"].sum()),
                                                       int(engine.counters["misses"].sum()))
     assert replayed["hits"] + replayed["misses"] == 4 + 8 + 4
@@ -450,7 +451,7 @@ def test_a_binary_trace_with_a_deeply_nested_header_is_one_error_naming_it(tmp_p
     """A header of 200000 nested lists (its CRC-32 right) hit "maximum recursion depth exceeded"."""
     import zlib
 
-    from moecache.core.binary_trace import MAGIC
+    from moecache.formats.binary_trace import MAGIC
 
     header = b"[" * 200000 + b"]" * 200000
     path = tmp_path / "deep.bin"

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from moecache.core.banks import equal_bytes
-from moecache.core.traces import DECODE, PREFILL, RouteTrace
-from moecache.offline.replay import MIB, fastest, simulate, tuned_upstream
+from moecache.formats.traces import DECODE, PREFILL, RouteTrace
+from moecache.offline.replay import MIB, PerLayerReplay, UpstreamReplay, fastest, simulate, tuned_upstream
 from moecache.offline.upstream import (CRF_HALF_LIFE, MAX_BATCH, TUNER_SHARES, ClassLru, SlotLru, UpstreamCache,
                                        size_groups)
 
@@ -312,7 +312,7 @@ def test_replay_feeds_short_prompts_and_counts_decode_alone():
     # 1, 3, 1, 2
     t = trace([[[1]], [[2]], [[1]], [[3]], [[1]], [[2]]],
               [PREFILL, PREFILL, DECODE, DECODE, DECODE, DECODE], [128])
-    r = simulate(t, "upstream", "upstream", 7 * 128 / MIB)
+    r = simulate(t, UpstreamReplay("upstream", 7 * 128 / MIB))
     assert (r.totals_all["hits"] - r.totals["hits"], r.totals_all["misses"] - r.totals["misses"]) == (0, 2)
     assert (r.totals["hits"], r.totals["misses"]) == (3, 1)  # 3 is the only decode miss
     assert r.totals["upload_bytes"] == r.totals["miss_bytes"] == 128
@@ -323,7 +323,7 @@ def test_replay_splits_prompts_into_ubatches_and_bypasses_long_ones():
     from moecache.offline.steps import ubatches
     # 33 prompt tokens of expert 1 in one ubatch bypass the cache: nothing cached before decode
     long = trace([[[1]]] * (MAX_BATCH + 1) + [[[1]]], [PREFILL] * (MAX_BATCH + 1) + [DECODE], [128])
-    r = simulate(long, "upstream", "upstream", 10 * 128 / MIB)  # 9 slots >= 8 experts
+    r = simulate(long, UpstreamReplay("upstream", 10 * 128 / MIB))  # 9 slots >= 8 experts
     assert (r.totals["hits"], r.totals["uploads"]) == (0, 1)
     assert r.totals_all["misses"] - r.totals["misses"] == 1  # the bypassed prompt: one lookup
     # in ubatches of at most max_batch tokens the prompt goes through the cache
@@ -344,9 +344,9 @@ def test_equal_bytes_counts_one_zero_slot_per_bank():
 
 from conftest import TRACES  # noqa: E402
 
-from moecache.core.traces import read_trace  # noqa: E402
+from moecache.formats.traces import read_trace  # noqa: E402
 from moecache.offline.cli import main  # noqa: E402
-from moecache.offline.cost import HARDWARE  # noqa: E402
+from moecache.core.hardware import HARDWARE  # noqa: E402
 
 QWEN, GPTOSS = TRACES / "qwen3-30b-a3b.route.csv", TRACES / "gpt-oss-120b.route.csv"
 
@@ -361,12 +361,12 @@ QWEN, GPTOSS = TRACES / "qwen3-30b-a3b.route.csv", TRACES / "gpt-oss-120b.route.
 def test_documented_comparison_at_k16(path, figures):
     trace = read_trace(str(path))
     same_bytes = equal_bytes(trace.expert_bytes, 16) / MIB
-    runs = [simulate(trace, "per-layer", "heat", 16, prefill="off"),
-            simulate(trace, "per-layer", "heat", 16, admission="eager", prefill="off"),
-            simulate(trace, "per-layer", "lru", 16, admission="eager", prefill="off"),
-            simulate(trace, "per-layer", "heat", 16, admission="eager", prefill="warm"),
-            simulate(trace, "upstream", "upstream", same_bytes),
-            simulate(trace, "upstream", "upstream-b11480", same_bytes)]
+    runs = [simulate(trace, PerLayerReplay("heat", 16, prefill="off")),
+            simulate(trace, PerLayerReplay("heat", 16, admission="eager", prefill="off")),
+            simulate(trace, PerLayerReplay("lru", 16, admission="eager", prefill="off")),
+            simulate(trace, PerLayerReplay("heat", 16, admission="eager", prefill="warm")),
+            simulate(trace, UpstreamReplay("upstream", same_bytes)),
+            simulate(trace, UpstreamReplay("upstream-b11480", same_bytes))]
     assert [(round(100 * r.hit_rate, 1), round(r.upload_bytes_per_token / MIB, 1)) for r in runs] == figures
 
 
@@ -384,12 +384,10 @@ def test_the_tuner_runs_each_share_and_the_fastest_wins_on_each_class():
     assert runs[1].work.layout.host_node and not runs[0].work.layout.host_node
 
 
-def test_only_b12191_takes_a_cpu_share_and_only_upstream_does():
+def test_only_b12191_takes_a_cpu_share():
     trace = read_trace(str(GPTOSS))
     with pytest.raises(ValueError, match="0 only"):
-        simulate(trace, "upstream", "upstream-b11480", 7274, cpu_share=0.5)
-    with pytest.raises(ValueError, match="upstream model option"):
-        simulate(trace, "per-layer", "heat", 16, cpu_share=0.5)
+        simulate(trace, UpstreamReplay("upstream-b11480", 7274, cpu_share=0.5))
 
 
 def rows_of(out, *policies):
@@ -406,7 +404,7 @@ def test_cli_runs_both_timings_and_upstream_at_equal_bytes_with_modelled_cost(ca
     assert "MODELLED" in out and "pcie4-x16 with link_gbps=50: host 59.7 GB/s (CPU)" in out
     assert "upstream = tag b12191 (ClassLRU" in out and "upstream-b11480 = tag b11480 (one LRU)" in out
     # stock --cpu-moe on the trace's routing, the same figure the replay's result models
-    stock = simulate(read_trace(str(GPTOSS)), "upstream", "upstream", 7274).stock_ms(
+    stock = simulate(read_trace(str(GPTOSS)), UpstreamReplay("upstream", 7274)).stock_ms(
         HARDWARE["pcie4-x16"].override(link_gbps=50))
     assert f"stock --cpu-moe {stock:.2f}\n" in out
     assert [line.split()[:6] for line in rows_of(out, "default(heat)", "upstream", "upstream-b11480")] == [

@@ -160,7 +160,7 @@ class CacheEngine(CacheModel):
     plan = engine.step(ids) at every later one. Residency for cross-checks: slot_expert
     (L, K), the expert held or being loaded per slot, -1 empty; expert_slot (L, E), the slot
     of each PUBLISHED expert, -1 otherwise; the read-only views assigned, in_flight and pinned.
-    counters / stats() / usage for reporting.
+    counters / stats() / usage for reporting. bookkeeping: its C side (moecache.core.bookkeeping).
     """
 
     def __init__(self, n_layers: int, n_expert: int, n_slots: int, policy: Policy, *,
@@ -174,9 +174,9 @@ class CacheEngine(CacheModel):
         policy.bind(n_layers, n_expert, n_slots)
         self._state = state = EngineState(n_layers, n_expert, n_slots)
         warm = [] if pinned is None else self._pin(pinned)
-        self._core = Bookkeeping(state, track_prefetch=policy.predicts)
-        self._planner = UploadPlanner(state, self._core, policy, inserts, warm)
-        self._eager = EagerAdmission(state, self._core, policy, inserts, miss_planner) \
+        self.bookkeeping = Bookkeeping(state, track_prefetch=policy.predicts)
+        self._planner = UploadPlanner(state, self.bookkeeping, policy, inserts, warm)
+        self._eager = EagerAdmission(state, self.bookkeeping, policy, inserts, miss_planner) \
             if admission == "eager" else None
         self.miss_planner = miss_planner
         if miss_planner is None:  # the planner's counters only where it runs
@@ -184,10 +184,10 @@ class CacheEngine(CacheModel):
         else:  # the C's observation models each decode graph for it
             if not miss_planner.lane:
                 del state.counters["lane_misses"]
-            self._core.model_graphs(miss_planner.token_table, miss_planner.layer_group, miss_planner.expert_bytes,
-                                    miss_planner.rates.link_gbps, BUSY_DECAY)
+            self.bookkeeping.model_graphs(miss_planner.token_table, miss_planner.layer_group,
+                                          miss_planner.expert_bytes, miss_planner.rates.link_gbps, BUSY_DECAY)
         self._beside = NO_JOBS  # the last decode boundary's uploads, which ran beside the next graph
-        self._queue = _UploadQueue(self._core, publish_delay)
+        self._queue = _UploadQueue(self.bookkeeping, publish_delay)
         self.slot_expert, self.expert_slot, self.usage = state.slot_expert, state.expert_slot, state.usage
         self.assigned = read_only(state.assigned)    # (L, E) slot of each published or in-flight expert
         self.in_flight = read_only(state.in_flight)  # (L, K)
@@ -289,12 +289,13 @@ class CacheEngine(CacheModel):
         policy; with a miss planner, a decode graph's slot writes (_graph_writes) and the
         uploads that ran beside it are modelled too (Bookkeeping.model_graphs)."""
         if self.miss_planner is None:
-            seen = self._core.observe(ids, lookups)
+            seen = self.bookkeeping.observe(ids, lookups)
         else:
             jobs, n_lane, declined = (NO_JOBS, 0, None) if writes is None else writes
-            seen = self._core.observe(ids, lookups, jobs, n_lane, self._beside, declined)
+            seen = self.bookkeeping.observe(ids, lookups, jobs, n_lane, self._beside, declined)
             if seen.graph_ms < 0 and lookups:  # several tokens' counts: the formula
-                self._core.link_update(self.miss_planner.graph_ms(seen.hits, seen.lane, seen.misses), seen.link_ms)
+                graph_ms = self.miss_planner.graph_ms(seen.hits, seen.lane, seen.misses)
+                self.bookkeeping.link_update(graph_ms, seen.link_ms)
         self.policy.observe(t, ids, seen.hit_mask, self._state.used)
         return seen
 

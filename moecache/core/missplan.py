@@ -108,13 +108,15 @@ class Rates:
                                  f"got {value}")
 
     @staticmethod
-    def _ms(nbytes: float, gbps: float) -> float:
+    def transfer_ms(nbytes: float, gbps: float) -> float:
+        """Milliseconds to move nbytes at gbps."""
         return nbytes / (gbps * 1e6)
 
     def host_ms(self, cpu_bytes, lane_bytes):
         """The CPU's reads and the lane's copies, side by side, sharing host memory."""
-        return np.maximum(np.maximum(self._ms(cpu_bytes, self.host_gbps), self._ms(lane_bytes, self.link_gbps)),
-                          self._ms(cpu_bytes + lane_bytes, self.dram_gbps))
+        return np.maximum(np.maximum(self.transfer_ms(cpu_bytes, self.host_gbps),
+                                     self.transfer_ms(lane_bytes, self.link_gbps)),
+                          self.transfer_ms(cpu_bytes + lane_bytes, self.dram_gbps))
 
     def layer_ms(self, layout: Layout, expert_bytes, dense_bytes, hits, lane, cpu):
         """One layer of one decode token (the module docstring's formula); numbers, or arrays
@@ -123,8 +125,9 @@ class Rates:
         window = self.ids_trip_us / 1e3 + self.host_ms(cpu * expert_bytes, lane * expert_bytes)
         host_end = np.where(layout.host_node | (cpu > 0), window + self.join_us / 1e3, 0.0)
         start = np.where(layout.device_waits | (lane > 0), window, 0.0)
-        device_end = np.where(hits + lane > 0, start + self._ms((hits + lane) * expert_bytes, self.device_gbps), 0.0)
-        return self._ms(dense_bytes, self.device_gbps) + np.maximum(host_end, device_end)
+        device_end = np.where(hits + lane > 0,
+                              start + self.transfer_ms((hits + lane) * expert_bytes, self.device_gbps), 0.0)
+        return self.transfer_ms(dense_bytes, self.device_gbps) + np.maximum(host_end, device_end)
 
     @property
     def miss_gbps(self) -> float:
@@ -202,7 +205,7 @@ class MissPlanner:
                 if n:
                     saved = self.rates.layer_ms(OUR_LAYOUT, size, dense, hits, 0, m) - \
                         self.rates.layer_ms(OUR_LAYOUT, size, dense, hits, n, m - n)
-                    credit = max(credit, float(saved) / n / self.rates._ms(size, self.rates.miss_gbps))
+                    credit = max(credit, float(saved) / n / self.rates.transfer_ms(size, self.rates.miss_gbps))
         return credit
 
     def terms(self, use_worth: float, busy: float) -> tuple[float, float]:

@@ -40,11 +40,12 @@ read by the engine and anything else that must know what a policy can do):
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
+
+from .lru import LruOrder
 
 
 class Policy:
@@ -265,10 +266,10 @@ class Arc(Policy):
 
     def bind(self, n_layers, n_expert, n_slots):
         super().bind(n_layers, n_expert, n_slots)
-        self.t1 = [OrderedDict() for _ in range(n_layers)]  # LRU first
-        self.t2 = [OrderedDict() for _ in range(n_layers)]
-        self.b1 = [OrderedDict() for _ in range(n_layers)]
-        self.b2 = [OrderedDict() for _ in range(n_layers)]
+        self.t1 = [LruOrder() for _ in range(n_layers)]
+        self.t2 = [LruOrder() for _ in range(n_layers)]
+        self.b1 = [LruOrder() for _ in range(n_layers)]
+        self.b2 = [LruOrder() for _ in range(n_layers)]
         self.p = [0.0] * n_layers
 
     def observe(self, step, ids, hit_mask, used):
@@ -276,10 +277,10 @@ class Arc(Policy):
             t1, t2 = self.t1[layer], self.t2[layer]
             for e in experts:
                 if e in t1:
-                    del t1[e]
-                    t2[e] = None
+                    t1.remove(e)
+                    t2.use(e)
                 elif e in t2:
-                    t2.move_to_end(e)
+                    t2.use(e)
 
     def inserted(self, step, layers, experts, prefetch):
         c = self.n_slots
@@ -287,29 +288,29 @@ class Arc(Policy):
             b1, b2 = self.b1[layer], self.b2[layer]
             if e in b1:
                 self.p[layer] = min(c, self.p[layer] + max(len(b2) / len(b1), 1.0))
-                del b1[e]
-                self.t2[layer][e] = None
+                b1.remove(e)
+                self.t2[layer].use(e)
             elif e in b2:
                 self.p[layer] = max(0.0, self.p[layer] - max(len(b1) / len(b2), 1.0))
-                del b2[e]
-                self.t2[layer][e] = None
+                b2.remove(e)
+                self.t2[layer].use(e)
             else:
-                self.t1[layer][e] = None
+                self.t1[layer].use(e)
 
     def evicted(self, step, layers, experts):
         c = self.n_slots
         for layer, e in zip(layers.tolist(), experts.tolist()):
             if e in self.t1[layer]:
-                del self.t1[layer][e]
-                self.b1[layer][e] = None
+                self.t1[layer].remove(e)
+                self.b1[layer].use(e)
             else:
-                del self.t2[layer][e]
-                self.b2[layer][e] = None
+                self.t2[layer].remove(e)
+                self.b2[layer].use(e)
             b1, b2 = self.b1[layer], self.b2[layer]
             while len(b1) > c:
-                b1.popitem(last=False)
+                b1.pop_oldest()
             while len(b1) + len(b2) > 2 * c and b2:
-                b2.popitem(last=False)
+                b2.pop_oldest()
 
     def choose_victims(self, step, layer, candidates, n):
         allowed = set(candidates.tolist())

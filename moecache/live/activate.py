@@ -21,7 +21,7 @@ from .rates import planner_rates
 log = logging.getLogger("moecache")
 
 _caches: list[LiveCache] = []   # the caches of live contexts: keeps them (and their callbacks) alive
-_context_callback = None
+context_callback = None        # the callback install() registered with libllama, kept alive; None before
 
 
 def live_caches() -> list[LiveCache]:
@@ -161,7 +161,7 @@ def _release_caches_on_free() -> None:
 def install() -> bool:
     """Zero-code activation from the environment; never raises: bad input is logged in one line
     and decoding stays stock."""
-    global _context_callback
+    global context_callback
     try:
         config = CacheConfig.from_env()
     except ConfigError as e:
@@ -169,8 +169,8 @@ def install() -> bool:
         log.error("moecache: error: %s - expert cache disabled", e)
         return False
     _setup_logging(config.debug > 0)
-    if not config.enabled or _context_callback is not None:
-        return _context_callback is not None
+    if not config.enabled or context_callback is not None:
+        return context_callback is not None
     try:
         lib = native.lib()
     except native.NotPatchedError as e:
@@ -189,8 +189,8 @@ def install() -> bool:
             _register(cache)
 
     track_model_files()  # sizing by memory reads the model's expert shapes from its file
-    _context_callback = native.ffi.callback("llama_moe_cache_context_callback", on_context)
-    lib.llama_moe_cache_set_context_callback(_context_callback, native.ffi.NULL)
+    context_callback = native.ffi.callback("llama_moe_cache_context_callback", on_context)
+    lib.llama_moe_cache_set_context_callback(context_callback, native.ffi.NULL)
     if config.ram_tier:
         placement.place_experts_in_file()
     else:

@@ -17,7 +17,7 @@ import time
 from ..core.engine import CacheEngine
 from ..core.missplan import MissPlanner
 from ..core.policies import make_policy
-from ..core.profile import ProfileError, UsageProfile
+from ..formats.profile import ProfileError, UsageProfile
 from . import native
 from .boundary import Boundary, file_changed
 from .config import CacheConfig, ConfigError
@@ -186,11 +186,6 @@ class LiveCache:
         if self.config.debug and self.above is None:
             print(self.summary(), file=sys.stderr)
         self.reports.close()
-
-    def write_reports(self):
-        """Write the stats and add this run's new usage to the profile, each atomically and on
-        its own (one that fails does not keep the other from being written)."""
-        self.reports.write()
 
     def detach(self):
         """Forget this cache without reporting; a new init of the same context replaces it."""

@@ -96,7 +96,7 @@ def _run(args) -> int:
         print(f"run.py: RAM tier: experts read from the model file as selected{rest}", file=sys.stderr)
     if config.device_cache or not config.ram_tier:
         print(f"run.py: experts in host memory, the rest on the {_device()}", file=sys.stderr)
-    llm = _load(model, args, config)
+    llm = load_model(model, args, config)
     n_expert = int(next((v for k, v in llm.metadata.items() if k.endswith(".expert_count")), 0))
     if n_expert == 0:
         raise ValueError(f"{model} is not a MoE model (no expert_count)")
@@ -108,7 +108,7 @@ def _run(args) -> int:
             print(line, file=sys.stderr)
 
     try:
-        n_tokens, decode = _generate(llm, args)
+        n_tokens, decode = generate(llm, args)
     except RuntimeError as e:  # "llama_decode returned -3": the cache may know why
         why = cache.why_stopped() if cache else None
         raise RuntimeError(f"{e}: {why}" if why else e) from None
@@ -142,7 +142,9 @@ def _device() -> str:
     return f"loopback RPC device {rpc.endpoint} (no GPU found: a CPU backend, exact but not faster)"
 
 
-def _load(model: str, args, config):
+def load_model(model: str, args, config):
+    """The model as run.py runs it: its experts where the cache reads them (the model file for
+    the RAM tier, else host buffers, repacked or plain)."""
     import llama_cpp
 
     from .placement import experts_from_file, experts_on_host
@@ -158,7 +160,7 @@ def _n_ctx(args) -> int:
     return -(-args.ctx_size // 256) * 256
 
 
-def _generate(llm, args) -> tuple[int, str]:
+def generate(llm, args) -> tuple[int, str]:
     """Print the answer as it comes; the tokens decoded and the decode speed, by llama.cpp's own
     count and time of its single-token evaluations (as llama.cpp's "eval time"): the streamed
     text pieces are not tokens, a piece may wait for the next token's bytes (a model whose tokens

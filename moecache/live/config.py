@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 
 from ..core.admission import ADMISSIONS, live_admission
 from ..core.missplan import planner_by_default
-from ..core.policies import DEFAULT_POLICY, POLICIES
+from ..core.policies import DEFAULT_POLICY, POLICIES, resolve_policy
 from ..util import output_problem, parse_gbps, parse_int
 
 
@@ -79,8 +79,7 @@ class CacheConfig:
                     object.__setattr__(self, name, parse_gbps(getattr(self, name), ENV_PREFIX + name.upper()))
                 except ValueError as e:
                     raise ConfigError(str(e)) from None
-        if self.policy == "default":
-            object.__setattr__(self, "policy", DEFAULT_POLICY)
+        object.__setattr__(self, "policy", resolve_policy(self.policy))
         if self.policy not in POLICIES:
             raise ConfigError(f"{ENV_PREFIX}POLICY={self.policy!r} is not a policy; "
                               f"choose from default, {', '.join(sorted(POLICIES))}")

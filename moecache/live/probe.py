@@ -161,7 +161,7 @@ def expert_shapes(path: str) -> dict[int, tuple[tuple[int, ...], ...]]:
     layers with routed experts, read from the GGUF at path (and its other split files); the
     dimensions stop before the last one, which indexes the experts."""
     found: dict[int, dict[str, tuple[int, ...]]] = {}
-    for part in _split_files(path):
+    for part in split_files(path):
         for name, ggml_type, ne, _ in gguf_header(part)[1]:
             match = BANKED.fullmatch(name)
             if match:
@@ -230,7 +230,7 @@ def gguf_header(path: str) -> tuple[dict, list[tuple[str, int, tuple[int, ...], 
     return meta, tensors
 
 
-def _split_files(path: str) -> list[str]:
+def split_files(path: str) -> list[str]:
     """path, or every file of a split GGUF (llama.cpp's NAME-00001-of-00003.gguf naming)."""
     match = re.fullmatch(r"(.*)-(\d{5})-of-(\d{5})\.gguf", path)
     if not match:

@@ -20,7 +20,7 @@ from ..core.banks import ram_slots
 from ..util import available_memory
 from . import native
 from .config import ENV_PREFIX
-from .probe import BANKED, CachedLayer, CacheUnavailable, _split_files, cached_layers, gguf_header
+from .probe import BANKED, CachedLayer, CacheUnavailable, cached_layers, gguf_header, split_files
 from .sizing import MIB, CachePlan, DevicePlan
 
 F16_BYTES = 2  # llama.cpp's KV cache type by default
@@ -117,7 +117,7 @@ def _gguf_facts(path: str) -> dict:
     banked: dict[int, int] = {}
     other, meta = 0, {}
     try:
-        for part in _split_files(path):
+        for part in split_files(path):
             found, tensors = gguf_header(part)
             meta.update({key.split(".", 1)[-1]: value for key, value in found.items()})
             for name, _, _, nbytes in tensors:

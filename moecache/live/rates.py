@@ -1,6 +1,6 @@
 """The live miss planner's rates (issue 22; moecache.core.missplan): the link's and the host's,
 given (LLAMA_MOE_CACHE_LINK_GBPS, LLAMA_MOE_CACHE_HOST_GBPS) or measured at attach, the others
-from the hardware class whose link is nearest (moecache.offline.cost.HARDWARE).
+from the hardware class whose link is nearest (moecache.core.hardware.HARDWARE).
 
 With them the planner sets, per layer, how many of a graph's misses take the copy-on-miss lane
 (copied at once and computed on the device; Rates.lane_split over the layer's time) and what the
@@ -28,7 +28,6 @@ stats' rates reproduces them).
 
 from __future__ import annotations
 
-import math
 import os
 import statistics
 import time
@@ -37,11 +36,11 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
+from ..core.hardware import nearest_link
 from ..core.missplan import Rates
-from ..offline.cost import HARDWARE
 from . import ggml
 from .config import ENV_PREFIX, CacheConfig, ConfigError
-from .probe import BANKED_TENSORS, CachedLayer, Devices, _split_files
+from .probe import BANKED_TENSORS, CachedLayer, Devices, split_files
 
 COPIES = 5                   # timed link copies (after one that warms the buffer)
 HOST_READ_BYTES = 128 << 20  # larger than the CPU's caches on most machines
@@ -105,7 +104,7 @@ def planner_rates(config: CacheConfig, layers: list[CachedLayer], model_path: st
         threads = os.cpu_count() or 1
         host = _read_gbps(data, threads)
         host_source = f"measured: {data.nbytes} bytes ({what}) read by {threads} threads"
-    nearest = min(HARDWARE.values(), key=lambda h: abs(math.log(h.rates.link_gbps / link)))
+    nearest = nearest_link(link)
     rates = replace(nearest.rates, link_gbps=link, host_gbps=host, dram_gbps=max(nearest.rates.dram_gbps, host))
     return PlannerRates(rates, nearest.name, link_source, host_source, **measured)
 
@@ -120,7 +119,7 @@ def _layer_bytes(path: str | None, layer: CachedLayer, limit: int) -> np.ndarray
     names = {f"blk.{layer.il}.{name}" for name in BANKED_TENSORS}
     chunks, total = [], 0
     try:
-        for part in _split_files(path):
+        for part in split_files(path):
             for tensor in gguf.GGUFReader(part).tensors:
                 if tensor.name in names and total < limit:
                     mapped = np.memmap(part, dtype=np.uint8, mode="r", offset=int(tensor.data_offset),

@@ -15,8 +15,9 @@ from collections.abc import Callable
 import numpy as np
 
 from ..core.engine import CacheEngine
-from ..core.profile import UsageProfile
-from ..core.traces import DECODE, PREFILL, TraceWriter
+from ..formats.profile import UsageProfile
+from ..formats.trace_writer import TraceWriter
+from ..formats.traces import DECODE, PREFILL
 from ..util import write_json
 from .boundary import Observed
 from .config import CacheConfig, ConfigError

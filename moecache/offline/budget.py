@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import heapq
 import random
-from collections import OrderedDict
 from typing import Callable
 
+from ..core.lru import LruOrder
 from ..core.model import CacheModel
 from ..core.policies import NextUse
 
@@ -67,22 +67,16 @@ class BudgetLru(BudgetPolicy):
     name = "lru"
 
     def bind(self, n_parts):
-        self.recency = [OrderedDict() for _ in range(n_parts)]  # oldest first
+        self.recency = [LruOrder() for _ in range(n_parts)]
 
     def accessed(self, part, keys, touched):
-        recency = self.recency[part]
-        for key in keys:
-            recency[key] = None
-            recency.move_to_end(key)
+        self.recency[part].use_all(keys)
 
     def victim(self, part, touched):
-        for key in self.recency[part]:  # the batch's own keys sit at the young end
-            if key not in touched:
-                return key
-        return None
+        return self.recency[part].oldest(spared=touched)  # the batch's own keys sit at the young end
 
     def dropped(self, part, key):
-        del self.recency[part][key]
+        self.recency[part].remove(key)
 
 
 class BudgetLayerLru(BudgetLru):

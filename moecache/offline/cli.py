@@ -32,7 +32,7 @@ adds the RAM tier run again reading ahead, during each layer's compute, the R ex
 predictor expects the next layer to miss (moecache.offline.readahead: its precision, recall and
 MODELLED ms per decode token on a timeline where the disk overlaps the CPU).
 
---convert writes the trace's compact binary form (moecache.core.binary_trace), which any
+--convert writes the trace's compact binary form (moecache.formats.binary_trace), which any
 replay reads in place of the CSV: mapped, not parsed, so a long recording replays in a
 fraction of the time, in memory that does not grow with its length.
 
@@ -53,19 +53,21 @@ import os
 import sys
 
 from ..core.admission import ADMISSIONS, live_admission
-from ..core.binary_trace import write_binary_trace
-from ..core.missplan import MissPlanner
 from ..core.banks import equal_bytes
+from ..core.hardware import DEFAULT_HARDWARE, HARDWARE
+from ..core.missplan import MissPlanner
 from ..core.policies import DEFAULT_POLICY, POLICIES, resolve_policy
-from ..core.profile import UsageProfile
-from ..core.traces import DECODE, PREFILL, read_trace
+from ..formats.binary_trace import write_binary_trace
+from ..formats.profile import UsageProfile
+from ..formats.traces import DECODE, PREFILL, read_trace
 from ..util import OneLineParser, Progress, atomic_write, gbps_arg, int_arg, int_list_arg, output_problem
 from .budget import BUDGET_POLICIES
+from .cost import Disk
 from .readahead import PREDICTORS, ReadAhead, parse_spec
 from .steps import decode_steps
-from .cost import DEFAULT_HARDWARE, HARDWARE, Disk
-from .replay import (GLOBAL, MIB, MODELS, PAGE_CACHE, PER_LAYER, PREFILL_MODES, UPSTREAM, ReplayResult,
-                     per_layer_slots, policy_names, ram_tier_slots, simulate)
+from .replay import (GLOBAL, MIB, MODELS, PAGE_CACHE, PER_LAYER, PREFILL_MODES, UPSTREAM, GlobalReplay,
+                     PageCacheReplay, PerLayerReplay, ReplayResult, UpstreamReplay, per_layer_slots, policy_names,
+                     ram_tier_slots, simulate)
 from .upstream import TUNER_SHARES, UPSTREAM_TAGS
 
 
@@ -141,6 +143,20 @@ def parser() -> OneLineParser:
     ap = OneLineParser(prog="python -m moecache.replay",
                        description="Replay a routing trace through cache policies.")
     ap.add_argument("trace")
+    _add_cache_flags(ap)
+    _add_ram_flags(ap)
+    _add_cost_flags(ap)
+    ap.add_argument("--seed", type=int_arg(minimum=0), default=0, help="seed of the random policies")
+    ap.add_argument("--csv", help="also write the results here")
+    ap.add_argument("--plot", help="also plot hit%% vs cache size here (needs matplotlib)")
+    ap.add_argument("--convert", metavar="OUT",
+                    help="write the trace in its compact binary form (route_trace binary v1) to OUT and "
+                         "replay nothing: replays of OUT read it in a fraction of the time and memory")
+    return ap
+
+
+def _add_cache_flags(ap) -> None:
+    """The cache models' sizes, policies and per-layer settings."""
     ap.add_argument("--slots", type=int_list_arg(minimum=1),
                     help="per-layer cache sizes K, comma separated (default 8,16,32,64 unless "
                          "--budget-mib is given)")
@@ -158,6 +174,17 @@ def parser() -> OneLineParser:
     ap.add_argument("--budget-mib", type=_budgets_arg, default=[],
                     help="byte budgets, comma separated: the global model's (BigMoeOnEdge), and the "
                          "per-layer model at the largest K that fits")
+    ap.add_argument("--prefill", choices=PREFILL_MODES, default="warm",
+                    help="per-layer model: each prompt ubatch as a prefill step that uploads its most "
+                         "used experts, as the live cache does (warm, the default); no prefill (off); "
+                         "each turn's prompt as one batched observation (plain); each prompt ubatch "
+                         "looked up as a decode step is (lookup: the RAM tier's, which --ram-mib uses)")
+    ap.add_argument("--preload-profile", metavar="JSON",
+                    help="per-layer model: warm start from a saved usage profile")
+
+
+def _add_ram_flags(ap) -> None:
+    """The models of a model larger than RAM and the disk they read."""
     ap.add_argument("--ram-mib", type=_budgets_arg, default=[],
                     help="RAM budgets in MiB, comma separated: the RAM tier (RAM_MIB's K, eager, INSERTS = K) "
                          "and stock mmap's page cache, on the CPU, timed over --disk-gbps")
@@ -172,15 +199,12 @@ def parser() -> OneLineParser:
                     help=f"with --ram-mib: also run the RAM tier reading ahead in decode, PREDICTOR:R, comma "
                          f"separated: R experts the next layer will likely miss, read while this one computes, "
                          f"predicted by {', '.join(PREDICTORS)} (oracle reads the future: a bound)")
-    ap.add_argument("--prefill", choices=PREFILL_MODES, default="warm",
-                    help="per-layer model: each prompt ubatch as a prefill step that uploads its most "
-                         "used experts, as the live cache does (warm, the default); no prefill (off); "
-                         "each turn's prompt as one batched observation (plain); each prompt ubatch "
-                         "looked up as a decode step is (lookup: the RAM tier's, which --ram-mib uses)")
-    ap.add_argument("--preload-profile", metavar="JSON",
-                    help="per-layer model: warm start from a saved usage profile")
+
+
+def _add_cost_flags(ap) -> None:
+    """The machine of the modelled time, the miss planner at its rates, upstream's CPU share."""
     ap.add_argument("--hardware", choices=list(HARDWARE), default=DEFAULT_HARDWARE,
-                    help="the machine of the MODELLED ms/token, a named class (moecache.offline.cost): "
+                    help="the machine of the MODELLED ms/token, a named class (moecache.core.hardware): "
                          + "; ".join(f"{h.name}: {h.summary}" for h in HARDWARE.values()))
     for flag, what in (("--host-gbps", "the CPU's read rate of host memory for experts, GB/s"),
                        ("--link-gbps", "host-to-device copy rate, GB/s"),
@@ -199,13 +223,6 @@ def parser() -> OneLineParser:
                     help="upstream (b12191): --moe-cache-cpu-share F, the share of the misses its full cache "
                          "computes on the CPU, comma separated, or 'tuned': "
                          + ", ".join(f"{v:g}" for v in TUNER_SHARES) + ", its tuner's (default 0)")
-    ap.add_argument("--seed", type=int_arg(minimum=0), default=0, help="seed of the random policies")
-    ap.add_argument("--csv", help="also write the results here")
-    ap.add_argument("--plot", help="also plot hit%% vs cache size here (needs matplotlib)")
-    ap.add_argument("--convert", metavar="OUT",
-                    help="write the trace in its compact binary form (route_trace binary v1) to OUT and "
-                         "replay nothing: replays of OUT read it in a fraction of the time and memory")
-    return ap
 
 
 def check_args(args) -> None:
@@ -301,43 +318,49 @@ def run(args, trace, profile) -> list[ReplayResult]:
     --budget-mib."""
     def equal(k):
         return equal_bytes(trace.expert_bytes, k) / MIB
-    # (model, policy, size, options, what the result stands against: the K of an upstream run,
-    # the budget of a per-layer run sized by one)
-    plan = {"miss_plan": args.hardware.rates} if args.planner else {}
-    per_layer = [(p, {"inserts": args.inserts, "prefill": args.prefill, "profile": profile,
-                      "admission": a, **plan}) for p in args.policies if p in policy_names(PER_LAYER)
-                 for a in args.admission or [live_admission(POLICIES[resolve_policy(p)])]]
-    runs = [(PER_LAYER, p, k, options, {}) for p, options in per_layer for k in args.slots] + \
-           [(PER_LAYER, p, args.budget_slots[b], options, {"budget_mib": b}) for p, options in per_layer
+
+    def per_layer(policy, admission, k):
+        return PerLayerReplay(policy, k, inserts=args.inserts, admission=admission, prefill=args.prefill,
+                              profile=profile, seed=args.seed, miss_plan=args.hardware.rates if args.planner else None)
+
+    def ram_tier(policy, admission, k, read_ahead):
+        return PerLayerReplay(policy, k, inserts=k, admission=admission, prefill="lookup", seed=args.seed,
+                              read_ahead=read_ahead)
+
+    def read_aheads():  # the RAM tier without, then with each --expert-read-ahead (new ones each run)
+        return [None] + [ReadAhead(name, width, args.disk, args.hardware.rates.host_gbps)
+                         for name, width in args.expert_read_ahead]
+
+    timings = [(p, a) for p in args.policies if p in policy_names(PER_LAYER)
+               for a in args.admission or [live_admission(POLICIES[resolve_policy(p)])]]
+    upstream = [p for p in args.policies if p in policy_names(UPSTREAM)]
+    # (replay, what the result stands against: the K of an upstream run, the budget of a
+    # per-layer run sized by one, the RAM budget of the RAM tier's and the page cache's)
+    runs = [(per_layer(p, a, k), {}) for p, a in timings for k in args.slots] + \
+           [(per_layer(p, a, args.budget_slots[b]), {"budget_mib": b}) for p, a in timings for b in args.budget_mib] + \
+           [(UpstreamReplay(p, equal(k), share), {"slots": k}) for p in upstream for k in args.slots
+            for share in _shares(p, args)] + \
+           [(GlobalReplay(p, b, seed=args.seed), {}) for p in args.policies if p in policy_names(GLOBAL)
             for b in args.budget_mib] + \
-           [(UPSTREAM, p, equal(k), share, {"slots": k}) for p in args.policies if p in policy_names(UPSTREAM)
-            for k in args.slots for share in _shares(p, args)] + \
-           [(GLOBAL, p, b, {}, {}) for p in args.policies if p in policy_names(GLOBAL) for b in args.budget_mib] + \
-           [(UPSTREAM, p, b, share, {}) for p in args.policies if p in policy_names(UPSTREAM)
-            for b in args.budget_mib for share in _shares(p, args)] + \
-           [(PER_LAYER, p, args.ram_slots[b], {"inserts": args.ram_slots[b], "prefill": "lookup", "admission": a,
-                                                **read_ahead}, {"ram_mib": b})
-            for p in args.policies if p in policy_names(PER_LAYER)
-            for a in args.admission or [live_admission(POLICIES[resolve_policy(p)])] for b in args.ram_mib
-            for read_ahead in [{}] + [{"read_ahead": ReadAhead(name, width, args.disk, args.hardware.rates.host_gbps)}
-                                      for name, width in args.expert_read_ahead]] + \
-           [(PAGE_CACHE, p, b, {"read_ahead_kb": args.read_ahead_kb}, {"ram_mib": b})
+           [(UpstreamReplay(p, b, share), {}) for p in upstream for b in args.budget_mib for share in _shares(p, args)] + \
+           [(ram_tier(p, a, args.ram_slots[b], read_ahead), {"ram_mib": b}) for p, a in timings for b in args.ram_mib
+            for read_ahead in read_aheads()] + \
+           [(PageCacheReplay(p, b, args.read_ahead_kb), {"ram_mib": b})
             for p in policy_names(PAGE_CACHE) for b in args.ram_mib]
     results = []
     with Progress(len(runs)) as progress:
-        for model, policy, size, options, against in runs:
-            result = simulate(trace, model, policy, size, seed=args.seed, **options)
+        for replay, against in runs:
+            result = simulate(trace, replay)
+            progress.advance(f"{result.policy} {result.slots or result.budget_mib:g}")
             for name, value in against.items():
                 setattr(result, name, value)
             results.append(result)
-            progress.advance(f"{policy} {size:g}")
     return results
 
 
-def _shares(policy, args) -> list[dict]:
-    """The upstream runs' options: each --cpu-share for a version that has one."""
-    shares = args.cpu_share if MODELS[UPSTREAM][policy].takes_cpu_share else [0.0]
-    return [{"cpu_share": share} for share in shares]
+def _shares(policy, args) -> list[float]:
+    """The upstream runs' CPU shares: each --cpu-share for a version that has one."""
+    return args.cpu_share if MODELS[UPSTREAM][policy].takes_cpu_share else [0.0]
 
 
 def _pct(rate):
@@ -540,7 +563,7 @@ def plot(path, trace, results) -> None:
 
 
 def convert(args) -> None:
-    """--convert: the trace in its binary form (moecache.core.binary_trace), nothing replayed."""
+    """--convert: the trace in its binary form (moecache.formats.binary_trace), nothing replayed."""
     defaults = vars(parser().parse_args([args.trace]))
     given = [f"--{name.replace('_', '-')}" for name, value in vars(args).items()
              if name not in ("trace", "convert") and value != defaults[name]]

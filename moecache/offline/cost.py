@@ -33,101 +33,19 @@ computes the layer's experts kept in memory, then computes the misses: per layer
 (no read, no wait, where the layer missed nothing), and the uploads issued at a boundary read
 after the token at the disk's rate, the CPU waiting.
 
-Hardware classes (HARDWARE): named Rates with the sources of each figure; every efficiency
-(the share of a peak rate a kernel or a copy reaches) is an ASSUMPTION, stated once below and
-applied the same way to every class, until scripts/gpu_check.sh measures them.
+The rates are a hardware class's (moecache.core.hardware.HARDWARE), whose figures and
+assumptions are stated there.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
 from ..core.missplan import STOCK_LAYOUT, Layout, Rates
-
-# Assumptions (shares of peak rates), one per resource:
-CPU_READ_EFFICIENCY = 2 / 3     # the CPU's quantized matvec kernels streaming expert weights
-DRAM_EFFICIENCY = 0.8           # host memory serving the CPU and the DMA engine together
-LINK_EFFICIENCY = 0.8           # pinned host-to-device copies, after packet overhead
-GPU_READ_EFFICIENCY = 0.7       # the GPU's decode matvec kernels reading device memory
-
-
-def ddr_peak_gbps(mt_per_s: float, channels: int = 2) -> float:
-    """JEDEC data rate x 8 bytes per 64-bit channel (JESD79-4 DDR4, JESD79-5 DDR5)."""
-    return channels * 8 * mt_per_s / 1e3
-
-
-def pcie_peak_gbps(gt_per_s: float, lanes: int) -> float:
-    """PCI-SIG: gen 3 and later encode 128b/130b; GB/s per direction."""
-    return gt_per_s * lanes * 128 / 130 / 8
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """A named machine: its Rates, built from peak figures and the assumptions above."""
-
-    name: str
-    summary: str
-    rates: Rates
-    sources: str
-
-    @classmethod
-    def from_peaks(cls, name, summary, *, ddr_mt_s, pcie_gt_s, lanes, gpu_gbps, ids_trip_us, join_us,
-                   sources):
-        ddr = ddr_peak_gbps(ddr_mt_s)
-        rates = Rates(host_gbps=CPU_READ_EFFICIENCY * ddr, link_gbps=LINK_EFFICIENCY * pcie_peak_gbps(pcie_gt_s, lanes),
-                      dram_gbps=DRAM_EFFICIENCY * ddr, device_gbps=GPU_READ_EFFICIENCY * gpu_gbps,
-                      ids_trip_us=ids_trip_us, join_us=join_us)
-        return cls(name, summary, rates, sources)
-
-    def override(self, **rates) -> "Hardware":
-        """This class with some rates given explicitly (None: keep the class's)."""
-        given = {k: v for k, v in rates.items() if v is not None}
-        if not given:
-            return self
-        return Hardware(f"{self.name} with " + ", ".join(f"{k}={v:g}" for k, v in given.items()),
-                        self.summary, replace(self.rates, **given), self.sources)
-
-    def describe(self) -> str:
-        r = self.rates
-        return (f"{self.name}: host {r.host_gbps:.1f} GB/s (CPU), dram {r.dram_gbps:.1f} (CPU + DMA), "
-                f"link {r.link_gbps:.1f}, device {r.device_gbps:.0f}, ids trip {r.ids_trip_us:g} us, "
-                f"join {r.join_us:g} us")
-
-    def token_ms(self, work: "WorkTally", tokens: int) -> float:
-        """Modelled milliseconds per decode token of the tallied work (module docstring)."""
-        terms = self.breakdown(work, tokens)
-        return max(terms["layers"], terms["link"], terms["dram"])
-
-    def breakdown(self, work: "WorkTally", tokens: int) -> dict[str, float]:
-        """The terms of token_ms per decode token: "layers" (the sum of the layers' times), of
-        which "router", "window" (the ids' trips and the host's reads and copies beside each
-        other), "cpu reads" and "lane copies" (each alone), "joins" and "device" (the experts
-        computed there); "link" and "dram", the run's bytes over them; and the experts per token
-        on the device from slots ("hits"), through the lane ("lane") and on the CPU ("cpu")."""
-        r = self.rates
-        terms = dict.fromkeys(("layers", "router", "window", "cpu reads", "lane copies", "joins", "device",
-                               "hits", "lane", "cpu"), 0.0)
-        lane_bytes = cpu_bytes = 0.0
-        for (layer, hits, lane, cpu), passes in work.passes.items():
-            size, dense = work.expert_bytes[layer], work.dense_bytes[layer]
-            terms["layers"] += passes * r.layer_ms(work.layout, size, dense, hits, lane, cpu)
-            terms["router"] += passes * r._ms(dense, r.device_gbps)
-            terms["window"] += passes * (r.ids_trip_us / 1e3 + r.host_ms(cpu * size, lane * size))
-            terms["cpu reads"] += passes * r._ms(cpu * size, r.host_gbps)
-            terms["lane copies"] += passes * r._ms(lane * size, r.link_gbps)
-            terms["joins"] += passes * r.join_us / 1e3 * (work.layout.host_node or cpu > 0)
-            terms["device"] += passes * r._ms((hits + lane) * size, r.device_gbps)
-            for name, count in (("hits", hits), ("lane", lane), ("cpu", cpu)):
-                terms[name] += passes * count
-            lane_bytes += passes * lane * size
-            cpu_bytes += passes * cpu * size
-        terms["link"] = (lane_bytes + work.async_bytes) / (r.link_gbps * 1e6)
-        terms["dram"] = (cpu_bytes + lane_bytes + work.async_bytes) / (r.dram_gbps * 1e6)
-        return {name: float(value) / tokens for name, value in terms.items()}
 
 
 @dataclass(frozen=True)
@@ -160,34 +78,6 @@ class Disk:
             read = self.read_us / 1e3 + misses * size / disk if misses else 0.0
             total += passes * (work.dense_bytes[layer] / host + max(hits * size / host, read) + misses * size / host)
         return total / tokens
-
-
-# Synchronisation latencies: ASSUMPTIONS until measured (scripts/gpu_check.sh, issue 22): the
-# ids' trip is a device-to-host copy of a few hundred bytes and a stream synchronisation (CUDA
-# launch plus a PCIe round trip, about 10 us on a direct x16 link) and the host thread waking
-# up; the join a small host-to-device copy the device's stream waits on. An eGPU enclosure
-# adds a switch hop (and Thunderbolt's tunnelling): doubled.
-HARDWARE = {h.name: h for h in (
-    Hardware.from_peaks(
-        "pcie3-x4-egpu", "PCIe 3.0 x4 eGPU (RTX 3060 Ti class), DDR4-3200 dual channel",
-        ddr_mt_s=3200, pcie_gt_s=8, lanes=4, gpu_gbps=448, ids_trip_us=30, join_us=10,
-        sources="DDR4-3200: 51.2 GB/s peak (JESD79-4); PCIe 3.0 x4: 3.94 GB/s per direction "
-                "(PCI-SIG, 8 GT/s, 128b/130b); RTX 3060 Ti: 448 GB/s GDDR6 (NVIDIA); the user "
-                "report of issue 22 (35 -> 1-8 tok/s with upstream's cache) is this machine"),
-    Hardware.from_peaks(
-        "pcie4-x16", "PCIe 4.0 x16 (RTX 4090 class), DDR5-5600 dual channel (today's default)",
-        ddr_mt_s=5600, pcie_gt_s=16, lanes=16, gpu_gbps=1008, ids_trip_us=15, join_us=5,
-        sources="DDR5-5600: 89.6 GB/s peak (JESD79-5); PCIe 4.0 x16: 31.5 GB/s per direction "
-                "(PCI-SIG); RTX 4090: 1008 GB/s GDDR6X (NVIDIA), upstream's published 25.0 -> "
-                "40.7 t/s card"),
-    Hardware.from_peaks(
-        "pcie5-x16", "PCIe 5.0 x16 (RTX 5090 class), DDR5-6400 dual channel",
-        ddr_mt_s=6400, pcie_gt_s=32, lanes=16, gpu_gbps=1792, ids_trip_us=15, join_us=5,
-        sources="DDR5-6400: 102.4 GB/s peak (JESD79-5); PCIe 5.0 x16: 63.0 GB/s per direction "
-                "(PCI-SIG); RTX 5090: 1792 GB/s GDDR7 (NVIDIA), upstream's published 30.8 -> "
-                "67.8 t/s card"),
-)}
-DEFAULT_HARDWARE = "pcie4-x16"
 
 
 class WorkTally:
@@ -231,6 +121,39 @@ class WorkTally:
     def _bytes(self, counts) -> int:
         """(L,) expert counts in bytes (exact: Python integers)."""
         return sum(n * size for n, size in zip(counts.tolist(), self.expert_bytes))
+
+    def token_ms(self, rates: Rates, tokens: int) -> float:
+        """Modelled milliseconds per decode token of the tallied work at these rates (module
+        docstring)."""
+        terms = self.breakdown(rates, tokens)
+        return max(terms["layers"], terms["link"], terms["dram"])
+
+    def breakdown(self, rates: Rates, tokens: int) -> dict[str, float]:
+        """The terms of token_ms per decode token: "layers" (the sum of the layers' times), of
+        which "router", "window" (the ids' trips and the host's reads and copies beside each
+        other), "cpu reads" and "lane copies" (each alone), "joins" and "device" (the experts
+        computed there); "link" and "dram", the run's bytes over them; and the experts per token
+        on the device from slots ("hits"), through the lane ("lane") and on the CPU ("cpu")."""
+        r = rates
+        terms = dict.fromkeys(("layers", "router", "window", "cpu reads", "lane copies", "joins", "device",
+                               "hits", "lane", "cpu"), 0.0)
+        lane_bytes = cpu_bytes = 0.0
+        for (layer, hits, lane, cpu), passes in self.passes.items():
+            size, dense = self.expert_bytes[layer], self.dense_bytes[layer]
+            terms["layers"] += passes * r.layer_ms(self.layout, size, dense, hits, lane, cpu)
+            terms["router"] += passes * r.transfer_ms(dense, r.device_gbps)
+            terms["window"] += passes * (r.ids_trip_us / 1e3 + r.host_ms(cpu * size, lane * size))
+            terms["cpu reads"] += passes * r.transfer_ms(cpu * size, r.host_gbps)
+            terms["lane copies"] += passes * r.transfer_ms(lane * size, r.link_gbps)
+            terms["joins"] += passes * r.join_us / 1e3 * (self.layout.host_node or cpu > 0)
+            terms["device"] += passes * r.transfer_ms((hits + lane) * size, r.device_gbps)
+            for name, count in (("hits", hits), ("lane", lane), ("cpu", cpu)):
+                terms[name] += passes * count
+            lane_bytes += passes * lane * size
+            cpu_bytes += passes * cpu * size
+        terms["link"] = (lane_bytes + self.async_bytes) / (r.link_gbps * 1e6)
+        terms["dram"] = (cpu_bytes + lane_bytes + self.async_bytes) / (r.dram_gbps * 1e6)
+        return {name: float(value) / tokens for name, value in terms.items()}
 
     def compute_bytes(self) -> int:
         """The bytes every layer pass computes: its selected experts and its dense weights."""

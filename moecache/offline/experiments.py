@@ -37,9 +37,9 @@ import numpy as np
 
 from ..core.engine import CacheEngine
 from ..core.policies import Belady, DecayedLfu, Heat, NextUse, Policy, make_policy
-from ..core.profile import UsageProfile
-from ..core.traces import RouteTrace, synthetic_routing
-from .replay import PER_LAYER, ReplayResult, simulate
+from ..formats.profile import UsageProfile
+from ..formats.traces import RouteTrace, synthetic_routing
+from .replay import PerLayerReplay, ReplayResult, simulate
 from .upstream import CRF_HALF_LIFE, N_CLASSES
 
 SYNTHETIC = [  # the tables' synthetic locality routing: (label, layers, experts, top-k, options), seeds 3..
@@ -69,7 +69,7 @@ def preloaded_only(trace: RouteTrace, policy: str, slots: int, profile: UsagePro
     statistics left cold (moecache.offline.replay.simulate's profile= does both)."""
     engine = CacheEngine(trace.layers.size, trace.n_expert, slots, make_policy(policy), offline=True)
     engine.preload(profile.top(slots))
-    return simulate(trace, PER_LAYER, engine, prefill="off")
+    return simulate(trace, PerLayerReplay(engine, prefill="off"))
 
 
 class PopularityOracle(Policy):

@@ -149,6 +149,14 @@ class PageCache:
     def totals(self) -> dict:
         return dict(self.counters)
 
+    def cached_pages(self) -> np.ndarray:
+        """The pages in the cache, ascending."""
+        return np.flatnonzero(self._stamp)
+
+    def marked_pages(self) -> np.ndarray:
+        """The pages carrying a readahead mark (PG_readahead), ascending."""
+        return np.flatnonzero(self._marked)
+
     def step(self, ids) -> np.ndarray:
         """One ubatch: (n_layers, n) selected expert ids (-1: none), read layer by layer; returns
         how many experts each layer read."""
@@ -301,6 +309,14 @@ class TwoListPageCache(PageCache):
         self._sizes = {self.INACTIVE: 0, self.ACTIVE: 0}
         gib = self.capacity * PAGE >> 30
         self._ratio = math.isqrt(10 * gib) if gib else 1
+
+    def active_pages(self) -> np.ndarray:
+        """The pages on the active list, ascending."""
+        return np.flatnonzero(self._list == self.ACTIVE)
+
+    def referenced_pages(self) -> np.ndarray:
+        """The pages whose PG_referenced is set, ascending."""
+        return np.flatnonzero(self._referenced)
 
     def _move(self, pages, source, to) -> None:
         """Pages of one list (source; 0: new) onto a list's new end."""

@@ -37,10 +37,10 @@ import numpy as np
 from ..core.banks import layers_by_size
 from ..core.engine import CacheEngine
 from ..core.policies import POLICIES, make_policy, resolve_policy
-from ..core.traces import RouteTrace
+from ..formats.traces import RouteTrace
 from . import steps
 from .experiments import HeatSum, HeatSumAdmission
-from .replay import PER_LAYER, ReplayResult, simulate
+from .replay import PER_LAYER, PerLayerReplay, ReplayResult, simulate
 
 VICTIM_RULES = ("oracle", "run", "ahead")
 
@@ -186,7 +186,7 @@ def pooled_replay(trace: RouteTrace, policy, slots: int, *, inserts: int | None 
         policy = make_policy(policy, future=steps.future(pooled, PER_LAYER, "warm") if reads_ahead else None)
     engine = PooledEngine(pooled.layers.size, pooled.n_expert, slots * n_sub, policy, n_sub=n_sub,
                           inserts=inserts, rule=rule, window=window)
-    return simulate(pooled, PER_LAYER, engine, prefill="warm")
+    return simulate(pooled, PerLayerReplay(engine, prefill="warm"))
 
 
 CREDITED = "heat-sum 10+64 (1:2), admission test with 4 uses' credit, unlimited"

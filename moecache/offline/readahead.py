@@ -279,7 +279,7 @@ class ReadAhead:
                     width = min(self.n_used, max(0, int(room * disk / next_size + 1e-9)))  # not lost to rounding
                 scores = self.predictor.scores(layer, rows[layer], target,
                                                future if self.predictor.reads_future else None)
-                chosen = _best(scores, dst_kept, width)
+                chosen = choose_reads(scores, dst_kept, width)
                 if chosen.size:
                     disk_free = max(disk_free, clock) + latency + chosen.size * next_size / disk
                     self.read_ahead += chosen.size
@@ -304,7 +304,7 @@ def _rows(ids, mask=None) -> list[np.ndarray]:
     return [row[v].astype(np.int64) for row, v in zip(ids, valid)]
 
 
-def _best(scores, kept, width) -> np.ndarray:
+def choose_reads(scores, kept, width) -> np.ndarray:
     """The `width` best-scored experts not kept, score > 0; ties: the lower id."""
     candidates = np.flatnonzero((scores > 0) & ~kept)
     order = np.argsort(-scores[candidates], kind="stable")[:width]

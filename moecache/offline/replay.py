@@ -5,29 +5,31 @@ model's steps; simulate() builds the model (a moecache.core.model.CacheModel), f
 steps, reads its own counters at the phase changes and tallies each decode layer pass for the
 timeline cost model (moecache.offline.cost.WorkTally).
 
-Three models (MODELS, each with its policy registry):
+Four models (MODELS, each with its policy registry), each run by simulate(trace, replay) with
+the replay that names it and its settings:
 
-per-layer (size: K slots per layer): our live cache. It runs moecache.core.engine.CacheEngine
-    itself, the code the live glue calls, at most `inserts` uploads per layer per step, with
-    either admission timing: "boundary" uploads a miss at the next boundary (one-step
-    publication delay, experts of the step just observed protected), "eager" while the graph
-    that missed it runs (moecache.core.admission). prefill: "warm" (default) feeds each prompt
-    ubatch (of 512 tokens, or as recorded) as a prefill step, as the live cache does
-    (engine.step(ids, prefill=True): no lookups, up to K of the prompt's experts uploaded,
-    counted apart); "off" feeds no prefill; "plain" feeds each turn's prompt as one batched
-    observation of the cache, lookups and uploads counted as any other.
-upstream (policies "upstream", tag b12191's ClassLRU, and "upstream-b11480", its plain LRU;
-    size: a budget in MiB): upstream llama.cpp's own cache (moecache.offline.upstream), prompts
-    in ubatches of 512 tokens, then one ubatch per decode token; cpu_share: b12191's
+PerLayerReplay(policy, slots): our live cache, K slots per layer. It runs
+    moecache.core.engine.CacheEngine itself, the code the live glue calls, at most `inserts`
+    uploads per layer per step, with either admission timing: "boundary" uploads a miss at the
+    next boundary (one-step publication delay, experts of the step just observed protected),
+    "eager" while the graph that missed it runs (moecache.core.admission). prefill: "warm"
+    (default) feeds each prompt ubatch (of 512 tokens, or as recorded) as a prefill step, as the
+    live cache does (engine.step(ids, prefill=True): no lookups, up to K of the prompt's experts
+    uploaded, counted apart); "off" feeds no prefill; "plain" feeds each turn's prompt as one
+    batched observation of the cache, lookups and uploads counted as any other; "lookup" looks
+    each prompt ubatch up as a decode step is (the RAM tier's).
+UpstreamReplay(policy, budget_mib) (policies "upstream", tag b12191's ClassLRU, and
+    "upstream-b11480", its plain LRU): upstream llama.cpp's own cache (moecache.offline.upstream),
+    prompts in ubatches of 512 tokens, then one ubatch per decode token; cpu_share: b12191's
     --moe-cache-cpu-share F (tuned_upstream: each share its tuner picks from).
-page-cache (policies "lru", "two-list"; size: a budget in MiB): stock mmap's page cache of a
-    model larger than RAM (moecache.offline.pagecache): the file's 4 KiB pages under LRU or the
-    kernel's two lists, with its mmap readahead (read_ahead_kb), every ubatch read through the
-    mapping; the reference beside the
-    RAM tier's model, which is the per-layer model sized by RAM_MIB's rule (ram_slots), eager
-    admission with INSERTS = K and prefill "lookup" (every prompt ubatch looked up and its
-    misses read, as the live tier runs it).
-global (size: a budget in MiB): BigMoeOnEdge's route-replay model (moecache.offline.budget).
+PageCacheReplay(policy, budget_mib, read_ahead_kb) (policies "lru", "two-list"): stock mmap's
+    page cache of a model larger than RAM (moecache.offline.pagecache): the file's 4 KiB pages
+    under LRU or the kernel's two lists, with its mmap readahead (the device's read_ahead_kb),
+    every ubatch read through the mapping; the reference beside the RAM tier's model, which is
+    the per-layer model sized by RAM_MIB's rule (ram_slots), eager admission with INSERTS = K
+    and prefill "lookup" (every prompt ubatch looked up and its misses read, as the live tier
+    runs it).
+GlobalReplay(policy, budget_mib): BigMoeOnEdge's route-replay model (moecache.offline.budget).
     One cache over (layer, expert) entries budgeted in bytes (expert sizes from the preamble),
     immediate admission, no insert limit; batches are one per layer for a turn's whole
     prefill, then one per layer per decode token; one lookup per distinct expert per batch;
@@ -38,7 +40,7 @@ Rates are fractions (hit_rate 0.578), as in engine.stats() and the live stats, c
 moecache.core.model.hit_rate. ReplayResult also gives MODELLED milliseconds per decode token
 (moecache.offline.cost) on any hardware class, of the run and of stock --cpu-moe on its
 routing, and (disk_ms) of the RAM tier's and the page cache's runs on the CPU over a disk. With
-miss_plan (Rates; per-layer, eager admission) the engine plans each graph's misses at those
+miss_plan (Rates; PerLayerReplay, eager admission) the engine plans each graph's misses at those
 rates (moecache.core.missplan): the handover carries its rule, the copy-on-miss lane and the
 paying uploads, as the live planner runs it (LLAMA_MOE_CACHE_PLANNER=1); with lane=False the
 paying uploads alone (every miss on the CPU).
@@ -50,22 +52,24 @@ import functools
 import math
 import time
 from dataclasses import dataclass
+from typing import Callable, ClassVar, Iterable
 
 import numpy as np
 
 from ..core.admission import live_admission
 from ..core.banks import equal_bytes, ram_slots, slots_for_budget
 from ..core.engine import CacheEngine
+from ..core.hardware import Hardware
+from ..core.missplan import (OUR_LAYOUT, STOCK_LAYOUT, UPSTREAM_CPU_SHARE_LAYOUT, UPSTREAM_LAYOUT, MissPlanner,
+                             Rates, planner_by_default)
 from ..core.model import hit_rate
 from ..core.policies import POLICIES, Policy, make_policy, resolve_policy
-from ..core.profile import UsageProfile
-from ..core.traces import DECODE, RouteTrace
+from ..formats.profile import UsageProfile
+from ..formats.traces import DECODE, RouteTrace
 from ..util import require_memory
 from . import steps
 from .budget import BUDGET_POLICIES, BudgetPolicy, ByteBudgetCache, make_budget_policy
-from ..core.missplan import (OUR_LAYOUT, STOCK_LAYOUT, UPSTREAM_CPU_SHARE_LAYOUT, UPSTREAM_LAYOUT, MissPlanner,
-                             Rates, planner_by_default)
-from .cost import Disk, Hardware, WorkTally
+from .cost import Disk, WorkTally
 from .pagecache import PAGE, PAGE_POLICIES, PAGE_TABLE_BYTES, ExpertLayout
 from .readahead import ReadAhead
 from .steps import GLOBAL, PAGE_CACHE, PER_LAYER, PREFILL_MODES, UPSTREAM
@@ -90,20 +94,21 @@ class ReplayResult:
 
     model: str
     policy: str
-    slots: int | None           # per-layer K (upstream: the K whose device bytes it was given)
-    budget_mib: float | None    # global, upstream and page-cache budget; per-layer: the budget its K fits
-    inserts: int | None         # per-layer; None: unlimited (and for the other models)
     decode_tokens: int          # the trace's decode tokens: what a figure per token divides by
     decode_steps: int           # the decode steps the model took: per-layer and page-cache one per
                                 # recorded ubatch (the live stats' decode_steps), else one per token
     totals: dict
     totals_all: dict
     seconds: float
+    turns: int
+    work: WorkTally | None                  # decode layer passes (global: None)
     step_seconds: np.ndarray | None = None  # with simulate(step_times=True)
+    # the model's settings
+    slots: int | None = None                # per-layer K (upstream: the K whose device bytes it was given)
+    budget_mib: float | None = None         # global, upstream and page-cache budget; per-layer: the budget its K fits
+    inserts: int | None = None              # per-layer; None: unlimited (and for the other models)
     admission: str | None = None            # per-layer: the engine's admission timing
     prefill: str | None = None              # per-layer: PREFILL_MODES
-    turns: int = 0
-    work: WorkTally | None = None           # decode layer passes (global: None)
     ram_mib: float | None = None            # the RAM tier's and the page cache's budget (set by the caller)
     read_ahead: ReadAhead | None = None     # per-layer: the decode read-ahead's timeline and counts
     cpu_share: float | None = None          # upstream: --moe-cache-cpu-share F
@@ -138,7 +143,7 @@ class ReplayResult:
         the global model, whose cost is not modelled, or without decode tokens."""
         if self.work is None or not self.decode_tokens:
             return None
-        return hardware.token_ms(self.work, self.decode_tokens)
+        return self.work.token_ms(hardware.rates, self.decode_tokens)
 
     def disk_reads(self) -> tuple[int, int]:
         """(bytes read from the model file, reads a layer waited for) in the decode tokens, of a
@@ -168,103 +173,208 @@ class ReplayResult:
         routing (every selected expert on the CPU)."""
         if self.work is None or not self.decode_tokens:
             return None
-        return hardware.token_ms(self.work.as_stock(), self.decode_tokens)
+        return self.work.as_stock().token_ms(hardware.rates, self.decode_tokens)
 
 
-def simulate(trace: RouteTrace, model: str, policy, size=None, *, inserts: int | None = 2,
-             admission: str = "boundary", prefill: str | None = None,
-             profile: UsageProfile | None = None, seed: int = 0, step_times: bool = False,
-             before_step=None, miss_plan: Rates | None = None, lane: bool = True,
-             read_ahead_kb: int | None = None, read_ahead: ReadAhead | None = None,
-             cpu_share: float = 0.0) -> ReplayResult:
-    """Replay `trace` (RouteTrace.from_routing makes one of bare routing) through one model.
+@dataclass
+class _Run:
+    """A model ready to replay: what the driver steps, and what the result reports of it."""
 
-    model: "per-layer" (size: K slots per layer), "global" (size: the budget in MiB),
-    "upstream" (policy "upstream" or "upstream-b11480"; size: the budget in MiB, equal_bytes()
-    for a K's; cpu_share: b12191's F) or
-    "page-cache" (policy "lru" or "two-list"; size: the budget in MiB; read_ahead_kb: the
-    device's).
-    policy: a name of that model's registry ("default": DEFAULT_POLICY), a policy object of
-    it, or (per-layer) a prepared CacheEngine not stepped yet, which brings its own size,
-    inserts, admission and warm start. inserts, admission (admission.ADMISSIONS), prefill
-    (PREFILL_MODES, default "warm"), profile (warm start as the live cache does it: the profile's top experts
-    preloaded, its rates the policy's prior), miss_plan (Rates: the engine plans each graph's
-    misses at them, moecache.core.missplan; eager admission; lane=False: without the copy-on-miss
-    lane, the paying uploads alone): per-layer only. seed: the random
-    policies'. step_times: keep each step's duration; before_step: called before each step (a
-    benchmark evicting the CPU caches). read_ahead (per-layer; moecache.offline.readahead): times
-    the decode with the RAM tier reading ahead, fed every token and the engine's outcome."""
-    if read_ahead_kb is not None and model != PAGE_CACHE:
-        raise ValueError("read_ahead_kb is a page-cache model option")
-    if read_ahead is not None and model != PER_LAYER:
-        raise ValueError("read_ahead (the RAM tier's decode read-ahead) is a per-layer model option")
-    if cpu_share and model != UPSTREAM:
-        raise ValueError("cpu_share (--moe-cache-cpu-share) is an upstream model option")
-    if model == PER_LAYER:
-        prefill = "warm" if prefill is None else prefill
-        if prefill not in PREFILL_MODES:
-            raise ValueError(f"prefill must be one of {', '.join(PREFILL_MODES)}, got {prefill!r}")
-        cache, label, slots, inserts = _per_layer_cache(trace, policy, size, inserts, admission,
-                                                        prefill, profile, seed, miss_plan, lane)
-        segments = steps.segments(trace, PER_LAYER, prefill)
-        totals = lambda: cache.stats(trace.expert_bytes)["totals"]  # noqa: E731
-        budget, admission = None, cache.admission
+    label: str                                # the policy's name as the result shows it
+    steps: tuple[Callable, Callable]          # (prompt step, decode step)
+    segments: Iterable                        # moecache.offline.steps.segments of the model
+    totals: Callable[[], dict]                # the model's own counters, now
+    work: WorkTally | None                    # decode layer passes (global: None)
+    settings: dict                            # the ReplayResult fields the model's settings give
+    finish: Callable[[], None] = lambda: None
+
+
+@dataclass(frozen=True)
+class PerLayerReplay:
+    """The per-layer model (module docstring). policy: a name of POLICIES ("default":
+    DEFAULT_POLICY), a Policy, or a prepared CacheEngine not stepped yet, which brings its own
+    slots, inserts, admission, warm start and miss planner. profile: a warm start as the live
+    cache does it (the profile's top experts preloaded, its rates the policy's prior). miss_plan:
+    the engine plans each graph's misses at these Rates (moecache.core.missplan; eager
+    admission); lane=False: without the copy-on-miss lane, the paying uploads alone. read_ahead
+    (moecache.offline.readahead): times the decode with the RAM tier reading ahead, fed every
+    token and the engine's outcome. seed: the random policy's."""
+
+    model: ClassVar[str] = PER_LAYER
+    policy: str | Policy | CacheEngine
+    slots: int | None = None
+    inserts: int | None = 2
+    admission: str = "boundary"
+    prefill: str = "warm"
+    profile: UsageProfile | None = None
+    miss_plan: Rates | None = None
+    lane: bool = True
+    read_ahead: ReadAhead | None = None
+    seed: int = 0
+
+    def start(self, trace: RouteTrace) -> _Run:
+        if self.prefill not in PREFILL_MODES:
+            raise ValueError(f"prefill must be one of {', '.join(PREFILL_MODES)}, got {self.prefill!r}")
+        engine, label = self._engine(trace)
         work = WorkTally(OUR_LAYOUT, trace.expert_bytes, trace.dense_bytes)
+        read_ahead = self.read_ahead
 
         def decode_step(ids):
-            kept = None if read_ahead is None else cache.expert_slot >= 0  # what this graph finds in memory
-            plan = cache.step(ids)
+            kept = None if read_ahead is None else engine.expert_slot >= 0  # what this graph finds in memory
+            plan = engine.step(ids)
             _tally_plan(work, plan)
             if read_ahead is not None:
                 read_ahead.decode(ids, plan.hit_mask, kept, np.bincount(plan.upload[:, 0], minlength=len(kept)))
-        # (prefill step, decode step): a warm prompt is a prefill step, a plain one an observation
-        step = (functools.partial(cache.step, prefill=True) if prefill == "warm" else cache.step, decode_step)
+
+        # a warm prompt is a prefill step, a plain one an observation
+        prompt_step = functools.partial(engine.step, prefill=True) if self.prefill == "warm" else engine.step
         if read_ahead is not None:
             read_ahead.bind(trace.expert_bytes, trace.dense_bytes, trace.n_expert, trace.n_expert_used)
+            prompt_step = _reading_prompts(read_ahead, prompt_step)
+        settings = {"slots": engine.n_slots, "inserts": engine.inserts, "admission": engine.admission,
+                    "prefill": self.prefill, "read_ahead": read_ahead}
+        return _Run(label, (prompt_step, decode_step), steps.segments(trace, PER_LAYER, self.prefill),
+                    lambda: engine.stats(trace.expert_bytes)["totals"], work, settings,
+                    read_ahead.finish if read_ahead is not None else lambda: None)
 
-            def prompt_step(ids, prompt=step[0]):
-                read_ahead.prompt(ids)
-                return prompt(ids)
-            step = (prompt_step, decode_step)
-    elif model == PAGE_CACHE:
-        if prefill not in (None, "lookup") or profile is not None or admission != "boundary" or miss_plan is not None:
-            raise ValueError("the page-cache model reads every ubatch through the mapping: it takes no prefill, "
-                             "profile, admission or miss_plan")
-        cache, label = _page_cache(trace, policy, size, read_ahead_kb)
+    def _engine(self, trace):
+        """(the engine after its first boundary, the policy's label)."""
+        if isinstance(self.policy, CacheEngine):
+            engine = self.policy
+            if self.slots is not None or self.profile is not None or self.admission != "boundary" \
+                    or engine.step_index or self.miss_plan is not None:
+                raise ValueError("a prepared engine brings its own size, admission, warm start and miss "
+                                 "planner, and must not have been stepped")
+            engine.step(None)
+            return engine, engine.policy.name
+        slots = self.slots
+        if not isinstance(slots, (int, np.integer)) or not 1 <= slots <= trace.n_expert:
+            raise ValueError(f"slots must be an integer in [1, n_expert={trace.n_expert}], got {slots!r}")
+        L, E = trace.layers.size, trace.n_expert
+        require_memory(ENGINE_BYTES_PER_ENTRY * L * E, f"{trace.path}: the cache engine's {L} layers x {E} experts")
+        policy, label = self._policy(trace)
+        planner = None if self.miss_plan is None else MissPlanner(
+            self.miss_plan, trace.expert_bytes, trace.dense_bytes, n_used=trace.n_expert_used, lane=self.lane)
+        engine = CacheEngine(L, E, int(slots), policy, inserts=self.inserts, offline=True,
+                             admission=self.admission, miss_planner=planner)
+        if self.profile is not None:
+            engine.preload(self.profile.top(slots), rates=self.profile.rates(trace.n_expert_used))
+        engine.step(None)
+        return engine, label
+
+    def _policy(self, trace):
+        """(the Policy, its label)."""
+        if isinstance(self.policy, Policy):
+            return self.policy, self.policy.name
+        if not isinstance(self.policy, str):
+            raise ValueError(f"policy must be a name, a Policy or a CacheEngine, got {self.policy!r}")
+        name = resolve_policy(self.policy)
+        future = steps.future(trace, PER_LAYER, self.prefill) if _reads_ahead(POLICIES, name) else None
+        label = self.policy if self.policy != "default" else f"default({name})"
+        return make_policy(self.policy, future=future, seed=self.seed), label
+
+
+def _reading_prompts(read_ahead: ReadAhead, prompt_step):
+    """The prompt step, with the read-ahead fed each prompt first."""
+    def step(ids):
+        read_ahead.prompt(ids)
+        return prompt_step(ids)
+    return step
+
+
+@dataclass(frozen=True)
+class GlobalReplay:
+    """The global byte-budget model (module docstring): policy a name of BUDGET_POLICIES or a
+    BudgetPolicy; seed: the random policy's."""
+
+    model: ClassVar[str] = GLOBAL
+    policy: str | BudgetPolicy
+    budget_mib: float
+    seed: int = 0
+
+    def start(self, trace: RouteTrace) -> _Run:
+        budget = _budget_bytes(GLOBAL, self.budget_mib)
+        if isinstance(self.policy, str):
+            future = steps.future(trace, GLOBAL) if _reads_ahead(BUDGET_POLICIES, self.policy) else None
+            label, policy = self.policy, make_budget_policy(self.policy, future=future, seed=self.seed)
+        elif isinstance(self.policy, BudgetPolicy):
+            label, policy = self.policy.name, self.policy
+        else:
+            raise ValueError(f"policy must be a name or a BudgetPolicy, got {self.policy!r}")
+        cache = ByteBudgetCache(policy, budget, trace.expert_bytes, trace.n_expert)
+        return _Run(label, (cache.step, cache.step), steps.segments(trace, GLOBAL), cache.totals, None,
+                    {"budget_mib": self.budget_mib})
+
+
+@dataclass(frozen=True)
+class UpstreamReplay:
+    """Upstream llama.cpp's cache (module docstring) by version (UPSTREAM_POLICIES), under a
+    budget in MiB (equal_bytes() gives a K's); cpu_share: b12191's --moe-cache-cpu-share F."""
+
+    model: ClassVar[str] = UPSTREAM
+    policy: str
+    budget_mib: float
+    cpu_share: float = 0.0
+
+    def start(self, trace: RouteTrace) -> _Run:
+        if self.policy not in MODELS[UPSTREAM]:
+            raise ValueError(f"unknown policy {self.policy!r} for the upstream model; valid: "
+                             f"{', '.join(MODELS[UPSTREAM])}")
+        cache = UpstreamCache(trace.expert_bytes, trace.n_expert, trace.n_expert_used,
+                              _budget_bytes(UPSTREAM, self.budget_mib), pool=MODELS[UPSTREAM][self.policy],
+                              cpu_share=self.cpu_share)
+        work = WorkTally(UPSTREAM_CPU_SHARE_LAYOUT if self.cpu_share else UPSTREAM_LAYOUT, trace.expert_bytes,
+                         trace.dense_bytes)
+
+        def decode_step(ubatch):
+            work.add(*cache.step(ubatch))
+        return _Run(self.policy, (cache.step, decode_step), steps.segments(trace, UPSTREAM), cache.totals, work,
+                    {"budget_mib": self.budget_mib, "cpu_share": self.cpu_share})
+
+
+@dataclass(frozen=True)
+class PageCacheReplay:
+    """Stock mmap's page cache (module docstring) under a reclaim policy (PAGE_POLICIES), a
+    budget in MiB and the device's read_ahead_kb."""
+
+    model: ClassVar[str] = PAGE_CACHE
+    policy: str
+    budget_mib: float
+    read_ahead_kb: int
+
+    def start(self, trace: RouteTrace) -> _Run:
+        if self.policy not in MODELS[PAGE_CACHE]:
+            raise ValueError(f"unknown policy {self.policy!r} for the page-cache model; valid: "
+                             f"{', '.join(MODELS[PAGE_CACHE])}")
+        read_ahead_kb = self.read_ahead_kb
+        if isinstance(read_ahead_kb, bool) or not isinstance(read_ahead_kb, (int, np.integer)) or read_ahead_kb < 0:
+            raise ValueError(f"the page-cache model needs read_ahead_kb, an integer >= 0, got {read_ahead_kb!r}")
+        layout = ExpertLayout(trace.expert_bytes, trace.n_expert)
+        pages = -(-layout.file_bytes // PAGE)
+        require_memory(PAGE_TABLE_BYTES * pages, f"{trace.path}: the page cache model's {pages} pages")
+        cache = PAGE_POLICIES[self.policy](layout, _budget_bytes(PAGE_CACHE, self.budget_mib), int(read_ahead_kb))
         work = WorkTally(STOCK_LAYOUT, trace.expert_bytes, trace.dense_bytes)
-        zeros = np.zeros(trace.layers.size, dtype=np.int64)
+        no_device = np.zeros(trace.layers.size, dtype=np.int64)
 
         def decode_step(ids):
-            work.add_layers(zeros, zeros, cache.step(ids))
-        step, segments, totals = (cache.step, decode_step), steps.segments(trace, PER_LAYER, "lookup"), cache.totals
-        slots, inserts, budget, admission, prefill = None, None, size, None, "lookup"
-    elif model in (GLOBAL, UPSTREAM):
-        if prefill is not None or profile is not None or admission != "boundary" or miss_plan is not None:
-            raise ValueError("prefill, profile, admission and miss_plan are per-layer model options")
-        if model == GLOBAL:
-            cache, label = _global_cache(trace, policy, size, seed)
-            work, step = None, (cache.step, cache.step)
-        else:
-            cache, label = _upstream_cache(trace, policy, size, cpu_share)
-            work = WorkTally(UPSTREAM_CPU_SHARE_LAYOUT if cpu_share else UPSTREAM_LAYOUT, trace.expert_bytes,
-                             trace.dense_bytes)
+            work.add_layers(no_device, no_device, cache.step(ids))
+        return _Run(self.policy, (cache.step, decode_step), steps.segments(trace, PER_LAYER, "lookup"),
+                    cache.totals, work, {"budget_mib": self.budget_mib, "prefill": "lookup"})
 
-            def decode_step(ubatch):
-                work.add(*cache.step(ubatch))
-            step = (cache.step, decode_step)
-        segments = steps.segments(trace, model)
-        totals = cache.totals
-        slots, inserts, budget, admission = None, None, size, None
-    else:
-        raise ValueError(f"unknown model {model!r}; valid: {', '.join(MODELS)}")
-    decode, final, seconds, times = _drive(step, totals, segments, step_times, before_step)
-    if read_ahead is not None:
-        read_ahead.finish()
+
+def simulate(trace: RouteTrace, replay, *, step_times: bool = False, before_step=None) -> ReplayResult:
+    """Replay `trace` (RouteTrace.from_routing makes one of bare routing) through the model
+    `replay` names with its settings: a PerLayerReplay, GlobalReplay, UpstreamReplay or
+    PageCacheReplay. step_times: keep each step's duration; before_step: called before each
+    step (a benchmark evicting the CPU caches)."""
+    run = replay.start(trace)
+    decode, final, seconds, times = _drive(run.steps, run.totals, run.segments, step_times, before_step)
+    run.finish()
     tokens = int((trace.phase == DECODE).sum())
-    return ReplayResult(model, label, slots, budget, inserts, tokens,
-                        steps.decode_steps(trace) if model in (PER_LAYER, PAGE_CACHE) else tokens,
-                        decode, final, seconds, times, admission, prefill, len(steps.turns(trace)), work,
-                        read_ahead=read_ahead, cpu_share=cpu_share if model == UPSTREAM else None)
+    # the per-layer and page-cache models step once per recorded ubatch, the others per token
+    decode_steps = steps.decode_steps(trace) if replay.model in (PER_LAYER, PAGE_CACHE) else tokens
+    return ReplayResult(replay.model, run.label, tokens, decode_steps, decode, final, seconds,
+                        len(steps.turns(trace)), run.work, times, **run.settings)
 
 
 def zero_configuration(trace: RouteTrace, slots: int, rates: Rates) -> ReplayResult:
@@ -273,8 +383,8 @@ def zero_configuration(trace: RouteTrace, slots: int, rates: Rates) -> ReplayRes
     planner where moecache.core.missplan.planner_by_default turns it on."""
     policy = POLICIES[resolve_policy("default")]
     admission = live_admission(policy)
-    return simulate(trace, PER_LAYER, "default", slots, admission=admission, prefill="warm",
-                    miss_plan=rates if planner_by_default(policy, admission) else None)
+    return simulate(trace, PerLayerReplay("default", slots, admission=admission, prefill="warm",
+                                          miss_plan=rates if planner_by_default(policy, admission) else None))
 
 
 def _tally_plan(work: WorkTally, plan) -> None:
@@ -320,39 +430,6 @@ def _drive(step_of, totals, segments, step_times, before_step):
     return decode, before, seconds, None if times is None else np.array(times)
 
 
-def _per_layer_cache(trace, policy, slots, inserts, admission, prefill, profile, seed, miss_plan, lane):
-    """(engine after its first boundary, label, K, inserts)."""
-    if isinstance(policy, CacheEngine):
-        if slots is not None or profile is not None or admission != "boundary" or policy.step_index \
-                or miss_plan is not None:
-            raise ValueError("a prepared engine brings its own size, admission, warm start and miss "
-                             "planner, and must not have been stepped")
-        engine = policy
-        label = engine.policy.name
-    else:
-        if not isinstance(slots, (int, np.integer)) or not 1 <= slots <= trace.n_expert:
-            raise ValueError(f"slots must be an integer in [1, n_expert={trace.n_expert}], got {slots!r}")
-        L, E = trace.layers.size, trace.n_expert
-        require_memory(ENGINE_BYTES_PER_ENTRY * L * E, f"{trace.path}: the cache engine's {L} layers x {E} experts")
-        if isinstance(policy, str):
-            label = policy if policy != "default" else f"default({resolve_policy(policy)})"
-            reads_ahead = _reads_ahead(POLICIES, resolve_policy(policy))
-            policy = make_policy(policy, future=steps.future(trace, PER_LAYER, prefill) if reads_ahead else None,
-                                 seed=seed)
-        elif isinstance(policy, Policy):
-            label = policy.name
-        else:
-            raise ValueError(f"policy must be a name, a Policy or a CacheEngine, got {policy!r}")
-        planner = None if miss_plan is None else MissPlanner(miss_plan, trace.expert_bytes, trace.dense_bytes,
-                                                             n_used=trace.n_expert_used, lane=lane)
-        engine = CacheEngine(L, E, int(slots), policy, inserts=inserts, offline=True,
-                             admission=admission, miss_planner=planner)
-        if profile is not None:
-            engine.preload(profile.top(slots), rates=profile.rates(trace.n_expert_used))
-    engine.step(None)
-    return engine, label, engine.n_slots, engine.inserts
-
-
 def _reads_ahead(registry, name) -> bool:
     """Whether the named policy reads the future (its NextUse, some 16 bytes a lookup, is built
     for it only); an unknown name is its factory's to refuse."""
@@ -361,54 +438,23 @@ def _reads_ahead(registry, name) -> bool:
 
 
 def _budget_bytes(model, budget_mib):
-    """The byte budget of the global and upstream models' size (MiB)."""
+    """The byte budget of a model sized in MiB."""
     if isinstance(budget_mib, bool) or not isinstance(budget_mib, (int, float, np.number)) \
             or not math.isfinite(budget_mib) or budget_mib <= 0:
         raise ValueError(f"the {model} model's size is a finite budget in MiB > 0, got {budget_mib!r}")
     return int(budget_mib * MIB)
 
 
-def _global_cache(trace, policy, budget_mib, seed):
-    budget = _budget_bytes(GLOBAL, budget_mib)
-    if isinstance(policy, str):
-        future = steps.future(trace, GLOBAL) if _reads_ahead(BUDGET_POLICIES, policy) else None
-        label, policy = policy, make_budget_policy(policy, future=future, seed=seed)
-    elif isinstance(policy, BudgetPolicy):
-        label = policy.name
-    else:
-        raise ValueError(f"policy must be a name or a BudgetPolicy, got {policy!r}")
-    return ByteBudgetCache(policy, budget, trace.expert_bytes, trace.n_expert), label
-
-
-def _upstream_cache(trace, policy, budget_mib, cpu_share):
-    if policy not in MODELS[UPSTREAM]:
-        raise ValueError(f"unknown policy {policy!r} for the upstream model; valid: "
-                         f"{', '.join(MODELS[UPSTREAM])}")
-    return UpstreamCache(trace.expert_bytes, trace.n_expert, trace.n_expert_used, _budget_bytes(UPSTREAM, budget_mib),
-                         pool=MODELS[UPSTREAM][policy], cpu_share=cpu_share), policy
-
-
 def tuned_upstream(trace: RouteTrace, budget_mib: float, policy: str = "upstream") -> list[ReplayResult]:
     """The upstream model at each CPU share its tuner picks from (scripts/moe-cache-tune.py's);
     fastest() then gives its tuner's best on a hardware class."""
-    return [simulate(trace, UPSTREAM, policy, budget_mib, cpu_share=share) for share in TUNER_SHARES]
+    return [simulate(trace, UpstreamReplay(policy, budget_mib, cpu_share=share)) for share in TUNER_SHARES]
 
 
 def fastest(results, hardware: Hardware) -> ReplayResult:
     """The result with the fewest modelled milliseconds per decode token on `hardware` (the
     first of equals)."""
     return min(results, key=lambda r: r.modelled_ms(hardware))
-
-
-def _page_cache(trace, policy, budget_mib, read_ahead_kb):
-    if policy not in MODELS[PAGE_CACHE]:
-        raise ValueError(f"unknown policy {policy!r} for the page-cache model; valid: {', '.join(MODELS[PAGE_CACHE])}")
-    if isinstance(read_ahead_kb, bool) or not isinstance(read_ahead_kb, (int, np.integer)) or read_ahead_kb < 0:
-        raise ValueError(f"the page-cache model needs read_ahead_kb, an integer >= 0, got {read_ahead_kb!r}")
-    layout = ExpertLayout(trace.expert_bytes, trace.n_expert)
-    pages = -(-layout.file_bytes // PAGE)
-    require_memory(PAGE_TABLE_BYTES * pages, f"{trace.path}: the page cache model's {pages} pages")
-    return PAGE_POLICIES[policy](layout, _budget_bytes(PAGE_CACHE, budget_mib), int(read_ahead_kb)), policy
 
 
 def ram_tier_slots(trace: RouteTrace, ram_mib: float) -> int:

@@ -22,7 +22,7 @@ import weakref
 import numpy as np
 
 from ..core.policies import NextUse
-from ..core.traces import DECODE, PREFILL, WINDOW_STEPS, RouteTrace
+from ..formats.traces import DECODE, PREFILL, WINDOW_STEPS, RouteTrace
 from .upstream import DEFAULT_UBATCH
 
 PER_LAYER, GLOBAL, UPSTREAM, PAGE_CACHE = "per-layer", "global", "upstream", "page-cache"

@@ -56,12 +56,12 @@ chooses (each pinned in tests/test_upstream.py):
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..core.banks import layers_by_size
+from ..core.lru import LruOrder
 from ..core.model import CacheModel
 
 MAX_BATCH = 32          # upstream's max_batch: larger ubatches bypass the cache
@@ -179,14 +179,13 @@ class SlotLru(SlotPool):
 
     def __init__(self, n_slots, n_layers, n_expert, cpu_share=0.0):
         super().__init__(n_slots, n_layers, n_expert, cpu_share)
-        self.order: OrderedDict = OrderedDict()  # the filled slots, first = least recently used
+        self.order = LruOrder()  # the filled slots
 
     def refresh(self, slot, key):
-        self.order[slot] = None
-        self.order.move_to_end(slot)
+        self.order.use(slot)
 
     def victim(self, busy):
-        return next(s for s in self.order if s not in busy)
+        return self.order.oldest(spared=busy)
 
 
 class ClassLru(SlotPool):
@@ -199,7 +198,7 @@ class ClassLru(SlotPool):
         self.clock = [0] * n_layers                        # tokens each layer has seen
         self.crf = [0.0] * (n_layers * n_expert)            # as of the last use
         self.last_use = [-1] * (n_layers * n_expert)        # the layer's clock then; -1: never
-        self.lists = [OrderedDict() for _ in range(N_CLASSES)]  # slots, least recently used first
+        self.lists = [LruOrder() for _ in range(N_CLASSES)]  # each class's slots
         self.list_of = [-1] * n_slots
 
     @staticmethod
@@ -216,9 +215,9 @@ class ClassLru(SlotPool):
 
     def refresh(self, slot, key):
         if self.list_of[slot] >= 0:
-            del self.lists[self.list_of[slot]][slot]
+            self.lists[self.list_of[slot]].remove(slot)
         c = self.class_of(self.crf[key])
-        self.lists[c][slot] = None
+        self.lists[c].use(slot)
         self.list_of[slot] = c
 
     def age(self, slot: int) -> int:
@@ -228,8 +227,8 @@ class ClassLru(SlotPool):
     def victim(self, busy):
         best, best_score = -1, -1.0
         for c, members in enumerate(self.lists):
-            s = next((s for s in members if s not in busy), -1)
-            if s >= 0 and self.age(s) / 2 ** c > best_score:
+            s = members.oldest(spared=busy)
+            if s is not None and self.age(s) / 2 ** c > best_score:
                 best, best_score = s, self.age(s) / 2 ** c
         return best
 

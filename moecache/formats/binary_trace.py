@@ -1,6 +1,6 @@
 """The compact binary form of a route trace, which a long recording is replayed from.
 
-The route_trace v1 CSV stays the interchange format (moecache.core.traces); `python -m
+The route_trace v1 CSV stays the interchange format (moecache.formats.csv_trace); `python -m
 moecache.replay TRACE --convert OUT` writes this form of it, and read_trace reads either (the
 reader registry tells them by their first line). The file holds RouteTrace's arrays as they are
 in memory, so reading maps it (mmap) instead of parsing it, and a replay, which touches a

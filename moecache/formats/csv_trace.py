@@ -1,4 +1,5 @@
-"""Routing traces: read and write the route_trace v1 CSV (BigMoeOnEdge's `--route-trace`).
+"""The route_trace v1 CSV (BigMoeOnEdge's `--route-trace`), the interchange format, and its
+reader (moecache.formats.trace_writer writes it).
 
 Format (columns are read by name, so their order may change):
 
@@ -21,129 +22,30 @@ verification, or a prompt's ubatch), between the same two cache steps, and the p
 observes them together. Such a token may lack a layer as a whole (llama.cpp runs the last layer only for the
 tokens whose logits are wanted). Without the column every decode token is its own observation.
 
-The CSV is the interchange format; long recordings replay from its compact binary form
-(moecache.core.binary_trace), which read_trace tells from it by the first line.
+Long recordings replay from its compact binary form (moecache.formats.binary_trace), which
+read_trace tells from it by the first line.
 """
 
 from __future__ import annotations
 
 import csv
-import errno
 import io
-import mmap
-import os
-import re
-from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from ..util import IntegerError, parse_int, require_memory
+from .traces import (DECODE, MAX_EXPERT_BYTES, MAX_EXPERTS, MAX_INDEX, MAX_LAYERS, MAX_LINE, PREFILL, WINDOW_STEPS,
+                     RouteTrace, TraceError, TraceReader, register_reader)
 
 MAGIC = "# route_trace v1"
 REQUIRED_COLUMNS = ("turn", "phase", "step", "layer", "slot", "expert", "weight",
                     "residency", "expert_bytes")
 OPTIONAL_COLUMNS = ("dropped", "batch")
-PREFILL, DECODE = 0, 1
-
-# The real traces the repository ships (traces/README.md: source, licence): the one place that
-# knows where they are.
-TRACES_DIR = Path(__file__).resolve().parents[2] / "traces"
-SHIPPED_TRACES = (TRACES_DIR / "qwen3-30b-a3b.route.csv", TRACES_DIR / "gpt-oss-120b.route.csv")
-
-
-class TraceError(ValueError):
-    """Malformed trace; the message starts with `file:line:` when a line is to blame."""
-
-
-@dataclass(eq=False)  # compared (and hashed) by identity: the replay memoises per trace
-class RouteTrace:
-    """A parsed trace as dense arrays, one entry per step (token) in (turn, step) order.
-
-    `layers` are the model's MoE layer numbers; array axis 1 indexes into it. A prefill token
-    is one step here too (phase PREFILL); consumers decide how to batch prefill.
-    """
-
-    path: str
-    model: str
-    arch: str
-    n_layer: int
-    n_expert: int
-    n_expert_used: int
-    layers: np.ndarray          # (n_layers,) model layer numbers, ascending
-    expert_bytes: np.ndarray    # (n_layers,) bytes of one expert of that layer
-    dense_bytes: np.ndarray     # (n_layers,)
-    turn: np.ndarray            # (n_steps,)
-    step: np.ndarray            # (n_steps,)
-    phase: np.ndarray           # (n_steps,) PREFILL or DECODE
-    ids: np.ndarray             # (n_steps, n_layers, k) int32 expert ids by router rank, -1 = layer not run
-    weights: np.ndarray         # (n_steps, n_layers, k) float32 router weights
-    residency: np.ndarray       # (n_steps, n_layers, k) int8 recorded outcome
-    dropped: np.ndarray         # (n_steps, n_layers, k) bool; all False if the column is absent
-    batch: np.ndarray | None = None  # (n_steps,) the observation (ubatch) of each step; -1 (the
-                                     # default) when not recorded: every step its own
-    pages: mmap.mmap | None = None   # the file the arrays map (moecache.core.binary_trace), if any
-
-    def __post_init__(self):
-        if self.batch is None:
-            self.batch = np.full(len(self.step), -1, dtype=np.int64)
-
-    def drop_pages(self) -> None:
-        """A mapped trace's pages leave this process (the kernel keeps them cached and maps
-        them again when touched): what a replay calls as it walks the trace, so that its memory
-        stays a window's, however long the trace. Nothing for arrays in memory."""
-        if self.pages is not None and hasattr(mmap, "MADV_DONTNEED"):
-            self.pages.madvise(mmap.MADV_DONTNEED)
-
-    @property
-    def decode_ids(self) -> np.ndarray:
-        return self.ids[self.phase == DECODE]
-
-    def working_set_bytes(self) -> int:
-        """Bytes one token touches: sum over layers of top-k x expert size."""
-        return int(self.expert_bytes.sum()) * self.n_expert_used
-
-    def select(self, steps) -> "RouteTrace":
-        """The trace of these steps only (an index or mask over steps, in trace order)."""
-        per_step = ("turn", "step", "phase", "ids", "weights", "residency", "dropped", "batch")
-        return replace(self, **{name: getattr(self, name)[steps] for name in per_step})
-
-    @classmethod
-    def from_routing(cls, ids, n_expert: int, *, expert_bytes=None, name: str = "routing") -> "RouteTrace":
-        """Decode routing (n_steps, n_layers, k), e.g. synthetic_routing(), as a one-turn trace
-        of decode steps; expert_bytes per layer (default 1: byte figures count experts)."""
-        ids = np.asarray(ids, dtype=np.int32)
-        if ids.ndim != 3 or ids.shape[1] < 1 or ids.shape[2] < 1:
-            raise ValueError(f"routing must be (n_steps, n_layers, k), got shape {ids.shape}")
-        if ids.size and (ids.min() < -1 or ids.max() >= n_expert):
-            raise ValueError(f"routing expert ids must be in [-1, {n_expert})")
-        n_steps, n_layers, k = ids.shape
-        sizes = np.ones(n_layers, dtype=np.int64) if expert_bytes is None else \
-            np.asarray(expert_bytes, dtype=np.int64)
-        return cls(path=name, model=name, arch=name, n_layer=n_layers, n_expert=n_expert,
-                   n_expert_used=k, layers=np.arange(n_layers), expert_bytes=sizes,
-                   dense_bytes=np.zeros(n_layers, dtype=np.int64),
-                   turn=np.zeros(n_steps, dtype=np.int64), step=np.arange(n_steps),
-                   phase=np.full(n_steps, DECODE, dtype=np.int8), ids=ids,
-                   weights=np.zeros(ids.shape, dtype=np.float32),
-                   residency=np.zeros(ids.shape, dtype=np.int8), dropped=np.zeros(ids.shape, dtype=bool))
-
-
-# --- reading ---------------------------------------------------------------------------
-
-# Bounds on what a trace may declare: far above any real model, low enough that the arrays
-# sized by them fit in memory and every derived integer fits in int64.
-MAX_LAYERS = 4096
-MAX_EXPERTS = 65536
-MAX_INDEX = 2**31 - 1          # turn, step and batch numbers
-MAX_EXPERT_BYTES = 2**40
-MAX_LINE = 1 << 16            # characters in a preamble line (a row field has csv's own limit)
 INT_COLUMNS = ("turn", "phase", "step", "layer", "slot", "expert", "residency")
-_BLOCK_CHARS = 1 << 22        # text read and parsed at a time: about 140,000 rows
+BLOCK_CHARS = 1 << 22         # text read and parsed at a time: about 140,000 rows
 _LONGEST_LINE = 1 << 26       # characters: far beyond a valid row (csv allows 131072 per field)
 _EXACT_ROWS = 1 << 16         # rows the csv module's path converts to arrays at a time
-WINDOW_STEPS = 4096           # steps a check or a replay takes at a time (temporaries, mapped pages)
 # loadtxt's type of each column: the narrowest that holds every valid value (a value that
 # overflows it sends the block to the exact path, which names it); the weight as float() reads it
 _FAST_TYPES = {"turn": np.int32, "phase": np.int8, "step": np.int32, "layer": np.int16, "slot": np.int32,
@@ -259,11 +161,11 @@ def read_route_trace(path: str) -> RouteTrace:
 
 
 def _blocks(f):
-    """The rest of f in blocks of whole lines, about _BLOCK_CHARS each. Text of _LONGEST_LINE
+    """The rest of f in blocks of whole lines, about BLOCK_CHARS each. Text of _LONGEST_LINE
     characters without a line end goes on as it is: no valid row is that long, and the csv
     module names the line."""
     rest = ""
-    while text := f.read(_BLOCK_CHARS):
+    while text := f.read(BLOCK_CHARS):
         text = rest + text
         # after the last \n, else after a lone \r (csv's line end too) that a \n cannot follow
         cut = text.rfind("\n") + 1 or text.rfind("\r", 0, len(text) - 1) + 1
@@ -279,21 +181,21 @@ def _blocks(f):
 
 def _row_pieces(path, f, header, first_line):
     """(line of the first row, {column: values}) of the data rows, a block at a time. numpy's
-    loadtxt parses a block of plain rows (_parse_fast); a block it refuses, or might read
-    otherwise than the csv module, goes through the csv module row by row (_parse_exact), which
+    loadtxt parses a block of plain rows (parse_fast); a block it refuses, or might read
+    otherwise than the csv module, goes through the csv module row by row (parse_exact), which
     reads as this reader always has and names the first bad field."""
     blank = None  # (line, fields) of a blank line: allowed only after the last row
     for text in _blocks(f):
-        columns = None if blank else _parse_fast(text, header)
+        columns = None if blank else parse_fast(text, header)
         if columns is not None:
             yield first_line, columns
             first_line += len(columns["turn"])  # a row a line
         else:
-            blank, lines = yield from _parse_exact(path, text, first_line, header, blank)
+            blank, lines = yield from parse_exact(path, text, first_line, header, blank)
             first_line += lines
 
 
-def _parse_fast(text, header):
+def parse_fast(text, header):
     """The block's columns as loadtxt reads them (_FAST_TYPES), or None where its reading could
     differ from the csv module's: other than ASCII, a NUL, a CR outside CRLF, a line over csv's
     field limit, a blank line, a value loadtxt refuses or that overflows its column's type, a
@@ -316,7 +218,7 @@ def _parse_fast(text, header):
     return {name: np.ascontiguousarray(rows[name]) for name in header}
 
 
-def _parse_exact(path, text, first_line, header, blank):
+def parse_exact(path, text, first_line, header, blank):
     """The block through the csv module: yields (line, columns) of up to _EXACT_ROWS rows at a
     time; returns (the blank line after the last row, if any, and the lines read)."""
     n_cols = len(header)
@@ -592,188 +494,5 @@ def _shares_batch(turn, batch):
     return (batch >= 0) & (counts[inverse] > 1)
 
 
-# --- reader registry -------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class TraceReader:
-    name: str
-    sniff: Callable[[bytes], bool]    # first line of the file, without its line end -> is it this format?
-    read: Callable[[str], RouteTrace]
-
-
-READERS: dict[str, TraceReader] = {}
-
-
-def register_reader(reader: TraceReader) -> None:
-    READERS[reader.name] = reader
-
-
 register_reader(TraceReader("route_trace_v1", lambda first: first.decode("utf-8", "replace").strip() == MAGIC,
                             read_route_trace))
-
-
-def read_trace(path: str, fmt: str | None = None) -> RouteTrace:
-    """Read a trace, by explicit format name or by sniffing its first line."""
-    if fmt is not None:
-        if fmt not in READERS:
-            raise TraceError(f"unknown trace format {fmt!r}; known: {', '.join(sorted(READERS))}")
-        return READERS[fmt].read(path)
-    try:
-        with open(path, "rb") as f:
-            first = (f.readline(MAX_LINE + 1).splitlines() or [b""])[0]  # \r, \n or \r\n, as text reads
-    except OSError as e:
-        raise TraceError(f"{path}: {e.strerror}") from None
-    for reader in READERS.values():
-        if reader.sniff(first):
-            return reader.read(path)
-    try:
-        first.decode("utf-8")
-    except UnicodeDecodeError:
-        raise TraceError(f"{path}: not UTF-8 text") from None
-    raise TraceError(f"{path}:1: unrecognised trace format (known: {', '.join(sorted(READERS))})")
-
-
-# --- writing ---------------------------------------------------------------------------
-
-class TraceWriter:
-    """Write a route_trace v1 file incrementally, one step per write_step call.
-
-    Each step goes out as ONE write(2) on an O_APPEND descriptor, so a process that dies
-    leaves whole steps behind: the file is always a readable prefix of the run.
-    `layers` are (model layer number, expert_bytes, dense_bytes) for each cached layer, in
-    the order the rows of `ids` passed to write_step follow. Any model and arch name is
-    accepted; the preamble records it as one word (see _preamble_word).
-    """
-
-    def __init__(self, path: str, *, model: str, arch: str, n_layer: int, n_expert: int,
-                 n_expert_used: int, layers: Sequence[tuple[int, int, int]]):
-        if not layers:
-            raise ValueError("TraceWriter needs at least one layer")
-        for layer, expert_bytes, _ in layers:
-            if not 0 <= layer < n_layer or expert_bytes <= 0:
-                raise ValueError(f"bad layer entry ({layer}, {expert_bytes}): layer must be in "
-                                 f"[0, {n_layer}) and expert_bytes > 0")
-        self.path = path
-        self.n_expert = n_expert
-        self.k = n_expert_used
-        self.layers = np.array([l for l, _, _ in layers], dtype=np.int64)
-        self.expert_bytes = np.array([b for _, b, _ in layers], dtype=np.int64)
-        preamble = [MAGIC, f"# model={_preamble_word(model)} arch={_preamble_word(arch)} "
-                           f"n_layer={n_layer} n_expert={n_expert} "
-                           f"n_expert_used={n_expert_used}"]
-        preamble += [f"# layer={l} expert_bytes={b} dense_bytes={d}" for l, b, d in layers]
-        preamble.append(",".join(REQUIRED_COLUMNS + ("batch",)))
-        self._batch = 0
-        self._size = 0  # bytes of the whole steps written
-        try:  # O_NOFOLLOW: a symlink planted at the path must not get its target truncated
-            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_NOFOLLOW, 0o666)
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise OSError(e.errno, "is a symbolic link; give the trace's own path", path) from None
-            raise
-        try:
-            self._write("\n".join(preamble) + "\n")
-        except OSError:
-            self.close()
-            raise
-
-    def _write(self, text: str) -> None:
-        """All of text, or nothing: a write that fails part way (a full disk) is cut back off,
-        so the file stays whole steps."""
-        data = text.encode()
-        size = len(data)
-        try:
-            while data:
-                data = data[os.write(self._fd, data):]
-        except OSError:
-            os.ftruncate(self._fd, self._size)
-            raise
-        self._size += size
-
-    def write_step(self, turn: int, phase: int, step: int, ids, weights, residency) -> None:
-        """ids, residency: (n_layers, n_used) ints; weights: same shape or None (written as nan).
-        n_used may be a multiple of k (several tokens, steps step, step + 1, ...); rank =
-        position modulo k. A layer whose k ids for a token are all -1 did not run for it and
-        gets no rows. Each call is one batch (one observation of the cache)."""
-        if self._fd is None:
-            raise ValueError(f"{self.path}: TraceWriter is closed")
-        ids = np.asarray(ids)
-        residency = np.asarray(residency)
-        if ids.ndim != 2 or ids.shape[0] != self.layers.size or ids.shape[1] % self.k:
-            raise ValueError(f"ids shape {ids.shape} is not ({self.layers.size}, multiple of {self.k})")
-        if residency.shape != ids.shape:
-            raise ValueError(f"residency shape {residency.shape} != ids shape {ids.shape}")
-        if ids.size and (ids.min() < -1 or ids.max() >= self.n_expert):
-            raise ValueError(f"expert id out of range [-1, {self.n_expert})")
-        groups = ids.reshape(ids.shape[0], -1, self.k) >= 0  # (layers, tokens, k)
-        if (groups.any(axis=2) != groups.all(axis=2)).any():
-            raise ValueError("a layer's token must have all k experts or none (-1)")
-        weights = np.full(ids.shape, np.nan) if weights is None else np.asarray(weights)
-        if weights.shape != ids.shape:
-            raise ValueError(f"weights shape {weights.shape} != ids shape {ids.shape}")
-        n_layers, n_used = ids.shape
-        out = []
-        for token in range(n_used // self.k):
-            for li in range(n_layers):
-                if not groups[li, token, 0]:  # layer not run for this token: no rows
-                    continue
-                layer, size = int(self.layers[li]), int(self.expert_bytes[li])
-                for rank in range(self.k):
-                    j = token * self.k + rank
-                    res = int(residency[li, j])
-                    out.append(f"{turn},{phase},{step + token},{layer},{rank},{int(ids[li, j])},"
-                               f"{float(weights[li, j]):.6g},{res},{0 if res else size},{self._batch}\n")
-        self._write("".join(out))
-        self._batch += 1
-
-    def flush(self) -> None:
-        """To the disk: the steps are in the file already (one write each), this survives a
-        crash of the machine too."""
-        fd = self._fd
-        if fd is not None:
-            os.fsync(fd)
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-
-def _preamble_word(text: str) -> str:
-    """`text` as one key=value word of the preamble: model names have spaces ("SmolLM2 135M
-    Instruct"), the reader splits on whitespace; every other run of characters becomes '_'."""
-    return re.sub(r"[^\w.+-]+", "_", str(text)).strip("_") or "unknown"
-
-
-def synthetic_routing(n_steps: int, n_layers: int, n_expert: int, k: int, *, skew: float = 1.0,
-                      stickiness: float = 1.5, drift: float = 0.05, seed: int = 0) -> np.ndarray:
-    """Random routing with the locality real decode shows, as (n_steps, n_layers, k) int32.
-
-    Each layer draws its top-k by Gumbel-top-k over log-popularities: a Zipf(skew) profile in
-    a random order, random-walking by `drift` per step, plus `stickiness` for the experts the
-    previous step chose (consecutive tokens share experts). skew=0, stickiness=0 is uniform.
-    """
-    rng = np.random.default_rng(seed)
-    zipf = -skew * np.log(np.arange(1, n_expert + 1))
-    log_pop = np.stack([rng.permutation(zipf) for _ in range(n_layers)])
-    out = np.empty((n_steps, n_layers, k), dtype=np.int32)
-    previous = np.zeros((n_layers, n_expert))
-    rows = np.arange(n_layers)[:, None]
-    for t in range(n_steps):
-        log_pop += drift * rng.standard_normal(log_pop.shape)
-        score = log_pop + previous + rng.gumbel(size=log_pop.shape)
-        top = np.argpartition(-score, k - 1, axis=1)[:, :k]
-        out[t] = np.take_along_axis(top, np.argsort(-score[rows, top], axis=1), axis=1)
-        previous = np.zeros_like(previous)
-        previous[rows, top] = stickiness
-    return out
-
-
-# The compact binary form registers its reader; it imports this module, so it comes last.
-from . import binary_trace  # noqa: E402,F401
