@@ -116,12 +116,6 @@ def test_the_offline_replay_runs_without_libllama():
 # calls that name an attribute by a string: setattr(obj, "name", ...), monkeypatch.setattr,
 # mock.patch.object, getattr, hasattr, delattr
 ATTRIBUTE_CALLS = {"setattr", "getattr", "hasattr", "delattr", "object"}
-# tests that still reach one, each with its way out (the file is another change's to edit)
-REACHES_PRIVATE = {
-    "tests/test_patches.py": "moecache._native's ffi: moecache.live.native.ffi is the same object",
-}
-
-
 def private(name: str) -> bool:
     return name.startswith("_") and not name.endswith("__")
 
@@ -155,8 +149,7 @@ def test_no_test_reaches_a_private_name():
     """A test drives the package through what its users and its other modules can call; a
     private name is free to change."""
     found = [hit for path in sorted(TESTS.glob("*.py")) for hit in private_names_reached(path)]
-    assert [hit for hit in found if hit.split(":")[0] not in REACHES_PRIVATE] == []
-    assert {hit.split(":")[0] for hit in found} == set(REACHES_PRIVATE)  # none stays listed once fixed
+    assert found == []
 
 
 def test_the_private_name_scan_can_fail(tmp_path, monkeypatch):

@@ -20,12 +20,11 @@ sizes = runpy.run_path(str(REPO / "scripts" / "check_native_size.py"))
 
 
 def test_the_series_defines_its_version_once_and_the_package_was_built_with_it():
-    from moecache._native import ffi
     from moecache.live import native
 
     version = build_ffi["patch_series_version"]()
     assert version >= 9
-    assert ffi.integer_const("LLAMA_MOE_CACHE_VERSION") == version
+    assert native.ffi.integer_const("LLAMA_MOE_CACHE_VERSION") == version
     assert native.PATCH_VERSION == str(version)
 
 
