@@ -1,0 +1,46 @@
+"""Victim rules for one pool of slots per group of layers under our rules (issue 37;
+docs/notes/upstream-comparison.md, "A pooled allocation, modelled"): each candidate of
+moecache.offline.pooled.VICTIM_SEARCH in the hit-rate cells of scripts/compare_upstream.py (both
+shipped traces and the synthetic routings at K = 8, 16, 32), decode hit% points over upstream
+b12191's ClassLRU at the same device bytes (F = 0), eager, prompt warm. MODELLED.
+
+    python scripts/pooled_victims.py   (about 2 minutes on 2 shared cores; imports moecache as found)
+
+Prints one row per candidate: every cell's margin, the smallest, the mean, the cells behind, and
+per decode token the lookups of experts evicted ahead (a miss each) and the layers a copy waited
+on average for its victim's layer to run (defer).
+"""
+
+import numpy as np
+
+from moecache.formats.traces import SHIPPED_TRACES, read_trace
+from moecache.offline.pooled import VICTIM_SEARCH, pooled_replay
+
+from compare_upstream import equal_bytes_cells, upstream
+
+
+def main():
+    cells = equal_bytes_cells([read_trace(str(p)) for p in SHIPPED_TRACES])
+    classlru = {(label, k): upstream(trace, k).hit_rate for label, trace, k in cells}
+    print("| policy | victims | " + " | ".join(f"{label.split(',')[0]} {k}" for label, _, k in cells)
+          + " | min | mean | behind | evicted ahead, read /tok | copy waited, layers "
+          "| copy start, share of layers run |")
+    print("|---|---|" + "---:|" * (len(cells) + 6))
+    for label, factory, inserts, victims in VICTIM_SEARCH:
+        margins, clobbered, waited, started, copies, tokens = [], 0, 0, 0.0, 0, 0
+        for name, trace, k in cells:
+            tally = {}
+            r = pooled_replay(trace, factory(), k, inserts=inserts, rule=victims, tally=tally)
+            margins.append(100 * (r.hit_rate - classlru[name, k]))
+            clobbered, tokens = clobbered + tally["clobbered"], tokens + r.decode_tokens
+            waited, copies = waited + tally.get("waited", 0), copies + tally.get("copies", 0)
+            started += tally.get("started", 0.0)
+        margins = np.array(margins)
+        print(f"| {label} | {victims.label} | " + " | ".join(f"{m:+.1f}" for m in margins)
+              + f" | {margins.min():+.2f} | {margins.mean():+.2f} | {(margins < 0).sum()} | "
+              f"{clobbered / tokens:.2f} | {waited / max(copies, 1):.2f} | {started / max(copies, 1):.2f} |",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
