@@ -4,11 +4,13 @@ moecache.offline.pooled.VICTIM_SEARCH in the hit-rate cells of scripts/compare_u
 shipped traces and the synthetic routings at K = 8, 16, 32), decode hit% points over upstream
 b12191's ClassLRU at the same device bytes (F = 0), eager, prompt warm. MODELLED.
 
-    python scripts/pooled_victims.py   (about 2 minutes on 2 shared cores; imports moecache as found)
+    python scripts/pooled_victims.py   (about 5 minutes on 2 shared cores; imports moecache as found)
 
-Prints one row per candidate: every cell's margin, the smallest, the mean, the cells behind, and
-per decode token the lookups of experts evicted ahead (a miss each) and the layers a copy waited
-on average for its victim's layer to run (defer).
+Prints one row per candidate: every cell's margin, the smallest, the mean, the cells behind, per
+decode token the lookups of experts evicted ahead (a miss each), the layers a copy waited on
+average for its victim's layer to run (defer), and the share of the pool's layers run when a
+copy starts, on average. Rows whose victims say "a graph late" are worst cases: those copies
+are published a boundary late (every other row counts every copy complete at the next boundary).
 """
 
 import numpy as np

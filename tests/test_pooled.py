@@ -108,7 +108,7 @@ def test_a_deferred_copy_waits_for_its_victims_layer():
     # layer 1 selects key 4: the reservation falls through, layer 0's miss takes slot 1 (layer 0's
     # expert 3, its layer run) at layer 1, one layer late; layer 1's miss 5 finds no victim left
     assert writes([1, -1, 4, 5], "defer", tally=tally) == writes([1, -1, 4, 5], "oracle") == ([[0, 1, 1]], 0)
-    assert tally == {"copies": 1, "waited": 1, "started": 1.0}
+    assert tally == {"copies": 1, "waited": 1, "started": 1.0, "waits": [True], "starts": [1.0]}
     # layer 1 does not select key 4: the copy into slot 0 starts at layer 1, ahead of layer 1's own
     assert writes([1, -1, 6, -1], "defer") == writes([1, -1, 6, -1], "oracle") == ([[0, 1, 0], [0, 6, 1]], 0)
     # a reach of 0 layers never waits: the window's marks decide, as ahead's
@@ -152,3 +152,14 @@ def test_deferred_copies_never_overwrite_what_the_graph_reads():
     assert engine.clobbered == 0 and engine.tally["waited"] > 0
     with pytest.raises(ValueError, match="rule must be one of"):
         Victims("later")
+
+
+def test_late_copies_are_published_a_boundary_later():
+    """The worst cases of a copy's start: copies that waited for their victim's layer (late), or
+    started after a share of the pool's layers (late_after), published a boundary late, cost
+    hits; a share no copy starts after costs none."""
+    trace = routing(4, steps=80, seed=5)
+    on_time = pooled_replay(trace, HeatSum(), 3, inserts=None, rule=Victims("defer")).totals
+    assert pooled_replay(trace, HeatSum(), 3, inserts=None, rule=Victims("defer", late_after=1.0)).totals == on_time
+    for late in (Victims("defer", late=True), Victims("defer", late_after=0.5), Victims("oracle", late_after=0.5)):
+        assert pooled_replay(trace, HeatSum(), 3, inserts=None, rule=late).totals["hits"] < on_time["hits"], late

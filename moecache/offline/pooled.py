@@ -98,6 +98,8 @@ class Victims:
     readmit: bool = False        # ahead: a later layer re-uploads an expert evicted ahead (a lane copy: a miss)
     reach: int | None = None     # defer: a copy waits for a victim's layer at most this many layers ahead;
     #                              beyond, it takes a victim marked as ahead's are, at once
+    late: bool = False           # defer: a copy that waited is published a boundary late (a worst case)
+    late_after: float | None = None  # any rule: a copy started after this share of the pool's layers ran, too
 
     def __post_init__(self):
         if self.rule not in VICTIM_RULES:
@@ -107,11 +109,14 @@ class Victims:
     def label(self) -> str:
         mark = f"worth < {self.below:g}" if self.below is not None else f"{self.window}"
         extra = (f", reserve {self.reserve}" if self.reserve else "") + (", readmit" if self.readmit else "")
+        late = ", copies that waited a graph late" if self.late else ""
+        if self.late_after is not None:
+            late += f", copies started after {self.late_after:g} of the layers a graph late"
         if self.rule == "defer":
-            return "defer" if self.reach is None else f"defer {self.reach}, else ahead {mark}{extra}"
+            return ("defer" if self.reach is None else f"defer {self.reach}, else ahead {mark}{extra}") + late
         if self.rule not in ("ahead", "run-first"):
-            return self.rule
-        return f"{self.rule} {mark}{extra}"
+            return self.rule + late
+        return f"{self.rule} {mark}{extra}{late}"
 
 
 def pool_admissions(handover, ids, slot_expert, n_sub: int, inserts: int | None, rule,
@@ -121,7 +126,9 @@ def pool_admissions(handover, ids, slot_expert, n_sub: int, inserts: int | None,
     evicted a resident that a later layer of the graph selects ("ahead" only). rule: a Victims or
     a rule's name; recent: (G, m) the keys the last graphs selected ("ahead"); tally: adds the
     copies ("copies"), the layers they waited for their victim's layer in all ("waited") and the
-    shares of the pool's layers run when they started, summed ("started")."""
+    shares of the pool's layers run when they started, summed ("started"), and whether each copy
+    waited ("waits") and the share of the pool's layers run when it started ("starts"), lists
+    aligned with the rows."""
     victims = rule if isinstance(rule, Victims) else Victims(rule)
     jobs, clobbered = [], 0
     for g in range(ids.shape[0]):
@@ -134,7 +141,9 @@ def pool_admissions(handover, ids, slot_expert, n_sub: int, inserts: int | None,
         if tally is not None:
             tally["copies"] = tally.get("copies", 0) + len(walk.jobs)
             tally["waited"] = tally.get("waited", 0) + walk.waited
-            tally["started"] = tally.get("started", 0) + walk.started
+            tally["started"] = tally.get("started", 0) + sum(walk.starts)
+            tally["waits"] = tally.get("waits", []) + walk.waits
+            tally["starts"] = tally.get("starts", []) + walk.starts
     return np.array(jobs, dtype=np.int32).reshape(-1, 3), clobbered
 
 
@@ -157,8 +166,8 @@ class _PoolWalk:
         finite = self.worth[self.worth > -np.inf]
         self.admits_all = finite.size > 0 and bool(np.isposinf(finite).all())  # the policy has no admission test
         self.reserved, self.waiting = {}, []  # defer: victim index -> miss; misses whose victim fell through
-        self.jobs, self.clobbered, self.waited = [], 0, 0  # waited: layers the copies waited, in all
-        self.started, self.n_sub = 0.0, n_sub  # started: the share of the pool's layers run at each copy's start
+        self.jobs, self.waits, self.clobbered, self.waited = [], [], 0, 0  # waited: layers the copies waited
+        self.starts, self.n_sub = [], n_sub  # each row's share of the pool's layers run when its copy started
 
     def layer(self, i: int) -> None:
         ids = self.row[i * self.k:(i + 1) * self.k]
@@ -208,8 +217,9 @@ class _PoolWalk:
     def _start(self, e: int, j: int, i: int, origin: int) -> None:
         """Layer i starts the copy of layer `origin`'s miss e into victim j's slot."""
         self.jobs.append((self.g, e, self.slots[j]))
+        self.waits.append(i > origin)
+        self.starts.append((i + 1) / self.n_sub)
         self.waited += i - origin
-        self.started += (i + 1) / self.n_sub
 
     def _worth(self, e: int) -> float:
         """A miss's worth; an expert evicted ahead that its layer reads again (readmit) is worth
@@ -290,11 +300,23 @@ class PooledEngine(CacheEngine):
         if ids is not None and not prefill and self.handover is not None:
             ids = np.asarray(ids)
             recent = np.concatenate(self._recent, axis=1) if self._recent else None
+            tally = {}
             admitted, clobbered = pool_admissions(self.handover, ids, self.slot_expert, self.n_sub,
-                                                  self.layer_inserts, self.victims, recent, self.tally)
+                                                  self.layer_inserts, self.victims, recent, tally)
+            late = self._late(np.array(tally.pop("waits"), dtype=bool), np.array(tally.pop("starts")))
+            for name, value in tally.items():
+                self.tally[name] = self.tally.get(name, 0) + value
             self.clobbered += clobbered
             self._recent = (self._recent + [ids])[-self.window:]
+            if late.any():  # the late copies last, not ready at the boundary
+                admitted = np.concatenate((admitted[~late], admitted[late]))
+                ready = self._queue.n_due + int((~late).sum())
         return super().step(ids, ready, admitted, prefill, lane_rows, declined)
+
+    def _late(self, waits, starts) -> np.ndarray:
+        """Which of a graph's copies the victim rule's worst cases make a graph late."""
+        late = waits & self.victims.late
+        return late | (starts > self.victims.late_after) if self.victims.late_after is not None else late
 
     def stats(self, expert_bytes=None) -> dict:
         stats = super().stats(expert_bytes)
@@ -367,5 +389,14 @@ VICTIM_SEARCH = [  # (label, policy factory, inserts per layer, Victims): script
     (CREDITED_2, lambda: HeatSumAdmission((8, 64), (1.0, 2.0), credit=2.0), None, Victims("defer")),
     (CREDITED, lambda: HeatSumAdmission(credit=4.0), None, Victims("defer", 8, reach=8)),
     (CREDITED_2, lambda: HeatSumAdmission((8, 64), (1.0, 2.0), credit=2.0), None, Victims("defer", 8, reach=8)),
+    (HEAT_SUM, HeatSum, None, Victims("defer", late=True)),
+    (HEAT_SUM, HeatSum, None, Victims("defer", 8, reach=8, late=True)),
+    (CREDITED_2, lambda: HeatSumAdmission((8, 64), (1.0, 2.0), credit=2.0), None, Victims("defer", late=True)),
+    (CREDITED_2, lambda: HeatSumAdmission((8, 64), (1.0, 2.0), credit=2.0), None,
+     Victims("defer", 8, reach=8, late=True)),
+    *[(HEAT_SUM, HeatSum, None, Victims(rule, 8, late_after=after)) for after in (0.75, 0.5)
+      for rule in ("oracle", "ahead", "defer")],
+    *[(CREDITED_2, lambda: HeatSumAdmission((8, 64), (1.0, 2.0), credit=2.0), None, Victims(rule, 8, late_after=0.75))
+      for rule in ("ahead", "defer")],
     ("belady, unlimited inserts", lambda: "belady", None, Victims("defer")),
 ]
