@@ -11,14 +11,30 @@ decode token the lookups of experts evicted ahead (a miss each), the layers a co
 average for its victim's layer to run (defer), and the share of the pool's layers run when a
 copy starts, on average. Rows whose victims say "a graph late" are worst cases: those copies
 are published a boundary late (every other row counts every copy complete at the next boundary).
+Then, on the shipped traces, decode hit% and MiB uploaded per decode token of the live default,
+ClassLRU and two pooled candidates with defer (BYTES_ROWS).
 """
 
 import numpy as np
 
-from moecache.formats.traces import SHIPPED_TRACES, read_trace
-from moecache.offline.pooled import VICTIM_SEARCH, pooled_replay
+from pathlib import Path
 
-from compare_upstream import equal_bytes_cells, upstream
+from moecache.formats.traces import SHIPPED_TRACES, read_trace
+from moecache.offline.experiments import HeatSum, HeatSumAdmission
+from moecache.offline.pooled import VICTIM_SEARCH, Victims, pooled_replay
+from moecache.offline.replay import MIB
+
+from compare_upstream import SIZES, equal_bytes_cells, live_default, upstream
+
+BYTES_ROWS = [  # (label, replay of (trace, K)): the bytes table
+    ("live default (heat, K per layer)", live_default),
+    ("ClassLRU (b12191, F = 0)", upstream),
+    ("pooled heat-sum 10+64, unlimited, defer", lambda t, k: pooled_replay(t, HeatSum(), k, inserts=None,
+                                                                            rule=Victims("defer"))),
+    ("pooled heat-sum 8+64, 2 uses' credit, unlimited, defer",
+     lambda t, k: pooled_replay(t, HeatSumAdmission((8, 64), (1.0, 2.0), credit=2.0), k, inserts=None,
+                                rule=Victims("defer"))),
+]
 
 
 def main():
@@ -44,5 +60,18 @@ def main():
               flush=True)
 
 
+def bytes_table(traces):
+    """Decode hit% and MiB uploaded per decode token on the shipped traces: what the link carries."""
+    print("\nDecode hit%, MiB uploaded per decode token (every copy complete at the next boundary; MODELLED)\n")
+    print("| trace | K | " + " | ".join(label for label, _ in BYTES_ROWS) + " |")
+    print("|---|---:|" + "---:|" * len(BYTES_ROWS))
+    for trace in traces:
+        for k in SIZES:
+            runs = [replay(trace, k) for _, replay in BYTES_ROWS]
+            print(f"| {Path(trace.path).name.split('.')[0]} | {k} | " + " | ".join(
+                f"{100 * r.hit_rate:.1f}, {r.upload_bytes_per_token / MIB:.0f}" for r in runs) + " |", flush=True)
+
+
 if __name__ == "__main__":
     main()
+    bytes_table([read_trace(str(p)) for p in SHIPPED_TRACES])
