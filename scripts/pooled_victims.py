@@ -4,7 +4,8 @@ moecache.offline.pooled.VICTIM_SEARCH in the hit-rate cells of scripts/compare_u
 shipped traces and the synthetic routings at K = 8, 16, 32), decode hit% points over upstream
 b12191's ClassLRU at the same device bytes (F = 0), eager, prompt warm. MODELLED.
 
-    python scripts/pooled_victims.py   (about 5 minutes on 2 shared cores; imports moecache as found)
+    python scripts/pooled_victims.py [--sweep]   (about 5 minutes on 2 shared cores; imports moecache
+                                                 as found; --sweep: DEFER_SWEEP's policies with defer, 2)
 
 Prints one row per candidate: every cell's margin, the smallest, the mean, the cells behind, per
 decode token the lookups of experts evicted ahead (a miss each), the layers a copy waited on
@@ -15,13 +16,15 @@ Then, on the shipped traces, decode hit% and MiB uploaded per decode token of th
 ClassLRU and two pooled candidates with defer (BYTES_ROWS).
 """
 
+import sys
+
 import numpy as np
 
 from pathlib import Path
 
 from moecache.formats.traces import SHIPPED_TRACES, read_trace
 from moecache.offline.experiments import HeatSum, HeatSumAdmission
-from moecache.offline.pooled import VICTIM_SEARCH, Victims, pooled_replay
+from moecache.offline.pooled import DEFER_SWEEP, VICTIM_SEARCH, Victims, pooled_replay
 from moecache.offline.replay import MIB
 
 from compare_upstream import SIZES, equal_bytes_cells, live_default, upstream
@@ -37,14 +40,14 @@ BYTES_ROWS = [  # (label, replay of (trace, K)): the bytes table
 ]
 
 
-def main():
+def main(candidates):
     cells = equal_bytes_cells([read_trace(str(p)) for p in SHIPPED_TRACES])
     classlru = {(label, k): upstream(trace, k).hit_rate for label, trace, k in cells}
     print("| policy | victims | " + " | ".join(f"{label.split(',')[0]} {k}" for label, _, k in cells)
           + " | min | mean | behind | evicted ahead, read /tok | copy waited, layers "
           "| copy start, share of layers run |")
     print("|---|---|" + "---:|" * (len(cells) + 6))
-    for label, factory, inserts, victims in VICTIM_SEARCH:
+    for label, factory, inserts, victims in candidates:
         margins, clobbered, waited, started, copies, tokens = [], 0, 0, 0.0, 0, 0
         for name, trace, k in cells:
             tally = {}
@@ -73,5 +76,8 @@ def bytes_table(traces):
 
 
 if __name__ == "__main__":
-    main()
-    bytes_table([read_trace(str(p)) for p in SHIPPED_TRACES])
+    if sys.argv[1:] == ["--sweep"]:
+        main(DEFER_SWEEP)
+    else:
+        main(VICTIM_SEARCH)
+        bytes_table([read_trace(str(p)) for p in SHIPPED_TRACES])

@@ -400,3 +400,10 @@ VICTIM_SEARCH = [  # (label, policy factory, inserts per layer, Victims): script
       for rule in ("ahead", "defer")],
     ("belady, unlimited inserts", lambda: "belady", None, Victims("defer")),
 ]
+DEFER_SWEEP = [  # (label, policy factory, inserts, Victims): scripts/pooled_victims.py --sweep
+    *[(f"heat-sum {a}+{b} (1:2), admission test with {c} uses' credit, unlimited",
+       lambda a=a, b=b, c=c: HeatSumAdmission((a, b), (1.0, 2.0), credit=float(c)), None, Victims("defer"))
+      for a, b in ((8, 64), (10, 64), (16, 64), (8, 128)) for c in (2, 3, 4)],
+    *[(f"heat-sum {a}+{b} (1:{w:g}), unlimited inserts", lambda a=a, b=b, w=w: HeatSum((a, b), (1.0, w)), None,
+       Victims("defer")) for a, b, w in ((8, 64, 2.0), (16, 64, 0.5), (10, 128, 2.0), (10, 64, 4.0))],
+]
