@@ -256,15 +256,15 @@ def pooled_margins(cells, classlru):
           "points over upstream b12191's ClassLRU at equal bytes, eager, prompt warm, INSERTS per layer; victims: "
           "oracle = any resident the graph does not select, run = of the layers already run, ahead W = not "
           "selected by the layers run nor used by its layer in the last W graphs (a later use in the graph a "
-          "miss). MODELLED\n")
+          "miss), defer = oracle's, a copy into a later layer's slot starting once that layer has run without "
+          "selecting it. MODELLED\n")
     print("| policy | victims | " + " | ".join(f"{label.split(',')[0]} {k}" for label, _, k in cells)
           + " | min | mean | behind |")
     print("|---|---|" + "---:|" * (len(cells) + 3))
-    for label, factory, inserts, rule, window in POOLED_RUNS:
-        margins = np.array([100 * (pooled_replay(trace, factory(), k, inserts=inserts, rule=rule, window=window)
+    for label, factory, inserts, victims in POOLED_RUNS:
+        margins = np.array([100 * (pooled_replay(trace, factory(), k, inserts=inserts, rule=victims)
                                    .hit_rate - classlru[name, k]) for name, trace, k in cells])
-        victims = f"ahead {window}" if rule == "ahead" else rule
-        print(f"| {label} | {victims} | " + " | ".join(f"{m:+.1f}" for m in margins)
+        print(f"| {label} | {victims.label} | " + " | ".join(f"{m:+.1f}" for m in margins)
               + f" | {margins.min():+.2f} | {margins.mean():+.2f} | {(margins < 0).sum()} |", flush=True)
 
 

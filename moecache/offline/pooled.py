@@ -23,14 +23,27 @@ slot while the graph runs, so no later layer of that graph may read it. VICTIM_R
 - "run": residents of the layers already run in the graph (this one's included) that they did
   not select: safe, but early layers can only evict their own and the layers before them.
 - "ahead": any resident not selected by the layers run so far and not used by its layer in the
-  last `window` graphs; a later layer that selects a resident evicted ahead in the same graph
-  finds it unpublished and computes it on the CPU: a miss (`PooledEngine.clobbered`, moved from
-  the engine's hits to its misses in `stats()`).
+  last `window` graphs (or, with `below`, whose worth is under that share of the worth of an
+  expert used in every graph); a later layer that selects a resident evicted ahead in the same
+  graph finds it unpublished and computes it on the CPU: a miss (`PooledEngine.clobbered`, moved
+  from the engine's hits to its misses in `stats()`). `readmit`: that layer copies it back (a
+  lane copy, still a miss, as upstream's synchronous copies are); `reserve`: a layer not yet run
+  keeps at least that many residents.
+- "defer": the oracle's victims, realizably: a miss takes the next victim in the pool's order
+  that no layer run so far selects; if the victim's layer has not run yet the copy waits for
+  it (a reservation): when that layer has run without selecting the victim the copy starts,
+  else the miss takes the next victim it may take then. With `reach`, a copy waits at most that
+  many layers; beyond, the victim must be marked as ahead's are and is taken at once.
+- "run-first": the run rule's victims first, ahead's only when none is left.
+
+The slot writes are then the engine's eager admissions of the graph, published at the next
+boundary like any eager upload, whatever layer started them (the hit rates do not see that a
+deferred copy starts later; `pool_admissions`' tally counts how much later).
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -42,7 +55,7 @@ from . import steps
 from .experiments import HeatSum, HeatSumAdmission
 from .replay import PER_LAYER, PerLayerReplay, ReplayResult, simulate
 
-VICTIM_RULES = ("oracle", "run", "ahead")
+VICTIM_RULES = ("oracle", "run", "ahead", "defer", "run-first")
 
 
 def pooled_trace(trace: RouteTrace) -> tuple[RouteTrace, int]:
@@ -74,60 +87,182 @@ def _place(groups, n_layers) -> np.ndarray:
     return place
 
 
-def pool_admissions(handover, ids, slot_expert, n_sub: int, inserts: int | None, rule: str,
-                    recent: np.ndarray | None = None) -> tuple[np.ndarray, int]:
+@dataclass(frozen=True)
+class Victims:
+    """A victim rule (VICTIM_RULES) and its settings (the module docstring)."""
+
+    rule: str = "oracle"
+    window: int = 1              # ahead: a resident its layer used in the last `window` graphs is spared
+    below: float | None = None   # ahead: instead of the window, taken ahead only if its worth is below this
+    reserve: int = 0             # ahead: a layer not yet run keeps at least this many residents
+    readmit: bool = False        # ahead: a later layer re-uploads an expert evicted ahead (a lane copy: a miss)
+    reach: int | None = None     # defer: a copy waits for a victim's layer at most this many layers ahead;
+    #                              beyond, it takes a victim marked as ahead's are, at once
+    late: bool = False           # defer: a copy that waited is published a boundary late (a worst case)
+    late_after: float | None = None  # any rule: a copy started after this share of the pool's layers ran, too
+
+    def __post_init__(self):
+        if self.rule not in VICTIM_RULES:
+            raise ValueError(f"rule must be one of {', '.join(VICTIM_RULES)}, got {self.rule!r}")
+
+    @property
+    def label(self) -> str:
+        mark = f"worth < {self.below:g}" if self.below is not None else f"{self.window}"
+        extra = (f", reserve {self.reserve}" if self.reserve else "") + (", readmit" if self.readmit else "")
+        late = ", copies that waited a graph late" if self.late else ""
+        if self.late_after is not None:
+            late += f", copies started after {self.late_after:g} of the layers a graph late"
+        if self.rule == "defer":
+            return ("defer" if self.reach is None else f"defer {self.reach}, else ahead {mark}{extra}") + late
+        if self.rule not in ("ahead", "run-first"):
+            return self.rule + late
+        return f"{self.rule} {mark}{extra}{late}"
+
+
+def pool_admissions(handover, ids, slot_expert, n_sub: int, inserts: int | None, rule,
+                    recent: np.ndarray | None = None, tally: dict | None = None) -> tuple[np.ndarray, int]:
     """The slot writes of a graph that selects `ids` ((G, n_sub * k), each pool's layers side by
     side) under a pooled handover, layer by layer (the module docstring), and how many of them
-    evicted a resident that a later layer of the graph selects ("ahead" only). recent: (G, m) the
-    keys the last graphs selected ("ahead")."""
-    if rule not in VICTIM_RULES:
-        raise ValueError(f"rule must be one of {', '.join(VICTIM_RULES)}, got {rule!r}")
-    G, width = ids.shape
-    k, E = width // n_sub, handover.worth.shape[1] // n_sub
+    evicted a resident that a later layer of the graph selects ("ahead" only). rule: a Victims or
+    a rule's name; recent: (G, m) the keys the last graphs selected ("ahead"); tally: adds the
+    copies ("copies"), the layers they waited for their victim's layer in all ("waited") and the
+    shares of the pool's layers run when they started, summed ("started"), and whether each copy
+    waited ("waits") and the share of the pool's layers run when it started ("starts"), lists
+    aligned with the rows."""
+    victims = rule if isinstance(rule, Victims) else Victims(rule)
     jobs, clobbered = [], 0
-    for g in range(G):
-        listed = handover.victims[g] >= 0
-        slots = handover.victims[g][listed].tolist()
-        keep = handover.victim_worth[g][listed].tolist()
-        key = [int(slot_expert[g, s]) for s in slots]
-        taken = [False] * len(slots)
-        row, worth = ids[g], handover.worth[g]
-        held = set(slot_expert[g][slot_expert[g] >= 0].tolist())
-        graph = set(row[row >= 0].tolist())
-        used_recently = set() if recent is None else set(recent[g][recent[g] >= 0].tolist())
-        run = set()  # the keys the layers run so far selected
+    for g in range(ids.shape[0]):
+        walk = _PoolWalk(handover, g, ids[g], slot_expert[g], n_sub, inserts, victims,
+                         None if recent is None else recent[g])
         for i in range(n_sub):
-            layer_ids = row[i * k:(i + 1) * k]
-            run.update(layer_ids[layer_ids >= 0].tolist())
-            cand = list(dict.fromkeys(e for e in layer_ids.tolist()
-                                      if e >= 0 and e not in held and worth[e] > -np.inf))
-            started = 0
-            for e in cand:
-                if inserts is not None and started == inserts:
-                    break
-                j = next((j for j in range(len(slots)) if not taken[j] and _may_take(key[j], i, E, rule, graph, run,
-                                                                                      used_recently)), None)
-                if j is None:
-                    break
-                if worth[e] > keep[j]:
-                    jobs.append((g, e, slots[j]))
-                    taken[j] = True
-                    started += 1
-                    clobbered += key[j] in graph  # ahead: a later layer reads it
+            walk.layer(i)
+        jobs += walk.jobs
+        clobbered += walk.clobbered
+        if tally is not None:
+            tally["copies"] = tally.get("copies", 0) + len(walk.jobs)
+            tally["waited"] = tally.get("waited", 0) + walk.waited
+            tally["started"] = tally.get("started", 0) + sum(walk.starts)
+            tally["waits"] = tally.get("waits", []) + walk.waits
+            tally["starts"] = tally.get("starts", []) + walk.starts
     return np.array(jobs, dtype=np.int32).reshape(-1, 3), clobbered
 
 
-def _may_take(key, layer, n_expert, rule, graph, run, used_recently) -> bool:
-    """Whether layer `layer` of the graph may overwrite a slot holding `key` (-1: free)."""
-    if key < 0:
+class _PoolWalk:
+    """One pool's graph, layer by layer: which misses take which victims under a Victims rule."""
+
+    def __init__(self, handover, g, row, slot_expert, n_sub, inserts, victims, recent):
+        self.k, self.E = row.size // n_sub, handover.worth.shape[1] // n_sub
+        listed = handover.victims[g] >= 0
+        self.slots = handover.victims[g][listed].tolist()
+        self.keep = handover.victim_worth[g][listed].tolist()
+        self.key = [int(slot_expert[s]) for s in self.slots]
+        self.taken = [False] * len(self.slots)
+        self.g, self.row, self.worth, self.inserts, self.v = g, row, handover.worth[g], inserts, victims
+        self.held = set(slot_expert[slot_expert >= 0].tolist())
+        self.graph = set(row[row >= 0].tolist())
+        self.recent = set() if recent is None else set(recent[recent >= 0].tolist())
+        self.owned = np.bincount([key // self.E for key in self.key if key >= 0], minlength=n_sub)
+        self.run, self.gone = set(), {}  # keys the layers run so far selected; keys evicted ahead: their worth
+        finite = self.worth[self.worth > -np.inf]
+        self.admits_all = finite.size > 0 and bool(np.isposinf(finite).all())  # the policy has no admission test
+        self.reserved, self.waiting = {}, []  # defer: victim index -> miss; misses whose victim fell through
+        self.jobs, self.waits, self.clobbered, self.waited = [], [], 0, 0  # waited: layers the copies waited
+        self.starts, self.n_sub = [], n_sub  # each row's share of the pool's layers run when its copy started
+
+    def layer(self, i: int) -> None:
+        ids = self.row[i * self.k:(i + 1) * self.k]
+        self.run.update(ids[ids >= 0].tolist())
+        for j in [j for j in self.reserved if self.key[j] // self.E == i]:  # defer: the victim's layer ran
+            e, origin = self.reserved.pop(j)
+            if self.key[j] in self.run:
+                self.waiting.append((e, origin))
+            else:
+                self._start(e, j, i, origin)
+        again, self.waiting = self.waiting, []
+        for e, origin in again:
+            self._place(e, i, origin)
+        fresh = [e for e in ids.tolist() if e >= 0 and self._worth(e) > -np.inf
+                 and (e not in self.held or (self.v.readmit and e in self.gone))]
+        started = 0
+        for e in dict.fromkeys(fresh):
+            if self.inserts is not None and started == self.inserts:
+                break
+            placed = self._place(e, i)
+            if placed is None:
+                break
+            started += placed
+
+    def _place(self, e: int, i: int, origin: int | None = None) -> bool | None:
+        """Layer i's miss e (of layer `origin`, i by default) takes its victim, if one may be
+        taken and its worth beats it (True), or none (None: no victim left)."""
+        origin = i if origin is None else origin
+        j = self._victim(i)
+        if j is None:
+            return None
+        if not self._worth(e) > self.keep[j]:
+            return False
+        self.taken[j] = True
+        key = self.key[j]
+        if key >= 0:
+            self.owned[key // self.E] -= 1
+        if self._waits(key, i):
+            self.reserved[j] = (e, origin)  # the copy waits for the victim's layer
+            return True
+        self._start(e, j, i, origin)
+        if key >= 0 and key // self.E > i:
+            self.gone[key] = self.keep[j]
+            self.clobbered += key in self.graph  # a later layer reads it
         return True
-    if rule == "oracle":
-        return key not in graph
-    if key in run:
-        return False
-    if rule == "run":
-        return key // n_expert <= layer
-    return key // n_expert <= layer or key not in used_recently
+
+    def _start(self, e: int, j: int, i: int, origin: int) -> None:
+        """Layer i starts the copy of layer `origin`'s miss e into victim j's slot."""
+        self.jobs.append((self.g, e, self.slots[j]))
+        self.waits.append(i > origin)
+        self.starts.append((i + 1) / self.n_sub)
+        self.waited += i - origin
+
+    def _worth(self, e: int) -> float:
+        """A miss's worth; an expert evicted ahead that its layer reads again (readmit) is worth
+        what it kept as a resident, or a victim, if the policy admits every miss."""
+        if e in self.gone and self.v.readmit:
+            return np.inf if self.admits_all else self.gone[e]
+        return self.worth[e]
+
+    def _victim(self, i: int) -> int | None:
+        free = [j for j in range(len(self.slots)) if not self.taken[j]]
+        if self.v.rule == "run-first":
+            first = next((j for j in free if self._safe(j, i)), None)
+            return first if first is not None else next((j for j in free if self._ahead(j)), None)
+        return next((j for j in free if self._may_take(j, i)), None)
+
+    def _safe(self, j: int, i: int) -> bool:
+        """A slot no layer run so far selects, empty or of a layer already run."""
+        key = self.key[j]
+        return key < 0 or (key // self.E <= i and key not in self.run)
+
+    def _ahead(self, j: int) -> bool:
+        """Whether a later layer's resident is marked to be taken ahead (and its layer keeps enough)."""
+        key, v = self.key[j], self.v
+        marked = self.keep[j] < v.below if v.below is not None else key not in self.recent
+        return marked and key not in self.run and self.owned[key // self.E] > v.reserve
+
+    def _may_take(self, j: int, i: int) -> bool:
+        """Whether layer i may overwrite (or, deferring, reserve) victim j's slot."""
+        key, rule = self.key[j], self.v.rule
+        if key < 0:
+            return True
+        if rule == "oracle":
+            return key not in self.graph
+        if key in self.run:
+            return False
+        if key // self.E <= i or self._waits(key, i):
+            return True
+        return rule in ("ahead", "defer") and self._ahead(j)
+
+    def _waits(self, key: int, i: int) -> bool:
+        """defer: whether layer i's copy into `key`'s slot waits for the key's layer to run."""
+        ahead = key // self.E - i
+        return self.v.rule == "defer" and ahead > 0 and (self.v.reach is None or ahead <= self.v.reach)
 
 
 class PooledEngine(CacheEngine):
@@ -136,10 +271,14 @@ class PooledEngine(CacheEngine):
     misses (the module docstring)."""
 
     def __init__(self, n_groups, n_expert, n_slots, policy, *, n_sub: int, inserts: int | None = 2,
-                 rule: str = "oracle", window: int = 1):
+                 rule="oracle", window: int = 1):
         super().__init__(n_groups, n_expert, n_slots, policy, inserts=None, offline=True, admission="eager")
-        self.n_sub, self.layer_inserts, self.rule, self.window = n_sub, inserts, rule, window
-        self.clobbered = 0
+        victims = rule if isinstance(rule, Victims) else Victims(rule, window)
+        if victims.below is not None:  # a share of the worth of an expert used in every graph
+            every = np.ravel(policy.score(np.ones((len(policy.decay), 1, 1))))[0]
+            victims = replace(victims, below=victims.below * float(every))
+        self.n_sub, self.layer_inserts, self.victims, self.window = n_sub, inserts, victims, victims.window
+        self.clobbered, self.tally = 0, {}
         self._recent: list[np.ndarray] = []
         plan_prompt = self._planner.plan_prompt
 
@@ -161,11 +300,23 @@ class PooledEngine(CacheEngine):
         if ids is not None and not prefill and self.handover is not None:
             ids = np.asarray(ids)
             recent = np.concatenate(self._recent, axis=1) if self._recent else None
+            tally = {}
             admitted, clobbered = pool_admissions(self.handover, ids, self.slot_expert, self.n_sub,
-                                                  self.layer_inserts, self.rule, recent)
+                                                  self.layer_inserts, self.victims, recent, tally)
+            late = self._late(np.array(tally.pop("waits"), dtype=bool), np.array(tally.pop("starts")))
+            for name, value in tally.items():
+                self.tally[name] = self.tally.get(name, 0) + value
             self.clobbered += clobbered
             self._recent = (self._recent + [ids])[-self.window:]
+            if late.any():  # the late copies last, not ready at the boundary
+                admitted = np.concatenate((admitted[~late], admitted[late]))
+                ready = self._queue.n_due + int((~late).sum())
         return super().step(ids, ready, admitted, prefill, lane_rows, declined)
+
+    def _late(self, waits, starts) -> np.ndarray:
+        """Which of a graph's copies the victim rule's worst cases make a graph late."""
+        late = waits & self.victims.late
+        return late | (starts > self.victims.late_after) if self.victims.late_after is not None else late
 
     def stats(self, expert_bytes=None) -> dict:
         stats = super().stats(expert_bytes)
@@ -174,11 +325,13 @@ class PooledEngine(CacheEngine):
         return stats
 
 
-def pooled_replay(trace: RouteTrace, policy, slots: int, *, inserts: int | None = 2, rule: str = "oracle",
-                  window: int = 1) -> ReplayResult:
+def pooled_replay(trace: RouteTrace, policy, slots: int, *, inserts: int | None = 2, rule="oracle",
+                  window: int = 1, tally: dict | None = None) -> ReplayResult:
     """Decode hit rate and the rest of a replay of `trace` with one pool per group of the bytes
     of `slots` per layer (eager, the prompt warming the cache). policy: a Policy, or a registry
-    name (belady reads the pooled trace's future)."""
+    name (belady reads the pooled trace's future); rule: a Victims or a rule's name (with
+    `window`); tally: gets the decode graphs' copies, the layers they waited and the lookups
+    of experts evicted ahead ("clobbered")."""
     pooled, n_sub = pooled_trace(trace)
     if isinstance(policy, str):
         factory = POLICIES.get(resolve_policy(policy))
@@ -186,22 +339,71 @@ def pooled_replay(trace: RouteTrace, policy, slots: int, *, inserts: int | None 
         policy = make_policy(policy, future=steps.future(pooled, PER_LAYER, "warm") if reads_ahead else None)
     engine = PooledEngine(pooled.layers.size, pooled.n_expert, slots * n_sub, policy, n_sub=n_sub,
                           inserts=inserts, rule=rule, window=window)
-    return simulate(pooled, PerLayerReplay(engine, prefill="warm"))
+    result = simulate(pooled, PerLayerReplay(engine, prefill="warm"))
+    if tally is not None:
+        tally.update(engine.tally, clobbered=engine.clobbered)
+    return result
 
 
 CREDITED = "heat-sum 10+64 (1:2), admission test with 4 uses' credit, unlimited"
-POOLED_RUNS = [  # (label, policy factory, inserts per layer, victim rule, window): scripts/compare_upstream.py
-    ("heat, INSERTS 2", lambda: make_policy("heat"), 2, "oracle", 1),
-    ("heat-sum 10+64 (1:2), INSERTS 2", HeatSum, 2, "oracle", 1),
-    ("heat-sum 10+64 (1:2), unlimited inserts", HeatSum, None, "oracle", 1),
-    (CREDITED, lambda: HeatSumAdmission(credit=4.0), None, "oracle", 1),
-    ("belady, INSERTS 2", lambda: "belady", 2, "oracle", 1),
-    ("belady, unlimited inserts", lambda: "belady", None, "oracle", 1),
-    ("heat, INSERTS 2", lambda: make_policy("heat"), 2, "run", 1),
-    ("heat-sum 10+64 (1:2), unlimited inserts", HeatSum, None, "run", 1),
-    ("heat, INSERTS 2", lambda: make_policy("heat"), 2, "ahead", 8),
-    ("heat-sum 10+64 (1:2), INSERTS 2", HeatSum, 2, "ahead", 8),
-    ("heat-sum 10+64 (1:2), unlimited inserts", HeatSum, None, "ahead", 1),
-    ("heat-sum 10+64 (1:2), unlimited inserts", HeatSum, None, "ahead", 8),
-    (CREDITED, lambda: HeatSumAdmission(credit=4.0), None, "ahead", 8),
+CREDITED_2 = "heat-sum 8+64 (1:2), admission test with 2 uses' credit, unlimited"
+POOLED_RUNS = [  # (label, policy factory, inserts per layer, Victims): scripts/compare_upstream.py
+    ("heat, INSERTS 2", lambda: make_policy("heat"), 2, Victims("oracle")),
+    ("heat-sum 10+64 (1:2), INSERTS 2", HeatSum, 2, Victims("oracle")),
+    ("heat-sum 10+64 (1:2), unlimited inserts", HeatSum, None, Victims("oracle")),
+    (CREDITED, lambda: HeatSumAdmission(credit=4.0), None, Victims("oracle")),
+    ("belady, INSERTS 2", lambda: "belady", 2, Victims("oracle")),
+    ("belady, unlimited inserts", lambda: "belady", None, Victims("oracle")),
+    ("heat, INSERTS 2", lambda: make_policy("heat"), 2, Victims("run")),
+    ("heat-sum 10+64 (1:2), unlimited inserts", HeatSum, None, Victims("run")),
+    ("heat, INSERTS 2", lambda: make_policy("heat"), 2, Victims("ahead", 8)),
+    ("heat-sum 10+64 (1:2), INSERTS 2", HeatSum, 2, Victims("ahead", 8)),
+    ("heat-sum 10+64 (1:2), unlimited inserts", HeatSum, None, Victims("ahead", 1)),
+    ("heat-sum 10+64 (1:2), unlimited inserts", HeatSum, None, Victims("ahead", 8)),
+    (CREDITED, lambda: HeatSumAdmission(credit=4.0), None, Victims("ahead", 8)),
+    ("heat-sum 10+64 (1:2), unlimited inserts", HeatSum, None, Victims("defer")),
+    (CREDITED, lambda: HeatSumAdmission(credit=4.0), None, Victims("defer")),
+    (CREDITED_2, lambda: HeatSumAdmission((8, 64), (1.0, 2.0), credit=2.0), None, Victims("defer")),
+]
+
+
+HEAT_SUM = "heat-sum 10+64 (1:2), unlimited inserts"
+VICTIM_SEARCH = [  # (label, policy factory, inserts per layer, Victims): scripts/pooled_victims.py
+    (HEAT_SUM, HeatSum, None, Victims("oracle")),
+    (HEAT_SUM, HeatSum, None, Victims("run")),
+    (HEAT_SUM, HeatSum, None, Victims("ahead", 8)),
+    *[(HEAT_SUM, HeatSum, None, Victims("ahead", w)) for w in (16, 32)],
+    *[(HEAT_SUM, HeatSum, None, Victims("ahead", below=b)) for b in (0.01, 0.03, 0.1, 0.3)],
+    *[(HEAT_SUM, HeatSum, None, Victims("ahead", w, readmit=True)) for w in (1, 8, 16)],
+    *[(HEAT_SUM, HeatSum, None, Victims("ahead", 8, reserve=m)) for m in (2, 4, 6)],
+    (HEAT_SUM, HeatSum, None, Victims("run-first", 8)),
+    (HEAT_SUM, HeatSum, None, Victims("run-first", below=0.03)),
+    (HEAT_SUM, HeatSum, None, Victims("defer")),
+    *[(HEAT_SUM, HeatSum, None, Victims("defer", 8, reach=d)) for d in (1, 2, 4, 8)],
+    (HEAT_SUM, HeatSum, None, Victims("defer", 8, reach=4, readmit=True)),
+    ("heat-sum 10+64 (1:2), INSERTS 2", HeatSum, 2, Victims("defer")),
+    (CREDITED, lambda: HeatSumAdmission(credit=4.0), None, Victims("defer")),
+    ("heat, INSERTS 2", lambda: make_policy("heat"), 2, Victims("defer")),
+    *[(f"heat-sum 10+64 (1:2), admission test with {c} uses' credit, unlimited",
+       lambda c=c: HeatSumAdmission(credit=float(c)), None, Victims("defer")) for c in (0, 1, 2, 3)],
+    (CREDITED_2, lambda: HeatSumAdmission((8, 64), (1.0, 2.0), credit=2.0), None, Victims("defer")),
+    (CREDITED, lambda: HeatSumAdmission(credit=4.0), None, Victims("defer", 8, reach=8)),
+    (CREDITED_2, lambda: HeatSumAdmission((8, 64), (1.0, 2.0), credit=2.0), None, Victims("defer", 8, reach=8)),
+    (HEAT_SUM, HeatSum, None, Victims("defer", late=True)),
+    (HEAT_SUM, HeatSum, None, Victims("defer", 8, reach=8, late=True)),
+    (CREDITED_2, lambda: HeatSumAdmission((8, 64), (1.0, 2.0), credit=2.0), None, Victims("defer", late=True)),
+    (CREDITED_2, lambda: HeatSumAdmission((8, 64), (1.0, 2.0), credit=2.0), None,
+     Victims("defer", 8, reach=8, late=True)),
+    *[(HEAT_SUM, HeatSum, None, Victims(rule, 8, late_after=after)) for after in (0.75, 0.5)
+      for rule in ("oracle", "ahead", "defer")],
+    *[(CREDITED_2, lambda: HeatSumAdmission((8, 64), (1.0, 2.0), credit=2.0), None, Victims(rule, 8, late_after=0.75))
+      for rule in ("ahead", "defer")],
+    ("belady, unlimited inserts", lambda: "belady", None, Victims("defer")),
+]
+DEFER_SWEEP = [  # (label, policy factory, inserts, Victims): scripts/pooled_victims.py --sweep
+    *[(f"heat-sum {a}+{b} (1:2), admission test with {c} uses' credit, unlimited",
+       lambda a=a, b=b, c=c: HeatSumAdmission((a, b), (1.0, 2.0), credit=float(c)), None, Victims("defer"))
+      for a, b in ((8, 64), (10, 64), (16, 64), (8, 128)) for c in (2, 3, 4)],
+    *[(f"heat-sum {a}+{b} (1:{w:g}), unlimited inserts", lambda a=a, b=b, w=w: HeatSum((a, b), (1.0, w)), None,
+       Victims("defer")) for a, b, w in ((8, 64, 2.0), (16, 64, 0.5), (10, 128, 2.0), (10, 64, 4.0))],
 ]
