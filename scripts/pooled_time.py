@@ -52,7 +52,7 @@ def timed_cell(trace, k, hw, best, options, policy=None):
     tally = {}
     r = timed_pooled_replay(trace, policy() if policy else POOLED_DEFAULT[1](), k, hw.rates, tally=tally, **options)
     ratio = r.modelled_ms(hw) / best
-    return ratio, f"{ratio:.2f}, {100 * r.hit_rate:.1f}, {tally['late'] / r.decode_tokens:.2f}"
+    return ratio, 100 * r.hit_rate, f"{ratio:.2f}, {100 * r.hit_rate:.1f}, {tally['late'] / r.decode_tokens:.2f}"
 
 
 def grid(traces):
@@ -66,6 +66,7 @@ def grid(traces):
     print("| trace | K | hardware | stock | upstream | per layer (shipped) | " + " | ".join(labels) + " |")
     print("|---|---:|---|---:|---:|---:|" + "---|" * len(labels))
     ratios = {label: [] for label in ["shipped"] + labels}
+    hits_of = {label: [] for label in labels}
     for trace in traces:
         for k in SIZES:
             for hw in HARDWARE.values():
@@ -77,15 +78,19 @@ def grid(traces):
                      for _, victims, publication, options in TIMED_VARIANTS]
                 row = []
                 for label, (options, policy) in zip(labels, runs):
-                    ratio, text = timed_cell(trace, k, hw, best, options, policy)
+                    ratio, hit, text = timed_cell(trace, k, hw, best, options, policy)
                     ratios[label].append(ratio)
+                    hits_of[label].append(hit)
                     row.append(text)
                 print(f"| {name_of(trace)} | {k} | {hw.name} | {up.stock_ms(hw):.2f} | {up.modelled_ms(hw):.2f} "
                       f"(F {up.cpu_share:g}) | {ratios['shipped'][-1] * best:.2f} ({ratios['shipped'][-1]:.2f}) | "
                       + " | ".join(row) + " |", flush=True)
     print("\nshipped (K slots per layer, zero configuration): " + geomean_line(ratios.pop("shipped")))
+    control = np.array(hits_of[CONTROL[0]])
     for label, values in ratios.items():
-        print(f"MODELLED {label}: " + geomean_line(values) + f", slowest {max(values):.2f}")
+        gain = np.array(hits_of[label]) - control
+        print(f"MODELLED {label}: " + geomean_line(values) + f", slowest {max(values):.2f}; decode hit% over the "
+              f"control: least {gain.min():+.1f}, mean {gain.mean():+.2f}, {(gain < 0).sum()} cells behind")
 
 
 def hit_cells(traces):

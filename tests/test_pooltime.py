@@ -6,11 +6,14 @@ import numpy as np
 import pytest
 
 from moecache.core.admission import Handover
+from moecache.core.hardware import Hardware
 from moecache.core.missplan import Rates
+from moecache.core.policies import make_policy
 from moecache.formats.traces import RouteTrace, synthetic_routing
 from moecache.offline.experiments import HeatSumAdmission
 from moecache.offline.pooled import PoolPlan, Victims, pool_admissions, pooled_replay
 from moecache.offline.pooltime import LinkClock, carry, timed_pooled_replay
+from moecache.offline.replay import zero_configuration
 
 # 1 MB experts; a CPU miss reads 1 ms (1 GB/s), a copy takes 2 ms (0.5 GB/s); the ids' trip 0.2 ms;
 # no dense weights, no join: a layer with one CPU miss takes 0.2 + 1.0 = 1.2 ms
@@ -95,3 +98,18 @@ def test_without_planner_nor_timing_the_replay_is_the_pooled_models():
     slow = timed_pooled_replay(trace, policy(), 4, RATES, publication="boundary", planner=False, tally=late)
     assert late["late"] > 0 and slow.hit_rate < plain.hit_rate
     assert sum(timed.work.passes.values()) == 4 * timed.decode_steps  # every real layer of every decode graph
+
+
+def test_the_control_a_pool_per_layer_is_the_shipped_zero_configuration():
+    """Every layer its own pool, heat at INSERTS 2 with the planner, every copy at the next boundary:
+    the planner's rule here (margin, lane credit, busy) is the engine's own (native/engine_core.c)."""
+    ids = synthetic_routing(120, 4, 16, 2, seed=7)
+    trace = RouteTrace.from_routing(ids, 16, expert_bytes=[10 ** 6] * 4)
+    rates = Rates(host_gbps=1.0, link_gbps=2.0, dram_gbps=3.0, device_gbps=100.0, ids_trip_us=20, join_us=5)
+    shipped = zero_configuration(trace, 4, rates)
+    assert shipped.totals["lane_misses"] > 0 and shipped.totals["declined"] > 0  # the lane and the margin both act
+    control = timed_pooled_replay(trace, make_policy("heat"), 4, rates, publication="all", inserts=2, per_layer=True)
+    assert {k: control.totals[k] for k in ("hits", "misses", "uploads")} == \
+        {k: shipped.totals[k] for k in ("hits", "misses", "uploads")}
+    hw = Hardware("test", "test", rates, "none")
+    assert control.modelled_ms(hw) == pytest.approx(shipped.modelled_ms(hw), rel=1e-4)
