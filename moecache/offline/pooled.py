@@ -38,7 +38,9 @@ slot while the graph runs, so no later layer of that graph may read it. VICTIM_R
 
 The slot writes are then the engine's eager admissions of the graph, published at the next
 boundary like any eager upload, whatever layer started them (the hit rates do not see that a
-deferred copy starts later; `pool_admissions`' tally counts how much later).
+deferred copy starts later; `pool_admissions`' tally counts how much later). With a `PoolPlan`
+the walk follows the miss planner's rule too (its margin, a lane restricted to slots safe now):
+moecache.offline.pooltime times the copies on the link and publishes them when they are done.
 """
 
 from __future__ import annotations
