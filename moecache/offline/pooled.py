@@ -38,12 +38,15 @@ slot while the graph runs, so no later layer of that graph may read it. VICTIM_R
 
 The slot writes are then the engine's eager admissions of the graph, published at the next
 boundary like any eager upload, whatever layer started them (the hit rates do not see that a
-deferred copy starts later; `pool_admissions`' tally counts how much later).
+deferred copy starts later; `pool_admissions`' tally counts how much later). With a `PoolPlan`
+the walk follows the miss planner's rule too (its margin, a lane restricted to slots safe now):
+moecache.offline.pooltime times the copies on the link and publishes them when they are done.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import numpy as np
 
@@ -119,8 +122,21 @@ class Victims:
         return f"{self.rule} {mark}{extra}{late}"
 
 
+class PoolPlan(NamedTuple):
+    """The miss planner's rule over a pool's graph (moecache.offline.pooltime): an upload must beat
+    its victim by `margin`, a lane copy by margin - credit; lane: (G, n_sub, E + 1) of m
+    candidates of a pool's layer, how many take the lane (None: no lane). A lane copy takes
+    only a slot safe now (empty, or a resident of a layer already run that it did not select);
+    a lane candidate with no such slot, or that does not beat it, is handled as any other miss."""
+
+    margin: float
+    credit: float
+    lane: np.ndarray | None
+
+
 def pool_admissions(handover, ids, slot_expert, n_sub: int, inserts: int | None, rule,
-                    recent: np.ndarray | None = None, tally: dict | None = None) -> tuple[np.ndarray, int]:
+                    recent: np.ndarray | None = None, tally: dict | None = None,
+                    plan: PoolPlan | None = None) -> tuple[np.ndarray, int]:
     """The slot writes of a graph that selects `ids` ((G, n_sub * k), each pool's layers side by
     side) under a pooled handover, layer by layer (the module docstring), and how many of them
     evicted a resident that a later layer of the graph selects ("ahead" only). rule: a Victims or
@@ -128,29 +144,31 @@ def pool_admissions(handover, ids, slot_expert, n_sub: int, inserts: int | None,
     copies ("copies"), the layers they waited for their victim's layer in all ("waited") and the
     shares of the pool's layers run when they started, summed ("started"), and whether each copy
     waited ("waits") and the share of the pool's layers run when it started ("starts"), lists
-    aligned with the rows."""
+    aligned with the rows; with a plan also "at" (the pool layer whose observer started each
+    row's copy), "lane" (whether it is a lane copy), "read_ahead" ((group, key) of each expert
+    evicted ahead that a later layer reads) and "declined" (uploads the margin declined)."""
     victims = rule if isinstance(rule, Victims) else Victims(rule)
     jobs, clobbered = [], 0
     for g in range(ids.shape[0]):
         walk = _PoolWalk(handover, g, ids[g], slot_expert[g], n_sub, inserts, victims,
-                         None if recent is None else recent[g])
+                         None if recent is None else recent[g], plan)
         for i in range(n_sub):
             walk.layer(i)
         jobs += walk.jobs
         clobbered += walk.clobbered
         if tally is not None:
-            tally["copies"] = tally.get("copies", 0) + len(walk.jobs)
-            tally["waited"] = tally.get("waited", 0) + walk.waited
-            tally["started"] = tally.get("started", 0) + sum(walk.starts)
-            tally["waits"] = tally.get("waits", []) + walk.waits
-            tally["starts"] = tally.get("starts", []) + walk.starts
+            planned = (("at", walk.at), ("lane", walk.lane), ("read_ahead", [(g, key) for key in walk.read_ahead]),
+                       ("declined", walk.declined)) if plan is not None else ()
+            for name, value in (("copies", len(walk.jobs)), ("waited", walk.waited), ("started", sum(walk.starts)),
+                                ("waits", walk.waits), ("starts", walk.starts), *planned):
+                tally[name] = tally.get(name, type(value)()) + value
     return np.array(jobs, dtype=np.int32).reshape(-1, 3), clobbered
 
 
 class _PoolWalk:
     """One pool's graph, layer by layer: which misses take which victims under a Victims rule."""
 
-    def __init__(self, handover, g, row, slot_expert, n_sub, inserts, victims, recent):
+    def __init__(self, handover, g, row, slot_expert, n_sub, inserts, victims, recent, plan=None):
         self.k, self.E = row.size // n_sub, handover.worth.shape[1] // n_sub
         listed = handover.victims[g] >= 0
         self.slots = handover.victims[g][listed].tolist()
@@ -168,6 +186,10 @@ class _PoolWalk:
         self.reserved, self.waiting = {}, []  # defer: victim index -> miss; misses whose victim fell through
         self.jobs, self.waits, self.clobbered, self.waited = [], [], 0, 0  # waited: layers the copies waited
         self.starts, self.n_sub = [], n_sub  # each row's share of the pool's layers run when its copy started
+        self.at, self.lane, self.read_ahead, self.declined = [], [], [], 0  # each row's layer and lane flag
+        self.margin = 0.0 if plan is None else plan.margin
+        self.credit = 0.0 if plan is None else plan.credit
+        self.lanes = None if plan is None or plan.lane is None else plan.lane[g]
 
     def layer(self, i: int) -> None:
         ids = self.row[i * self.k:(i + 1) * self.k]
@@ -181,16 +203,40 @@ class _PoolWalk:
         again, self.waiting = self.waiting, []
         for e, origin in again:
             self._place(e, i, origin)
-        fresh = [e for e in ids.tolist() if e >= 0 and self._worth(e) > -np.inf
-                 and (e not in self.held or (self.v.readmit and e in self.gone))]
+        fresh = list(dict.fromkeys(e for e in ids.tolist() if e >= 0 and self._worth(e) > -np.inf
+                                   and (e not in self.held or (self.v.readmit and e in self.gone))))
+        lset = self._lane_set(fresh, i)
         started = 0
-        for e in dict.fromkeys(fresh):
+        for e in lset + [e for e in fresh if e not in lset]:
             if self.inserts is not None and started == self.inserts:
                 break
+            if e in lset and self._lane_copy(e, i):
+                started += 1
+                continue
             placed = self._place(e, i)
             if placed is None:
                 break
             started += placed
+
+    def _lane_set(self, fresh: list, i: int) -> list:
+        """The candidates of layer i that take the lane: the plan's count of them, the most
+        valuable first (rank breaks ties)."""
+        if self.lanes is None or not fresh:
+            return []
+        n = int(self.lanes[i][min(len(fresh), self.lanes.shape[1] - 1)])
+        return sorted(fresh, key=lambda e: -self._worth(e))[:n]
+
+    def _lane_copy(self, e: int, i: int) -> bool:
+        """Layer i copies its miss e through the lane into the first slot safe now, if e beats
+        its resident by margin - credit; False: e is handled as any other miss."""
+        j = next((j for j in range(len(self.slots)) if not self.taken[j] and self._safe(j, i)), None)
+        if j is None or not self._worth(e) > self.keep[j] + self.margin - self.credit:
+            return False
+        self.taken[j] = True
+        if self.key[j] >= 0:
+            self.owned[self.key[j] // self.E] -= 1
+        self._start(e, j, i, i, lane=True)
+        return True
 
     def _place(self, e: int, i: int, origin: int | None = None) -> bool | None:
         """Layer i's miss e (of layer `origin`, i by default) takes its victim, if one may be
@@ -199,7 +245,8 @@ class _PoolWalk:
         j = self._victim(i)
         if j is None:
             return None
-        if not self._worth(e) > self.keep[j]:
+        if not self._worth(e) > self.keep[j] + self.margin:
+            self.declined += self._worth(e) > self.keep[j]
             return False
         self.taken[j] = True
         key = self.key[j]
@@ -211,12 +258,16 @@ class _PoolWalk:
         self._start(e, j, i, origin)
         if key >= 0 and key // self.E > i:
             self.gone[key] = self.keep[j]
-            self.clobbered += key in self.graph  # a later layer reads it
+            if key in self.graph:  # a later layer reads it
+                self.clobbered += 1
+                self.read_ahead.append(key)
         return True
 
-    def _start(self, e: int, j: int, i: int, origin: int) -> None:
+    def _start(self, e: int, j: int, i: int, origin: int, lane: bool = False) -> None:
         """Layer i starts the copy of layer `origin`'s miss e into victim j's slot."""
         self.jobs.append((self.g, e, self.slots[j]))
+        self.at.append(i)
+        self.lane.append(lane)
         self.waits.append(i > origin)
         self.starts.append((i + 1) / self.n_sub)
         self.waited += i - origin
@@ -302,16 +353,27 @@ class PooledEngine(CacheEngine):
             recent = np.concatenate(self._recent, axis=1) if self._recent else None
             tally = {}
             admitted, clobbered = pool_admissions(self.handover, ids, self.slot_expert, self.n_sub,
-                                                  self.layer_inserts, self.victims, recent, tally)
+                                                  self.layer_inserts, self.victims, recent, tally, self.graph_plan())
             late = self._late(np.array(tally.pop("waits"), dtype=bool), np.array(tally.pop("starts")))
+            self.graph_rows = {name: tally.pop(name, []) for name in ("at", "lane", "read_ahead")}  # the last graph's
             for name, value in tally.items():
                 self.tally[name] = self.tally.get(name, 0) + value
             self.clobbered += clobbered
             self._recent = (self._recent + [ids])[-self.window:]
+            self.graph_walked(ids, admitted)
             if late.any():  # the late copies last, not ready at the boundary
                 admitted = np.concatenate((admitted[~late], admitted[late]))
                 ready = self._queue.n_due + int((~late).sum())
         return super().step(ids, ready, admitted, prefill, lane_rows, declined)
+
+    def graph_walked(self, ids, admitted) -> None:
+        """Called with a decode graph's ids and slot writes (graph_rows: each row's layer, lane
+        flag; the experts evicted ahead that it reads) before the boundary publishes anything."""
+
+    def graph_plan(self) -> PoolPlan | None:
+        """The miss planner's rule for the graph about to be walked (none here: the hit rates are
+        the policy's; moecache.offline.pooltime adds it)."""
+        return None
 
     def _late(self, waits, starts) -> np.ndarray:
         """Which of a graph's copies the victim rule's worst cases make a graph late."""
