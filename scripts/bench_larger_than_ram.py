@@ -2,11 +2,12 @@
 """A MoE model larger than memory: stock llama.cpp decode and prompt speed with the model file in
 RAM and inside a memory cgroup smaller than the file, beside the disk's own bandwidth.
 
-    python scripts/bench_larger_than_ram.py [-m MODEL | --layers 8] [--limit-mb 1600] [-p PROMPT]
+    python scripts/bench_larger_than_ram.py [-m MODEL | [--synth PRESET] --layers 8] [--limit-mb 1600] [-p PROMPT]
         [-n 16] [-r 3] [-t THREADS] [-c 2048] [--ram-mib N|auto] [--cgroup-root DIR]
         [--disk-mib 512] [--disk-threads 4] [--no-disk | --disk-only] [--md FILE] [--json FILE]
 
-The model (default: `python -m moecache.models synth qwen3-30b-a3b --layers 8`, 2.8 GB) loads as
+The model (default: `python -m moecache.models synth qwen3-30b-a3b --layers 8`, 2.8 GB; --synth names
+another preset of moecache.models synth, e.g. gpt-oss-20b or qwen3-next-80b-a3b) loads as
 a user whose model does not fit must load it: stock llama-cpp-python, mmap, no repacking
 (use_extra_bufts=False: repacking copies every tensor into anonymous memory), CPU only.
 Configurations, each run a fresh process that loads the model, evaluates the prompt and decodes
@@ -32,7 +33,10 @@ start of the runs (medians). Pages other processes cached first
 the model file, sequential 2 MiB requests at queue depth 1 and with --disk-threads threads, and
 4 KiB requests at random offsets at queue depth 1; with them an I/O bound for the limited run:
 the experts that fit in the limit beside everything else stay resident, and each token reads
-the rest of its experts once at the best sequential bandwidth.
+the rest of its experts once at the best sequential bandwidth. And for each limited tier row its
+roofline, the fastest a limited decode can be: max(the in-RAM tier row's decode time per token,
+the row's own disk bytes per decode token at the best disk rate measured), and the share of it
+the row's decode reached.
 
 Like every script here it imports the installed moecache package (scripts/bootstrap.sh installs
 it, editable, with the patched llama-cpp-python).
@@ -90,8 +94,11 @@ def parser() -> OneLineParser:
     p = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("-m", "--model", help=f"GGUF file of a MoE model (default: the synthetic {SYNTH_PRESET}, "
                                          "built or found in the model cache)")
+    p.add_argument("--synth", default=SYNTH_PRESET, metavar="PRESET",
+                   help=f"the synthetic model's preset when -m is not given (default {SYNTH_PRESET}; see "
+                        "python -m moecache.models synth --help)")
     p.add_argument("--layers", type=int_arg(minimum=1), default=8,
-                   help=f"layers of the synthetic {SYNTH_PRESET} when -m is not given (default 8: 2.8 GB)")
+                   help="layers of the synthetic model when -m is not given (default 8: 2.8 GB for qwen3-30b-a3b)")
     p.add_argument("--limit-mb", type=int_arg(minimum=0), default=1600,
                    help="memory limit of the limited runs, MB of 10^6 bytes (default 1600; 0: no limited "
                         "rows, the in-RAM rows alone)")
@@ -132,7 +139,7 @@ def _bench(args) -> int:
     report = {"model": os.path.basename(model), "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
               "facts": model_facts(model), "limit_mb": args.limit_mb, "n_predict": args.n_predict,
               "repetitions": args.repetitions, "threads": args.threads, "ctx_size": args.ctx_size,
-              "host": _host(), "notes": [], "disk": None, "rows": [], "paired": {}, "bound": None, "cgroup": None}
+              "host": _host(), "notes": [], "disk": None, "rows": [], "paired": {}, "bound": None, "roofline": {}, "cgroup": None}
     root = None
     if not args.disk_only:
         if args.limit_mb:
@@ -153,6 +160,7 @@ def _bench(args) -> int:
                                          on_round=lambda rows: save(args, {**report, "rows": rows}))
         report["paired"] = paired_ratios(report["rows"])
         report["bound"] = io_bound(report)
+        report["roofline"] = rooflines(report)
     save(args, report)
     print(markdown(report))
     return 0
@@ -174,8 +182,11 @@ def _model_path(args) -> str:
     if args.model:
         return os.path.abspath(args.model)
     from moecache.models import synth_moe
+    from moecache.models.synth import PRESETS
 
-    return str(synth_moe(SYNTH_PRESET, n_layer=args.layers))
+    if args.synth not in PRESETS:
+        raise BenchError(f"unknown --synth preset {args.synth!r} (choose from {', '.join(PRESETS)})")
+    return str(synth_moe(args.synth, n_layer=args.layers))
 
 
 def save(args, report):
@@ -640,7 +651,7 @@ def io_bound(report: dict) -> dict | None:
     if not disk or not limited or limited["anon_bytes"] is None:
         return None
     facts = report["facts"]
-    gbps = max(disk["sequential_qd1_gbps"], disk["sequential_threads_gbps"])
+    gbps = best_disk_gbps(disk)
     room = report["limit_mb"] * MB - facts["other_bytes"] - limited["anon_bytes"]
     resident = min(max(room / facts["expert_bytes"], 0.0), 1.0)
     per_expert = facts["expert_bytes"] / (facts["moe_layers"] * facts["n_expert"])
@@ -658,6 +669,41 @@ def io_bound(report: dict) -> dict | None:
             "read_bytes_per_token": miss_bytes,
             "decode_tok_s": gbps * 1e9 / miss_bytes if miss_bytes else None,
             "prompt_ceiling_tok_s": in_ram["prompt_tok_s"] if in_ram else None, "prompt_reads": prompt_reads}
+
+
+def best_disk_gbps(disk: dict | None) -> float | None:
+    """The best rate the disk measurement reached (GB/s), None without one."""
+    return max(disk["sequential_qd1_gbps"], disk["sequential_threads_gbps"]) if disk else None
+
+
+def rooflines(report: dict) -> dict:
+    """Per limited tier row: the fastest its decode can be, max(the in-RAM tier row's time per
+    decode token, its own disk bytes per decode token at the best disk rate of this run), and the
+    share of it the row reached: {config: {"tok_s", "share", "ram_ms", "read_ms", "gbps",
+    "read_bytes_per_token"}}. Empty without a disk measurement or an in-RAM tier row."""
+    gbps = best_disk_gbps(report["disk"])
+    rows = {(r["kind"], r["placement"]): r for r in report["rows"]}
+    out = {}
+    for (kind, placement), row in rows.items():
+        in_ram = rows.get((kind, "ram"))
+        if not kind.startswith("tier") or placement != "limited" or not gbps or not in_ram:
+            continue
+        if not in_ram["decode_tok_s"] or row["decode_read_bytes_per_token"] is None:
+            continue
+        ram_ms = 1e3 / in_ram["decode_tok_s"]
+        read_ms = row["decode_read_bytes_per_token"] / (gbps * 1e9) * 1e3
+        tok_s = 1e3 / max(ram_ms, read_ms)
+        out[row["config"]] = {"tok_s": tok_s, "share": _share(row["decode_tok_s"], tok_s), "ram_ms": ram_ms,
+                              "read_ms": read_ms, "gbps": gbps,
+                              "read_bytes_per_token": row["decode_read_bytes_per_token"]}
+    return out
+
+
+def _roofline_lines(report: dict) -> list[str]:
+    return [f"Roofline of {config}: max(in-RAM tier {r['ram_ms']:.1f} ms, {r['read_bytes_per_token'] / MB:.1f} MB "
+            f"read per token at {r['gbps']:.2f} GB/s {r['read_ms']:.1f} ms) per token = {r['tok_s']:.1f} tok/s; "
+            f"the decode reached {_fmt(r['share'], '.0%')} of it"
+            for config, r in report.get("roofline", {}).items()]
 
 
 def _host() -> dict:
@@ -715,6 +761,7 @@ def markdown(report: dict) -> str:
                      f"queue depth 1, {disk['sequential_threads_gbps']:.2f} GB/s with {disk['threads']} threads; "
                      f"4 KiB random reads at queue depth 1 {disk['random_4k_qd1_gbps']:.3f} GB/s "
                      f"({disk['random_4k_qd1_us']:.0f} us each)")
+    lines += _roofline_lines(report)
     if report["bound"]:
         lines += _bound_lines(report)
     lines += [f"Note: {note}" for note in report["notes"]]
@@ -744,7 +791,8 @@ def _bound_lines(report: dict) -> list[str]:
     bound = report["bound"]
     stock = next(r for r in report["rows"] if r["kind"] == "stock" and r["placement"] == "limited")
     decode = (
-        f"I/O bound of the {report['limit_mb']} MB run's decode: {bound['resident_share']:.0%} of the experts fit "
+        f"Uniform-routing estimate of the {report['limit_mb']} MB run's decode (not a bound: a policy beats "
+        f"it where routing is local): {bound['resident_share']:.0%} of the experts fit "
         f"beside the rest of the model and the run's anonymous memory; each token's experts are "
         f"{bound['expert_bytes_per_token'] / MB:.0f} MB, the non-resident share of them "
         f"{bound['read_bytes_per_token'] / MB:.0f} MB, read once at {bound['gbps']:.2f} GB/s: "
