@@ -18,6 +18,8 @@ Configurations, each run a fresh process that loads the model, evaluates the pro
                     (v1 memory.limit_in_bytes, or v2 memory.max) before the model loads
   tier, ...         the same two with LLAMA_MOE_CACHE_RAM_MIB set (--ram-mib, default auto; 0:
                     no tier rows): the RAM tier, the model loaded as that variable loads it
+  tier, no read-ahead, N MB   with --read-ahead both: the limited tier run again with
+                    LLAMA_MOE_CACHE_READ_AHEAD=0 (each layer reads its misses at its own router)
 Where no memory cgroup can be made (not root, no memory controller, --cgroup-root missing) the
 script says so and stops: it never reports an unlimited run as limited. The cgroups it makes
 (one per limited run, under --cgroup-root: default this process's own memory cgroup) are
@@ -28,7 +30,9 @@ share of the file in the page cache at the start, the cgroup's peak usage (the h
 runs) and the page cache it held at the end, the process's peak RSS and its anonymous memory
 after decoding, the bytes its page faults read from storage per decode token (/proc/self/io),
 whether the greedy tokens equal the first in-RAM run's, and the 1-minute load average at the
-start of the runs (medians). Pages other processes cached first
+start of the runs (medians); for the tier's limited rows, from its stats (LLAMA_MOE_CACHE_STATS),
+per decode token: the bytes it read, of them read ahead and not selected, the time the layers
+waited for their reads, and the share of the experts read ahead that their layer selected. Pages other processes cached first
 (the Python and llama.cpp libraries) count in RSS but not in the cgroup. The disk (unless --no-disk): O_DIRECT reads of
 the model file, sequential 2 MiB requests at queue depth 1 and with --disk-threads threads, and
 4 KiB requests at random offsets at queue depth 1; with them an I/O bound for the limited run:
@@ -72,6 +76,7 @@ LARGER_THAN_LIMIT = 1.75  # the issue's minimum ratio of model size to memory li
 CACHED_ENOUGH = 0.99  # in RAM: at least this share of the file's pages in the page cache
 EVICTED_ENOUGH = 0.01  # limited: at most this share left after eviction
 RANDOM_READ_SECONDS = 2.0
+READ_KEYS = ("read_bytes_per_token", "wasted_bytes_per_token", "wait_ms_per_token", "read_ahead_precision")
 
 
 class BenchError(ValueError):
@@ -111,6 +116,9 @@ def parser() -> OneLineParser:
     p.add_argument("--seed", type=int_arg(minimum=0), default=0)
     p.add_argument("--ram-mib", type=ram_mib_arg, default="auto",
                    help=f"the tier rows' {TIER_VARIABLE} (default auto; 0: no tier rows)")
+    p.add_argument("--read-ahead", choices=("on", "off", "both"), default="on",
+                   help="the tier rows' LLAMA_MOE_CACHE_READ_AHEAD: on (the default), off, or both (a limited "
+                        "tier row without it beside the one with it)")
     p.add_argument("--cgroup-root", help="make the memory cgroups under this directory "
                                          "(default: this process's own memory cgroup)")
     p.add_argument("--run-timeout", type=int_arg(minimum=1), default=1800,
@@ -367,9 +375,14 @@ def probe_cgroup(root: str) -> dict:
 
 # --- the runs ----------------------------------------------------------------------------------
 
+KINDS = {"stock": "stock", "tier": "tier", "tier-noahead": "tier, no read-ahead"}  # kind -> its rows' label
+
+
 def measure_configs(args, model: str, cgroup_root: str | None, *, tier: bool, on_round=None) -> list[dict]:
     placements = ("ram", "limited") if args.limit_mb else ("ram",)
     configs = [(kind, placement) for kind in (("stock", "tier") if tier else ("stock",)) for placement in placements]
+    if tier and args.limit_mb and args.read_ahead == "both":
+        configs.append(("tier-noahead", "limited"))  # in RAM nothing is read
     runs = {config: [] for config in configs}
     progress = Progress(len(configs) * args.repetitions, unit="run", log_lines=True)
     with tempfile.TemporaryDirectory(prefix="moecache-bench-") as scratch:
@@ -387,9 +400,13 @@ def measure_configs(args, model: str, cgroup_root: str | None, *, tier: bool, on
 def one_run(args, model: str, cgroup_root: str, scratch: str, *, kind: str, placement: str) -> dict:
     """One fresh process: load, prompt, -n greedy tokens. limited: in a new cgroup, file evicted."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_MOE_CACHE_")}
-    if kind == "tier":
+    result_file, stats_file = os.path.join(scratch, "run.json"), os.path.join(scratch, "stats.json")
+    if kind != "stock":
         env[TIER_VARIABLE] = args.ram_mib
-    result_file = os.path.join(scratch, "run.json")
+        env["LLAMA_MOE_CACHE_READ_AHEAD"] = "0" if kind == "tier-noahead" or args.read_ahead == "off" else "1"
+        env["LLAMA_MOE_CACHE_STATS"] = stats_file
+        if os.path.exists(stats_file):
+            os.unlink(stats_file)
     spec = {"model": model, "prompt": args.prompt, "n_predict": args.n_predict, "threads": args.threads,
             "ctx_size": args.ctx_size, "seed": args.seed, "result": result_file, "procs": None, "cgroup": None}
     cgroup = None
@@ -421,10 +438,21 @@ def one_run(args, model: str, cgroup_root: str, scratch: str, *, kind: str, plac
         if status == "ok":
             with open(result_file) as f:
                 run.update(json.load(f))
+            run.update(_tier_reads(stats_file) if kind != "stock" else {})
         return run
     finally:
         if cgroup is not None:
             cgroup.remove()
+
+
+def _tier_reads(stats_file: str) -> dict:
+    """From the tier's stats, its decode's reads per token (None where it wrote none)."""
+    try:
+        with open(stats_file) as f:
+            reads = json.load(f).get("reads") or {}
+    except (OSError, ValueError):
+        return {}
+    return {key: (reads.get("decode_per_token") or {}).get(key) for key in READ_KEYS}
 
 
 def child_status(done: subprocess.CompletedProcess) -> str:
@@ -518,11 +546,11 @@ def summarize(args, runs: dict) -> list[dict]:
     rows = []
     for (kind, placement), config_runs in runs.items():
         ok = [r for r in config_runs if r["status"] == "ok"]
-        row = {"config": f"{kind}, " + ("in RAM" if placement == "ram" else f"{args.limit_mb} MB"),
+        row = {"config": f"{KINDS[kind]}, " + ("in RAM" if placement == "ram" else f"{args.limit_mb} MB"),
                "kind": kind, "placement": placement, "runs": config_runs, "ok_runs": len(ok),
                "failures": sorted({r["status"] for r in config_runs if r["status"] != "ok"})}
         for key in ("decode_tok_s", "prompt_tok_s", "cached_at_start", "page_cache_bytes", "peak_rss_bytes",
-                    "anon_bytes", "decode_read_bytes_per_token", "load_s", "load_average"):
+                    "anon_bytes", "decode_read_bytes_per_token", "load_s", "load_average", *READ_KEYS):
             values = [r[key] for r in ok if r.get(key) is not None]
             row[key] = statistics.median(values) if values else None
             if key in ("decode_tok_s", "prompt_tok_s"):
@@ -543,15 +571,19 @@ def paired_ratios(rows: list[dict]) -> dict:
     where both ran."""
     runs = {(r["kind"], r["placement"]): r["runs"] for r in rows}
     ratios = {}
-    for placement in ("ram", "limited"):
-        pairs = [(stock, tier) for stock, tier in zip(runs.get(("stock", placement), []), runs.get(("tier", placement), []))
+    for name, (base, placement) in PAIRS.items():
+        pairs = [(stock, tier) for stock, tier in zip(runs.get((base, placement), []), runs.get(("tier", placement), []))
                  if stock["status"] == tier["status"] == "ok"]
         if pairs:
-            ratios[placement] = {"rounds": len(pairs)}
+            ratios[name] = {"rounds": len(pairs)}
             for key in ("decode_tok_s", "prompt_tok_s"):
                 values = [tier[key] / stock[key] for stock, tier in pairs]
-                ratios[placement][key] = [statistics.median(values), min(values), max(values)]
+                ratios[name][key] = [statistics.median(values), min(values), max(values)]
     return ratios
+
+
+# the tier's rows over: name -> (the other row's kind, placement)
+PAIRS = {"ram": ("stock", "ram"), "limited": ("stock", "limited"), "read_ahead": ("tier-noahead", "limited")}
 
 
 # --- the disk ----------------------------------------------------------------------------------
@@ -747,11 +779,12 @@ def markdown(report: dict) -> str:
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
         ]
         lines += [_table_row(r) for r in report["rows"]]
-        lines.append("")
+        lines += [""] + _reads_lines(report["rows"])
         for placement, ratio in report.get("paired", {}).items():
             decode, prompt = ratio["decode_tok_s"], ratio["prompt_tok_s"]
-            where = "in RAM" if placement == "ram" else f"at {report['limit_mb']} MB"
-            lines.append(f"Tier over stock {where}, run by run (each round's pair), median [min, max] of "
+            where = {"ram": "Tier over stock in RAM", "limited": f"Tier over stock at {report['limit_mb']} MB",
+                     "read_ahead": f"Read-ahead on over off at {report['limit_mb']} MB"}[placement]
+            lines.append(f"{where}, run by run (each round's pair), median [min, max] of "
                          f"{ratio['rounds']}: decode {decode[0]:.3f}x [{decode[1]:.3f}, {decode[2]:.3f}], "
                          f"prompt {prompt[0]:.3f}x [{prompt[1]:.3f}, {prompt[2]:.3f}]")
     disk = report["disk"]
@@ -766,6 +799,20 @@ def markdown(report: dict) -> str:
         lines += _bound_lines(report)
     lines += [f"Note: {note}" for note in report["notes"]]
     return "\n".join(lines)
+
+
+def _reads_lines(rows: list[dict]) -> list[str]:
+    """The limited tier rows' reads, from their stats (medians)."""
+    out = []
+    for r in rows:
+        if r["kind"] == "stock" or r["placement"] != "limited" or r.get("read_bytes_per_token") is None:
+            continue
+        precision = r.get("read_ahead_precision")
+        out.append(f"Reads of {r['config']}, per decode token (the tier's stats): {r['read_bytes_per_token'] / MB:.1f} MB "
+                   f"read, of it {(r.get('wasted_bytes_per_token') or 0) / MB:.1f} MB read ahead and not selected; "
+                   f"the layers waited {r.get('wait_ms_per_token') or 0:.1f} ms for their reads; "
+                   f"{'no read-ahead' if precision is None else f'{precision:.0%} of the experts read ahead selected'}")
+    return out
 
 
 def _table_row(r: dict) -> str:
