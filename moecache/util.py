@@ -156,6 +156,11 @@ class OneLineParser(argparse.ArgumentParser):
     def error_line(self, message) -> str:
         return f"{self.prog}: error: {one_line(message) or 'failed'}\n"
 
+    def options(self) -> list[argparse.Action]:
+        """Every flag and positional argument as argparse holds them (option_strings, dest,
+        default, choices): what docs/reference.md's tables are tested against."""
+        return list(self._actions)
+
     def run(self, action: Callable[[argparse.Namespace], int | None],
             argv: Sequence[str] | None = None) -> int:
         """Parse argv (exit 2 on bad flags), call action(args) and return its status (None = 0).

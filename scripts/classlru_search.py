@@ -1,7 +1,8 @@
-"""Candidate defaults against upstream b12191's ClassLRU, swept (issue 37; docs/policies.md, "ClassLRU
-and the default"): each family of moecache.offline.experiments.CLASSLRU_SEARCH at each of its
-settings, per layer, eager, prompt warm, in the hit-rate cells of scripts/compare_upstream.py (both
-shipped traces and the synthetic routings at K = 8, 16, 32; ClassLRU at the same device bytes, F = 0).
+"""Candidate defaults against upstream b12191's ClassLRU, swept (issue 37;
+docs/notes/upstream-comparison.md, "ClassLRU and the default"): each family of
+moecache.offline.experiments.CLASSLRU_SEARCH at each of its settings, per layer, eager, prompt
+warm, in the hit-rate cells of scripts/compare_upstream.py (both shipped traces and the synthetic
+routings at K = 8, 16, 32; ClassLRU at the same device bytes, F = 0).
 
     python scripts/classlru_search.py   (3 minutes of CPU, 7 on 2 shared cores; imports the installed moecache)
 

@@ -1,5 +1,5 @@
 """Ours against upstream llama.cpp's own MoE cache at equal device bytes: the tables of
-docs/policies.md ("Eager admission, upstream llama.cpp's cache, and modelled cost").
+docs/notes/upstream-comparison.md and the grid of docs/cost-model.md ("Modelled cost").
 
     python scripts/compare_upstream.py [TRACE ...]   (default: the shipped traces; imports the
                                                      installed moecache, as every script here)

@@ -41,7 +41,7 @@
 #   planner 150 the miss planner (issue 22), NEVER RUN ON A GPU YET: scripts/bench_decode.py
 #               --planner-off at K=32: stock, K=32 (the default: the planner on) and "planner off
 #               K=32" (LLAMA_MOE_CACHE_PLANNER=0); prints the link rate (timed copies of one expert's bytes to the GPU) and the host
-#               read rate it measured at attach, which calibrate the model's (docs/policies.md)
+#               read rate it measured at attach, which calibrate the model's (docs/cost-model.md)
 # Output: machine.txt (CPU, memory, GPU, driver, nvcc), phases.tsv (phase, exit status, seconds),
 # <phase>.log, exact.json, bench.{md,json,png}, planner.{md,json}.
 # Exit status: 0 when every phase passed, 1 otherwise, 2 for bad arguments.

@@ -1,6 +1,6 @@
 """Whether the miss planner should depend on the rates: ours (the live default, eager, prompt warm)
 with the planner against the same without it, MODELLED, on both shipped traces at K = 8, 16, 32,
-over a sweep of rate sets beside the named hardware classes (docs/policies.md, "The planner by
+over a sweep of rate sets beside the named hardware classes (docs/cost-model.md, "The planner by
 default"; moecache.core.missplan.planner_by_default).
 
     python scripts/planner_sweep.py   (about 25 s on 2 cores; imports the installed moecache)

@@ -6,7 +6,7 @@
 Prints decode hit% at K = n_expert/8, INSERTS=2, with the share of the LRU->Belady gap
 closed, on both shipped traces (plus uploads per layer per step) and on synthetic locality
 routing. The candidates (moecache.offline.experiments.DEFAULT_CANDIDATES, described there)
-live outside moecache.core.policies, so the negative results in docs/policies.md stay
+live outside moecache.core.policies, so the negative results in docs/notes/policy-experiments.md stay
 reproducible.
 """
 

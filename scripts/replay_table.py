@@ -1,4 +1,4 @@
-"""Measure the figures in docs/policies.md and print them as markdown.
+"""Measure the figures in docs/notes/policy-experiments.md and print them as markdown.
 
     python scripts/replay_table.py [TRACE ...]   (default: the shipped traces)
 

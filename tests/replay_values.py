@@ -1,4 +1,4 @@
-"""Every replay figure docs/policies.md states, as exact integers, for the stored-values test.
+"""Every replay figure docs/engine.md and docs/notes/ state, as exact integers, for the stored-values test.
 
     PYTHONPATH=. python tests/replay_values.py           # compare with tests/replay_values.json
     PYTHONPATH=. python tests/replay_values.py --write   # (re)write it

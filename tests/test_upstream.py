@@ -354,7 +354,7 @@ QWEN, GPTOSS = TRACES / "qwen3-30b-a3b.route.csv", TRACES / "gpt-oss-120b.route.
 @pytest.mark.parametrize("path, figures", [
     # K=16 and the device bytes of K=16: (heat boundary, heat eager, lru eager, the live default:
     # heat eager with the prompt warming the cache, upstream b12191's ClassLRU and b11480's LRU)
-    # decode hit% and MiB uploaded per decode token, as docs/policies.md states them
+    # decode hit% and MiB uploaded per decode token, as docs/notes/upstream-comparison.md states them
     (QWEN, [(57.8, 108.6), (61.5, 111.9), (59.1, 206.6), (62.4, 107.0), (64.2, 284.4), (58.8, 327.4)]),
     (GPTOSS, [(61.2, 326.6), (64.0, 326.8), (62.7, 338.8), (65.6, 289.2), (63.2, 334.3), (61.7, 347.5)]),
 ])

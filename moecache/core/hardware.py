@@ -1,7 +1,7 @@
 """Hardware classes (HARDWARE): named machines, each the Rates of moecache.core.missplan's layer
 formula with the sources of every figure. The replay's cost model times a run on one
 (moecache.offline.cost); the live miss planner takes the rates it does not measure from the
-class whose link is nearest the one it measured (moecache.live.rates). docs/policies.md
+class whose link is nearest the one it measured (moecache.live.rates). docs/cost-model.md
 ("Modelled cost") states what only a GPU can confirm.
 
 Every efficiency (the share of a peak rate a kernel or a copy reaches) is an ASSUMPTION, stated

@@ -67,7 +67,7 @@ import numpy as np
 
 # the payback margin scales with the link's busy share: averaged over the last ~1 / (1 - BUSY_DECAY)
 # decode graphs, raised to BUSY_POWER (chosen on the shipped traces' modelled grid,
-# docs/policies.md: 4 and 8 did best, 1 left uploads that would have paid undone)
+# docs/cost-model.md, "Modelled cost": 4 and 8 did best, 1 left uploads that would have paid undone)
 BUSY_DECAY = 0.9
 BUSY_POWER = 4
 
@@ -247,7 +247,7 @@ def planner_by_default(policy, admission: str) -> bool:
     LLAMA_MOE_CACHE_PLANNER=0 or 1 overrides it. The replay's moecache.offline.replay.
     zero_configuration runs the same rule.
 
-    Why the rates and the layer shapes do not enter (MODELLED, docs/policies.md, "The planner by
+    Why the rates and the layer shapes do not enter (MODELLED, docs/cost-model.md, "The planner by
     default"): over scripts/compare_upstream.py's grid (both shipped traces, K = 8, 16, 32, each
     hardware class) the planner is never slower than the same context without it (0.20 to 0.998
     of its time). Over scripts/planner_sweep.py's 96 more rate sets it was slower in 20 of 594

@@ -18,6 +18,17 @@ N_UBATCH = 512  # llama_cpp's default
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    p = parser()
+    args = p.parse_args(argv)
+    if args.no_chat and not args.prompt:
+        p.error("argument -p/--prompt: empty, and --no-chat has no template: nothing to continue from")
+    if args.slots is not None and args.cache_mib is not None:
+        p.error("--slots and --cache-mib both size the cache: give one")
+    return args
+
+
+def parser() -> OneLineParser:
+    """run.py's flags (docs/reference.md tabulates them, and tests/test_docs.py holds the table to them)."""
     p = OneLineParser(prog="run.py", description=__doc__.split("\n\n")[0])
     p.add_argument("-m", "--model", help="GGUF path (default: smol-moe, built on first use)")
     p.add_argument("-p", "--prompt", default="Explain how a mixture-of-experts model decides which experts handle each token.")
@@ -46,12 +57,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--host-gbps", type=gbps_arg, default=None,
                    help="the planner's host memory read rate, GB/s (default: measured at attach)")
     p.add_argument("--no-chat", action="store_true", help="raw completion instead of the chat template")
-    args = p.parse_args(argv)
-    if args.no_chat and not args.prompt:
-        p.error("argument -p/--prompt: empty, and --no-chat has no template: nothing to continue from")
-    if args.slots is not None and args.cache_mib is not None:
-        p.error("--slots and --cache-mib both size the cache: give one")
-    return args
+    return p
 
 
 def _mib_arg(text: str):

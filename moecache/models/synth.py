@@ -41,7 +41,8 @@ decoding walks the cycle) and z_t a random direction of the token's own (per-tok
 The output head reads only the z part and maps z_t to the cycle successor of t, so greedy
 decoding follows the cycle whatever S is. Routers are random Gaussian matrices. S = 0 is
 purely random routing: each token picks experts independently, and a per-layer cache of K
-slots hits about K / n_expert of lookups. docs/benchmarks.md has the measured hit rates.
+slots hits about K / n_expert of lookups. docs/notes/benchmark-logs.md ("Routing locality of the
+synthetic models") has the measured hit rates.
 
 Built and cached like every model of moecache.models; on the command line
 ``python -m moecache.models synth PRESET [--layers N] ...``.

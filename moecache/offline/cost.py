@@ -1,5 +1,5 @@
 """Modelled milliseconds per decode token: a replay's routing read as decode time, one layer
-at a time. MODELLED, never measured; docs/policies.md ("Modelled cost") states the formulas,
+at a time. MODELLED, never measured; docs/cost-model.md ("Modelled cost") states the formulas,
 the hardware classes and what only a GPU can confirm.
 
 The layer formula is moecache.core.missplan.Rates.layer_ms (the live planner's too): per

@@ -1,5 +1,6 @@
-"""Policies tried and not shipped, and diagnostic oracles: what the tables of docs/policies.md
-compare the shipped policies with (scripts/replay_table.py, scripts/policy_experiments.py,
+"""Policies tried and not shipped, and diagnostic oracles: what the tables of
+docs/notes/policy-experiments.md and docs/notes/upstream-comparison.md compare the shipped
+policies with (scripts/replay_table.py, scripts/policy_experiments.py,
 scripts/compare_upstream.py) and what tests/replay_values.py pins. They live here, outside
 moecache.core.policies, so the negative results stay reproducible; each is a
 moecache.core.policies.Policy replayed through moecache.offline.replay.simulate.

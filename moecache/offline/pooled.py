@@ -1,6 +1,6 @@
 """One pool of slots per group of layers under our cache's rules, modelled offline (issue 37): is
 a pooled allocation what gives upstream's ClassLRU its lead? Not a live model: libllama gives
-each layer K slots of its group's bank (docs/policies.md, "A pooled allocation: the design").
+each layer K slots of its group's bank (docs/notes/upstream-comparison.md, "A pooled allocation: the design").
 
 The pool of a group (the layers of one expert size, as upstream groups them) is one engine
 "layer" whose experts are the group's (layer, expert) keys, layer i's expert e at i * n_expert +
