@@ -132,6 +132,7 @@ def test_ram_tier_read_ahead_costs_bytes_never_the_output(tier_path, smol_stock,
         assert np.array_equal(logits, smol_stock[1]), f"read_ahead={read_ahead}: max |diff| " \
                                                        f"{np.abs(logits - smol_stock[1]).max()}"
         runs[read_ahead] = (cache.native_counters(), cache.stats()["reads"])
+        n_prompt = len(llm.tokenize(PROMPT))
         llm.close()
     (on, on_reads), (off, off_reads) = runs[1], runs[0]
     # off, decode reads nothing ahead; a prompt, which selects most experts of every layer, reads the
@@ -149,6 +150,8 @@ def test_ram_tier_read_ahead_costs_bytes_never_the_output(tier_path, smol_stock,
     for c in on:
         assert c["read_ahead_wasted_bytes"] <= c["read_ahead_bytes"] <= c["upload_bytes"]
     decode = on_reads["decode"]
+    # decode's tokens are its own: every observed single-token graph (the last one has no step after it)
+    assert (decode["tokens"], on_reads["prompt"]["tokens"]) == (N_TOKENS - 1, n_prompt)
     assert 0 < decode["read_ahead_used"] <= decode["read_ahead"] <= ahead
     assert on_reads["prompt"]["read_bytes"] > 0 and on_reads["prompt"]["read_ahead"] > 0
     precision = on_reads["decode_per_token"]["read_ahead_precision"]

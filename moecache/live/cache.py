@@ -108,7 +108,7 @@ class LiveCache:
         self.counts.add(observed)
         if self.reads:
             self.reads.update(native.read_counters(self.ctx, self.tier, len(self.layers)),
-                              prompt=observed.prefill or observed.n_tokens > 1)
+                              n_tokens=observed.n_tokens, prompt=observed.prefill or observed.n_tokens > 1)
         flush = self.config.flush_steps
         if not observed.prefill and flush and self.above is None and self.counts.decode_steps % flush == 0:
             self.reports.flush_in_background()
@@ -162,7 +162,7 @@ class LiveCache:
             "layers": [{"layer": layer.il, **{name: values[i] for name, values in counters.items()},
                         **(self.reads.layers[i] if self.reads else {})} for i, layer in enumerate(self.layers)],
             # the RAM tier's reads of the model file: per phase, and decode's per token
-            **({"reads": self.reads.to_json(counts.decode_tokens)} if self.reads else {}),
+            **({"reads": self.reads.to_json()} if self.reads else {}),
             "plan": self.plan.to_json(),
             # the RAM tier under this device cache: its lookups are this cache's misses (a file
             # read is its miss)

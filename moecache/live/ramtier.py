@@ -46,31 +46,36 @@ class RamPlan(CachePlan):
 
 class TierReads:
     """The RAM tier's reads, from libllama's per-layer counters read at every step: per layer, and
-    summed per phase, as the ubatch before the step was a prompt (more than one token) or decode."""
+    summed per phase, as the ubatch before the step was a prompt (more than one token) or decode,
+    with the tokens of each phase (the tier's decode_tokens count a prompt's too: it looks them up)."""
 
     def __init__(self, n_layers: int):
         self.layers = [dict.fromkeys(native.READ_COUNTERS, 0) for _ in range(n_layers)]
         self.phases = {"decode": dict.fromkeys(native.READ_COUNTERS, 0),
                        "prompt": dict.fromkeys(native.READ_COUNTERS, 0)}
+        self.tokens = {"decode": 0, "prompt": 0}
 
-    def update(self, counters: list[dict], *, prompt: bool) -> None:
-        phase = self.phases["prompt" if prompt else "decode"]
+    def update(self, counters: list[dict], *, n_tokens: int, prompt: bool) -> None:
+        name = "prompt" if prompt else "decode"
+        phase = self.phases[name]
+        self.tokens[name] += n_tokens
         for now, layer in zip(counters, self.layers):
             for key, value in now.items():
                 phase[key] += value - layer[key]
                 layer[key] = value
 
-    def to_json(self, decode_tokens: int) -> dict:
-        """Both phases, and decode's per token: bytes read, bytes read ahead and not selected, ms
-        waited; the share of the experts read ahead that their layer selected (precision)."""
-        decode = self.phases["decode"]
-        per_token = {"read_bytes_per_token": decode["read_bytes"] / decode_tokens if decode_tokens else None,
-                     "wasted_bytes_per_token": decode["read_ahead_wasted_bytes"] / decode_tokens
-                     if decode_tokens else None,
-                     "wait_ms_per_token": decode["read_wait_us"] / 1e3 / decode_tokens if decode_tokens else None,
+    def to_json(self) -> dict:
+        """Both phases with their tokens, and decode's per token: bytes read, bytes read ahead and
+        not selected, ms waited; the share of the experts read ahead that their layer selected
+        (precision)."""
+        decode, n = self.phases["decode"], self.tokens["decode"]
+        per_token = {"read_bytes_per_token": decode["read_bytes"] / n if n else None,
+                     "wasted_bytes_per_token": decode["read_ahead_wasted_bytes"] / n if n else None,
+                     "wait_ms_per_token": decode["read_wait_us"] / 1e3 / n if n else None,
                      "read_ahead_precision": decode["read_ahead_used"] / decode["read_ahead"]
                      if decode["read_ahead"] else None}
-        return {"decode": dict(decode), "prompt": dict(self.phases["prompt"]), "decode_per_token": per_token}
+        return {"decode": dict(decode, tokens=n), "prompt": dict(self.phases["prompt"], tokens=self.tokens["prompt"]),
+                "decode_per_token": per_token}
 
 
 def open_ram_tier(ctx, config) -> tuple[RamPlan, list[CachedLayer]]:
