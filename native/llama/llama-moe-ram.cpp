@@ -289,8 +289,8 @@ void llama_moe_ram::note_transient(const llama_moe_cache_layer & cl, const reads
     ahead[cl.i] = reads();
 }
 
-// queue the experts of layer i the graph predicted (or, without a prediction, all of them when the
-// ubatch selects most of a layer's experts: a prompt) that are not kept
+// queue the experts of layer i that are not kept: all of them when the ubatch selects most of a
+// layer's experts (a prompt), else those the graph predicted
 void llama_moe_ram::read_ahead_of(int32_t i) {
     if (i >= n_layers()) {
         return;
@@ -312,14 +312,14 @@ void llama_moe_ram::read_ahead_of(int32_t i) {
 std::vector<int32_t> llama_moe_ram::predicted_experts(int32_t i) const {
     const llama_moe_cache_layer & next = layers[i];
     std::vector<uint8_t> want(next.n_expert, 0);
-    if (!predictions[i].empty()) {
+    if (whole_layer_ahead(i)) {
+        std::fill(want.begin(), want.end(), 1); // in a few large requests, rather than the prediction's scattered ones
+    } else {
         for (int32_t e : predictions[i]) {
             if (e >= 0 && e < next.n_expert) {
                 want[e] = 1;
             }
         }
-    } else if (whole_layer_ahead(i)) {
-        std::fill(want.begin(), want.end(), 1);
     }
     std::vector<int32_t> out;
     for (int32_t e = 0; e < next.n_expert; ++e) {
@@ -330,8 +330,8 @@ std::vector<int32_t> llama_moe_ram::predicted_experts(int32_t i) const {
     return out;
 }
 
-// a ubatch that selects most experts of a layer will select most of the next one's (layer i): without
-// a prediction, read them all while this layer computes (the last layer runs only the outputs)
+// a ubatch that selects most experts of a layer will select most of the next one's (layer i): read
+// them all while this layer computes (the last layer runs only the outputs)
 bool llama_moe_ram::whole_layer_ahead(int32_t i) const {
     const auto & next = layers[i];
     const uint32_t rows = next.il == last_il ? ubatch_outs : ubatch_rows;
