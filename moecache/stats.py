@@ -1,6 +1,7 @@
 """`python -m moecache.stats FILE [--watch [SECONDS]]`: a cache's stats JSON (the file
 LLAMA_MOE_CACHE_STATS names, which FLUSH_STEPS keeps current while the process runs) as a
-per-layer table for each tier (the device cache and, under it or alone, the RAM tier); --watch
+per-layer table for each tier (the device cache and, under it or alone, the RAM tier, with its
+reads of the model file); --watch
 prints it again whenever the file changes."""
 
 from __future__ import annotations
@@ -107,6 +108,8 @@ def _tier_table(stats: dict) -> str:
     planner = stats.get("planner")
     if stats.get("failed"):
         summary += f"; FAILED: {stats['failed']}"
+    if stats.get("reads"):
+        summary += "\n" + _reads_line(stats["reads"])
     if planner:
         summary += (f"\nmiss planner: link {planner['link_gbps']:.3g} GB/s ({planner['link_source']}), host "
                     f"{planner['host_gbps']:.3g} GB/s ({planner['host_source']}), dram {planner['dram_gbps']:.3g} "
@@ -123,6 +126,18 @@ def _tier_table(stats: dict) -> str:
 
     rows = [row(layer.get("layer", "?"), layer) for layer in stats["layers"]]
     return "\n".join([summary, header, *rows, row("all", stats["totals"])])
+
+
+def _reads_line(reads: dict) -> str:
+    """The RAM tier's reads of the model file: decode's per token, and the prompt's."""
+    per_token, prompt = reads.get("decode_per_token") or {}, reads.get("prompt") or {}
+    precision = per_token.get("read_ahead_precision")
+    ahead = "no read-ahead" if precision is None else \
+        (f"{100 * precision:.1f}% of the experts read ahead selected, "
+         f"{(per_token.get('wasted_bytes_per_token') or 0) / (1 << 20):.2f} MiB read ahead and not selected")
+    return (f"reads: decode {(per_token.get('read_bytes_per_token') or 0) / (1 << 20):.2f} MiB per token, "
+            f"{ahead}, waited {per_token.get('wait_ms_per_token') or 0:.2f} ms per token; "
+            f"prompt {(prompt.get('read_bytes') or 0) / (1 << 20):.1f} MiB")
 
 
 def watch(path: str, seconds: int) -> None:

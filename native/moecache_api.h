@@ -20,6 +20,7 @@ struct llama_moe_cache_params {
     int32_t n_slots;
     int32_t max_batch;
     bool    in_ram;
+    bool    read_ahead;
 };
 
 /* llama_model_params.lazy_mode: the RAM tier needs the routed experts mapped, not loaded */
@@ -37,6 +38,11 @@ struct llama_moe_cache_counters {
     uint64_t uploads;
     uint64_t upload_bytes;
     int64_t  upload_us;
+    uint64_t read_ahead;
+    uint64_t read_ahead_used;
+    uint64_t read_ahead_bytes;
+    uint64_t read_ahead_wasted_bytes;
+    int64_t  read_wait_us;
 };
 
 typedef void (*llama_moe_cache_step_callback)(struct llama_context * ctx, void * user_data);

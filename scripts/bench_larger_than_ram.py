@@ -2,11 +2,12 @@
 """A MoE model larger than memory: stock llama.cpp decode and prompt speed with the model file in
 RAM and inside a memory cgroup smaller than the file, beside the disk's own bandwidth.
 
-    python scripts/bench_larger_than_ram.py [-m MODEL | --layers 8] [--limit-mb 1600] [-p PROMPT]
+    python scripts/bench_larger_than_ram.py [-m MODEL | [--synth PRESET] --layers 8] [--limit-mb 1600] [-p PROMPT]
         [-n 16] [-r 3] [-t THREADS] [-c 2048] [--ram-mib N|auto] [--cgroup-root DIR]
         [--disk-mib 512] [--disk-threads 4] [--no-disk | --disk-only] [--md FILE] [--json FILE]
 
-The model (default: `python -m moecache.models synth qwen3-30b-a3b --layers 8`, 2.8 GB) loads as
+The model (default: `python -m moecache.models synth qwen3-30b-a3b --layers 8`, 2.8 GB; --synth names
+another preset of moecache.models synth, e.g. gpt-oss-20b or qwen3-next-80b-a3b) loads as
 a user whose model does not fit must load it: stock llama-cpp-python, mmap, no repacking
 (use_extra_bufts=False: repacking copies every tensor into anonymous memory), CPU only.
 Configurations, each run a fresh process that loads the model, evaluates the prompt and decodes
@@ -17,6 +18,8 @@ Configurations, each run a fresh process that loads the model, evaluates the pro
                     (v1 memory.limit_in_bytes, or v2 memory.max) before the model loads
   tier, ...         the same two with LLAMA_MOE_CACHE_RAM_MIB set (--ram-mib, default auto; 0:
                     no tier rows): the RAM tier, the model loaded as that variable loads it
+  tier, no read-ahead, N MB   with --read-ahead both: the limited tier run again with
+                    LLAMA_MOE_CACHE_READ_AHEAD=0 (each layer reads its misses at its own router)
 Where no memory cgroup can be made (not root, no memory controller, --cgroup-root missing) the
 script says so and stops: it never reports an unlimited run as limited. The cgroups it makes
 (one per limited run, under --cgroup-root: default this process's own memory cgroup) are
@@ -27,12 +30,17 @@ share of the file in the page cache at the start, the cgroup's peak usage (the h
 runs) and the page cache it held at the end, the process's peak RSS and its anonymous memory
 after decoding, the bytes its page faults read from storage per decode token (/proc/self/io),
 whether the greedy tokens equal the first in-RAM run's, and the 1-minute load average at the
-start of the runs (medians). Pages other processes cached first
+start of the runs (medians); for the tier's limited rows, from its stats (LLAMA_MOE_CACHE_STATS),
+per decode token: the bytes it read, of them read ahead and not selected, the time the layers
+waited for their reads, and the share of the experts read ahead that their layer selected. Pages other processes cached first
 (the Python and llama.cpp libraries) count in RSS but not in the cgroup. The disk (unless --no-disk): O_DIRECT reads of
 the model file, sequential 2 MiB requests at queue depth 1 and with --disk-threads threads, and
 4 KiB requests at random offsets at queue depth 1; with them an I/O bound for the limited run:
 the experts that fit in the limit beside everything else stay resident, and each token reads
-the rest of its experts once at the best sequential bandwidth.
+the rest of its experts once at the best sequential bandwidth. And for each limited tier row its
+roofline, the fastest a limited decode can be: max(the in-RAM tier row's decode time per token,
+the row's own disk bytes per decode token at the best disk rate measured), and the share of it
+the row's decode reached.
 
 Like every script here it imports the installed moecache package (scripts/bootstrap.sh installs
 it, editable, with the patched llama-cpp-python).
@@ -68,6 +76,7 @@ LARGER_THAN_LIMIT = 1.75  # the issue's minimum ratio of model size to memory li
 CACHED_ENOUGH = 0.99  # in RAM: at least this share of the file's pages in the page cache
 EVICTED_ENOUGH = 0.01  # limited: at most this share left after eviction
 RANDOM_READ_SECONDS = 2.0
+READ_KEYS = ("read_bytes_per_token", "wasted_bytes_per_token", "wait_ms_per_token", "read_ahead_precision")
 
 
 class BenchError(ValueError):
@@ -90,8 +99,11 @@ def parser() -> OneLineParser:
     p = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("-m", "--model", help=f"GGUF file of a MoE model (default: the synthetic {SYNTH_PRESET}, "
                                          "built or found in the model cache)")
+    p.add_argument("--synth", default=SYNTH_PRESET, metavar="PRESET",
+                   help=f"the synthetic model's preset when -m is not given (default {SYNTH_PRESET}; see "
+                        "python -m moecache.models synth --help)")
     p.add_argument("--layers", type=int_arg(minimum=1), default=8,
-                   help=f"layers of the synthetic {SYNTH_PRESET} when -m is not given (default 8: 2.8 GB)")
+                   help="layers of the synthetic model when -m is not given (default 8: 2.8 GB for qwen3-30b-a3b)")
     p.add_argument("--limit-mb", type=int_arg(minimum=0), default=1600,
                    help="memory limit of the limited runs, MB of 10^6 bytes (default 1600; 0: no limited "
                         "rows, the in-RAM rows alone)")
@@ -104,6 +116,9 @@ def parser() -> OneLineParser:
     p.add_argument("--seed", type=int_arg(minimum=0), default=0)
     p.add_argument("--ram-mib", type=ram_mib_arg, default="auto",
                    help=f"the tier rows' {TIER_VARIABLE} (default auto; 0: no tier rows)")
+    p.add_argument("--read-ahead", choices=("on", "off", "both"), default="on",
+                   help="the tier rows' LLAMA_MOE_CACHE_READ_AHEAD: on (the default), off, or both (a limited "
+                        "tier row without it beside the one with it)")
     p.add_argument("--cgroup-root", help="make the memory cgroups under this directory "
                                          "(default: this process's own memory cgroup)")
     p.add_argument("--run-timeout", type=int_arg(minimum=1), default=1800,
@@ -132,7 +147,7 @@ def _bench(args) -> int:
     report = {"model": os.path.basename(model), "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
               "facts": model_facts(model), "limit_mb": args.limit_mb, "n_predict": args.n_predict,
               "repetitions": args.repetitions, "threads": args.threads, "ctx_size": args.ctx_size,
-              "host": _host(), "notes": [], "disk": None, "rows": [], "paired": {}, "bound": None, "cgroup": None}
+              "host": _host(), "notes": [], "disk": None, "rows": [], "paired": {}, "bound": None, "roofline": {}, "cgroup": None}
     root = None
     if not args.disk_only:
         if args.limit_mb:
@@ -153,6 +168,7 @@ def _bench(args) -> int:
                                          on_round=lambda rows: save(args, {**report, "rows": rows}))
         report["paired"] = paired_ratios(report["rows"])
         report["bound"] = io_bound(report)
+        report["roofline"] = rooflines(report)
     save(args, report)
     print(markdown(report))
     return 0
@@ -174,8 +190,11 @@ def _model_path(args) -> str:
     if args.model:
         return os.path.abspath(args.model)
     from moecache.models import synth_moe
+    from moecache.models.synth import PRESETS
 
-    return str(synth_moe(SYNTH_PRESET, n_layer=args.layers))
+    if args.synth not in PRESETS:
+        raise BenchError(f"unknown --synth preset {args.synth!r} (choose from {', '.join(PRESETS)})")
+    return str(synth_moe(args.synth, n_layer=args.layers))
 
 
 def save(args, report):
@@ -356,9 +375,14 @@ def probe_cgroup(root: str) -> dict:
 
 # --- the runs ----------------------------------------------------------------------------------
 
+KINDS = {"stock": "stock", "tier": "tier", "tier-noahead": "tier, no read-ahead"}  # kind -> its rows' label
+
+
 def measure_configs(args, model: str, cgroup_root: str | None, *, tier: bool, on_round=None) -> list[dict]:
     placements = ("ram", "limited") if args.limit_mb else ("ram",)
     configs = [(kind, placement) for kind in (("stock", "tier") if tier else ("stock",)) for placement in placements]
+    if tier and args.limit_mb and args.read_ahead == "both":
+        configs.append(("tier-noahead", "limited"))  # in RAM nothing is read
     runs = {config: [] for config in configs}
     progress = Progress(len(configs) * args.repetitions, unit="run", log_lines=True)
     with tempfile.TemporaryDirectory(prefix="moecache-bench-") as scratch:
@@ -376,9 +400,13 @@ def measure_configs(args, model: str, cgroup_root: str | None, *, tier: bool, on
 def one_run(args, model: str, cgroup_root: str, scratch: str, *, kind: str, placement: str) -> dict:
     """One fresh process: load, prompt, -n greedy tokens. limited: in a new cgroup, file evicted."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_MOE_CACHE_")}
-    if kind == "tier":
+    result_file, stats_file = os.path.join(scratch, "run.json"), os.path.join(scratch, "stats.json")
+    if kind != "stock":
         env[TIER_VARIABLE] = args.ram_mib
-    result_file = os.path.join(scratch, "run.json")
+        env["LLAMA_MOE_CACHE_READ_AHEAD"] = "0" if kind == "tier-noahead" or args.read_ahead == "off" else "1"
+        env["LLAMA_MOE_CACHE_STATS"] = stats_file
+        if os.path.exists(stats_file):
+            os.unlink(stats_file)
     spec = {"model": model, "prompt": args.prompt, "n_predict": args.n_predict, "threads": args.threads,
             "ctx_size": args.ctx_size, "seed": args.seed, "result": result_file, "procs": None, "cgroup": None}
     cgroup = None
@@ -410,10 +438,21 @@ def one_run(args, model: str, cgroup_root: str, scratch: str, *, kind: str, plac
         if status == "ok":
             with open(result_file) as f:
                 run.update(json.load(f))
+            run.update(_tier_reads(stats_file) if kind != "stock" else {})
         return run
     finally:
         if cgroup is not None:
             cgroup.remove()
+
+
+def _tier_reads(stats_file: str) -> dict:
+    """From the tier's stats, its decode's reads per token (None where it wrote none)."""
+    try:
+        with open(stats_file) as f:
+            reads = json.load(f).get("reads") or {}
+    except (OSError, ValueError):
+        return {}
+    return {key: (reads.get("decode_per_token") or {}).get(key) for key in READ_KEYS}
 
 
 def child_status(done: subprocess.CompletedProcess) -> str:
@@ -507,11 +546,11 @@ def summarize(args, runs: dict) -> list[dict]:
     rows = []
     for (kind, placement), config_runs in runs.items():
         ok = [r for r in config_runs if r["status"] == "ok"]
-        row = {"config": f"{kind}, " + ("in RAM" if placement == "ram" else f"{args.limit_mb} MB"),
+        row = {"config": f"{KINDS[kind]}, " + ("in RAM" if placement == "ram" else f"{args.limit_mb} MB"),
                "kind": kind, "placement": placement, "runs": config_runs, "ok_runs": len(ok),
                "failures": sorted({r["status"] for r in config_runs if r["status"] != "ok"})}
         for key in ("decode_tok_s", "prompt_tok_s", "cached_at_start", "page_cache_bytes", "peak_rss_bytes",
-                    "anon_bytes", "decode_read_bytes_per_token", "load_s", "load_average"):
+                    "anon_bytes", "decode_read_bytes_per_token", "load_s", "load_average", *READ_KEYS):
             values = [r[key] for r in ok if r.get(key) is not None]
             row[key] = statistics.median(values) if values else None
             if key in ("decode_tok_s", "prompt_tok_s"):
@@ -532,15 +571,19 @@ def paired_ratios(rows: list[dict]) -> dict:
     where both ran."""
     runs = {(r["kind"], r["placement"]): r["runs"] for r in rows}
     ratios = {}
-    for placement in ("ram", "limited"):
-        pairs = [(stock, tier) for stock, tier in zip(runs.get(("stock", placement), []), runs.get(("tier", placement), []))
+    for name, (base, placement) in PAIRS.items():
+        pairs = [(stock, tier) for stock, tier in zip(runs.get((base, placement), []), runs.get(("tier", placement), []))
                  if stock["status"] == tier["status"] == "ok"]
         if pairs:
-            ratios[placement] = {"rounds": len(pairs)}
+            ratios[name] = {"rounds": len(pairs)}
             for key in ("decode_tok_s", "prompt_tok_s"):
                 values = [tier[key] / stock[key] for stock, tier in pairs]
-                ratios[placement][key] = [statistics.median(values), min(values), max(values)]
+                ratios[name][key] = [statistics.median(values), min(values), max(values)]
     return ratios
+
+
+# the tier's rows over: name -> (the other row's kind, placement)
+PAIRS = {"ram": ("stock", "ram"), "limited": ("stock", "limited"), "read_ahead": ("tier-noahead", "limited")}
 
 
 # --- the disk ----------------------------------------------------------------------------------
@@ -640,7 +683,7 @@ def io_bound(report: dict) -> dict | None:
     if not disk or not limited or limited["anon_bytes"] is None:
         return None
     facts = report["facts"]
-    gbps = max(disk["sequential_qd1_gbps"], disk["sequential_threads_gbps"])
+    gbps = best_disk_gbps(disk)
     room = report["limit_mb"] * MB - facts["other_bytes"] - limited["anon_bytes"]
     resident = min(max(room / facts["expert_bytes"], 0.0), 1.0)
     per_expert = facts["expert_bytes"] / (facts["moe_layers"] * facts["n_expert"])
@@ -658,6 +701,41 @@ def io_bound(report: dict) -> dict | None:
             "read_bytes_per_token": miss_bytes,
             "decode_tok_s": gbps * 1e9 / miss_bytes if miss_bytes else None,
             "prompt_ceiling_tok_s": in_ram["prompt_tok_s"] if in_ram else None, "prompt_reads": prompt_reads}
+
+
+def best_disk_gbps(disk: dict | None) -> float | None:
+    """The best rate the disk measurement reached (GB/s), None without one."""
+    return max(disk["sequential_qd1_gbps"], disk["sequential_threads_gbps"]) if disk else None
+
+
+def rooflines(report: dict) -> dict:
+    """Per limited tier row: the fastest its decode can be, max(the in-RAM tier row's time per
+    decode token, its own disk bytes per decode token at the best disk rate of this run), and the
+    share of it the row reached: {config: {"tok_s", "share", "ram_ms", "read_ms", "gbps",
+    "read_bytes_per_token"}}. Empty without a disk measurement or an in-RAM tier row."""
+    gbps = best_disk_gbps(report["disk"])
+    rows = {(r["kind"], r["placement"]): r for r in report["rows"]}
+    out = {}
+    for (kind, placement), row in rows.items():
+        in_ram = rows.get((kind, "ram"))
+        if not kind.startswith("tier") or placement != "limited" or not gbps or not in_ram:
+            continue
+        if not in_ram["decode_tok_s"] or row["decode_read_bytes_per_token"] is None:
+            continue
+        ram_ms = 1e3 / in_ram["decode_tok_s"]
+        read_ms = row["decode_read_bytes_per_token"] / (gbps * 1e9) * 1e3
+        tok_s = 1e3 / max(ram_ms, read_ms)
+        out[row["config"]] = {"tok_s": tok_s, "share": _share(row["decode_tok_s"], tok_s), "ram_ms": ram_ms,
+                              "read_ms": read_ms, "gbps": gbps,
+                              "read_bytes_per_token": row["decode_read_bytes_per_token"]}
+    return out
+
+
+def _roofline_lines(report: dict) -> list[str]:
+    return [f"Roofline of {config}: max(in-RAM tier {r['ram_ms']:.1f} ms, {r['read_bytes_per_token'] / MB:.1f} MB "
+            f"read per token at {r['gbps']:.2f} GB/s {r['read_ms']:.1f} ms) per token = {r['tok_s']:.1f} tok/s; "
+            f"the decode reached {_fmt(r['share'], '.0%')} of it"
+            for config, r in report.get("roofline", {}).items()]
 
 
 def _host() -> dict:
@@ -701,11 +779,12 @@ def markdown(report: dict) -> str:
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
         ]
         lines += [_table_row(r) for r in report["rows"]]
-        lines.append("")
+        lines += [""] + _reads_lines(report["rows"])
         for placement, ratio in report.get("paired", {}).items():
             decode, prompt = ratio["decode_tok_s"], ratio["prompt_tok_s"]
-            where = "in RAM" if placement == "ram" else f"at {report['limit_mb']} MB"
-            lines.append(f"Tier over stock {where}, run by run (each round's pair), median [min, max] of "
+            where = {"ram": "Tier over stock in RAM", "limited": f"Tier over stock at {report['limit_mb']} MB",
+                     "read_ahead": f"Read-ahead on over off at {report['limit_mb']} MB"}[placement]
+            lines.append(f"{where}, run by run (each round's pair), median [min, max] of "
                          f"{ratio['rounds']}: decode {decode[0]:.3f}x [{decode[1]:.3f}, {decode[2]:.3f}], "
                          f"prompt {prompt[0]:.3f}x [{prompt[1]:.3f}, {prompt[2]:.3f}]")
     disk = report["disk"]
@@ -715,10 +794,25 @@ def markdown(report: dict) -> str:
                      f"queue depth 1, {disk['sequential_threads_gbps']:.2f} GB/s with {disk['threads']} threads; "
                      f"4 KiB random reads at queue depth 1 {disk['random_4k_qd1_gbps']:.3f} GB/s "
                      f"({disk['random_4k_qd1_us']:.0f} us each)")
+    lines += _roofline_lines(report)
     if report["bound"]:
         lines += _bound_lines(report)
     lines += [f"Note: {note}" for note in report["notes"]]
     return "\n".join(lines)
+
+
+def _reads_lines(rows: list[dict]) -> list[str]:
+    """The limited tier rows' reads, from their stats (medians)."""
+    out = []
+    for r in rows:
+        if r["kind"] == "stock" or r["placement"] != "limited" or r.get("read_bytes_per_token") is None:
+            continue
+        precision = r.get("read_ahead_precision")
+        out.append(f"Reads of {r['config']}, per decode token (the tier's stats): {r['read_bytes_per_token'] / MB:.1f} MB "
+                   f"read, of it {(r.get('wasted_bytes_per_token') or 0) / MB:.1f} MB read ahead and not selected; "
+                   f"the layers waited {r.get('wait_ms_per_token') or 0:.1f} ms for their reads; "
+                   f"{'no read-ahead' if precision is None else f'{precision:.0%} of the experts read ahead selected'}")
+    return out
 
 
 def _table_row(r: dict) -> str:
@@ -744,7 +838,8 @@ def _bound_lines(report: dict) -> list[str]:
     bound = report["bound"]
     stock = next(r for r in report["rows"] if r["kind"] == "stock" and r["placement"] == "limited")
     decode = (
-        f"I/O bound of the {report['limit_mb']} MB run's decode: {bound['resident_share']:.0%} of the experts fit "
+        f"Uniform-routing estimate of the {report['limit_mb']} MB run's decode (not a bound: a policy beats "
+        f"it where routing is local): {bound['resident_share']:.0%} of the experts fit "
         f"beside the rest of the model and the run's anonymous memory; each token's experts are "
         f"{bound['expert_bytes_per_token'] / MB:.0f} MB, the non-resident share of them "
         f"{bound['read_bytes_per_token'] / MB:.0f} MB, read once at {bound['gbps']:.2f} GB/s: "

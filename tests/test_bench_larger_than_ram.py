@@ -146,3 +146,26 @@ def test_page_cache_share(bench, tmp_path):
     assert bench.cache_whole_file(str(path)) == 1.0
     # tmpfs keeps its pages: only check that eviction answers with a share
     assert 0.0 <= bench.evict(str(path)) <= 1.0
+
+
+def test_roofline_of_each_limited_tier_row(bench):
+    """max(the in-RAM tier's time per token, the row's own bytes per token at the best disk rate)."""
+    MB = bench.MB
+
+    def row(kind, placement, decode, read_bytes):
+        return {"kind": kind, "placement": placement, "config": f"{kind}, {placement}", "decode_tok_s": decode,
+                "decode_read_bytes_per_token": read_bytes}
+
+    report = {"disk": {"sequential_qd1_gbps": 1.0, "sequential_threads_gbps": 1.25},
+              "rows": [row("stock", "ram", 60.0, 0), row("stock", "limited", 1.0, 900 * MB),
+                       row("tier", "ram", 50.0, 0), row("tier", "limited", 20.0, 25 * MB)]}
+    roof = bench.rooflines(report)
+    assert list(roof) == ["tier, limited"]
+    r = roof["tier, limited"]
+    # 25 MB at 1.25 GB/s: 20 ms, over the 20 ms in RAM... equal: 50 tok/s, reached 40%
+    assert (r["ram_ms"], r["read_ms"]) == (pytest.approx(20.0), pytest.approx(20.0))
+    assert (r["tok_s"], r["share"]) == (pytest.approx(50.0), pytest.approx(0.4))
+    report["rows"][3]["decode_read_bytes_per_token"] = 50 * MB  # disk bound: 40 ms
+    assert bench.rooflines(report)["tier, limited"]["tok_s"] == pytest.approx(25.0)
+    report["disk"] = None
+    assert bench.rooflines(report) == {}

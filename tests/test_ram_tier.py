@@ -118,6 +118,47 @@ def test_ram_tier_is_bit_identical_to_stock_and_counts_every_lookup(tier_path, s
     assert resident < (cache.slots + 1) * per_k + 4 * MIB < n_expert * per_k / 2, resident / MIB
 
 
+def test_ram_tier_read_ahead_costs_bytes_never_the_output(tier_path, smol_stock, expert_bytes):
+    """The next layer's router on this layer's input predicts its experts (read_ahead): on or off,
+    the logits are stock's; on, the predictions are counted, most selected and some not, and those
+    not selected cost their bytes and nothing else."""
+    per_k, n_layers, n_expert = expert_bytes
+    runs = {}
+    for read_ahead in (1, 0):
+        llm = load_from_file(tier_path)
+        cache = attach(llm, ram_mib=2 * per_k // MIB + 1, policy="lru", wait=1, read_ahead=read_ahead)
+        tokens, logits = greedy(llm, PROMPT, N_TOKENS)
+        assert tokens == smol_stock[0]
+        assert np.array_equal(logits, smol_stock[1]), f"read_ahead={read_ahead}: max |diff| " \
+                                                       f"{np.abs(logits - smol_stock[1]).max()}"
+        runs[read_ahead] = (cache.native_counters(), cache.stats()["reads"])
+        n_prompt = len(llm.tokenize(PROMPT))
+        llm.close()
+    (on, on_reads), (off, off_reads) = runs[1], runs[0]
+    # off, decode reads nothing ahead; a prompt, which selects most experts of every layer, reads the
+    # next layer whole either way
+    assert off_reads["decode"]["read_ahead"] == off_reads["decode"]["read_ahead_wasted_bytes"] == 0
+    assert off_reads["decode"]["read_bytes"] > 0 and off_reads["decode_per_token"]["read_ahead_precision"] is None
+    assert off_reads["prompt"]["read_ahead"] > 0
+    assert on[0]["read_ahead"] == 0  # no layer before the first predicts it
+    ahead, used = sum(c["read_ahead"] for c in on), sum(c["read_ahead_used"] for c in on)
+    wasted = sum(c["read_ahead_wasted_bytes"] for c in on)
+    # smol-moe's stale gate finds most of the next layer's experts, not all of them
+    assert 0 < ahead - used < used, (ahead, used)
+    largest = max(per_layer.expert_bytes for per_layer in cache.layers)
+    assert 0 < wasted <= (ahead - used) * largest
+    for c in on:
+        assert c["read_ahead_wasted_bytes"] <= c["read_ahead_bytes"] <= c["upload_bytes"]
+    decode = on_reads["decode"]
+    # decode's tokens are its own: every observed single-token graph (the last one has no step after it)
+    assert (decode["tokens"], on_reads["prompt"]["tokens"]) == (N_TOKENS - 1, n_prompt)
+    assert 0 < decode["read_ahead_used"] <= decode["read_ahead"] <= ahead
+    assert on_reads["prompt"]["read_bytes"] > 0 and on_reads["prompt"]["read_ahead"] > 0
+    precision = on_reads["decode_per_token"]["read_ahead_precision"]
+    assert precision == decode["read_ahead_used"] / decode["read_ahead"] and 0.5 < precision < 1
+    assert on_reads["decode_per_token"]["wasted_bytes_per_token"] > 0
+
+
 def test_ram_tier_keeps_every_expert_that_fits(tier_path, smol_stock, expert_bytes):
     per_k, n_layers, n_expert = expert_bytes
     llm = load_from_file(tier_path)
@@ -303,9 +344,10 @@ def test_both_tiers_are_bit_identical_to_stock_and_count_every_lookup_once(tier_
     assert uploaded > 0 and ram_read > 0
 
     # the device's uploads read the model file (read calls, which /proc/self/io counts, the page
-    # cache's hits too), not the mapping; what is mapped is the RAM tier's slots (and under one
-    # expert per layer read for the last token)
-    assert read >= uploaded + ram_read, (read, uploaded, ram_read)
+    # cache's hits too), not the mapping; the RAM tier's reads are none (readahead(2), then the
+    # mapping populated); what is mapped is the RAM tier's slots (and under one expert per layer read
+    # for the last token)
+    assert read >= uploaded, (read, uploaded, ram_read)
     resident = mapped_rss(tier_path)
     assert resident < (ram.slots + 1) * per_k + 4 * MIB < (ram.slots + cache.slots) * per_k, resident / MIB
     llm.close()

@@ -204,3 +204,31 @@ def test_with_the_planner_the_table_and_metrics_show_its_rates_and_declined_uplo
         {"link": 2.5e9, "host": 40e9, "dram": 41e9}
     assert [s.value for s in found["moecache_planner_payback_uses"].samples] == [17.0]
     assert [s.value for s in found["moecache_link_bytes_per_token"].samples] == [3 << 19]
+
+
+def test_the_ram_tiers_reads_are_in_the_table_and_the_metrics_per_phase():
+    """Its reads of the model file (issue 38, item 5): bytes, experts read ahead and of them selected,
+    the bytes of those not, the time the layers waited; per phase in /metrics, decode's per token in
+    the table."""
+    s = ram_stats(3)
+    decode = {"read_bytes": 50 << 20, "read_ahead": 40, "read_ahead_used": 30, "read_ahead_bytes": 40 << 20,
+              "read_ahead_wasted_bytes": 10 << 20, "read_wait_us": 25_000}
+    prompt = dict(decode, read_bytes=300 << 20, read_wait_us=0)
+    s["reads"] = {"decode": decode, "prompt": prompt,
+                  "decode_per_token": {"read_bytes_per_token": 10 << 20, "wasted_bytes_per_token": 2 << 20,
+                                       "wait_ms_per_token": 5.0, "read_ahead_precision": 0.75}}
+    found = families([s])
+    read = {s.labels["phase"]: s.value for s in found["moecache_read_bytes"].samples}
+    assert read == {"decode": 50 << 20, "prompt": 300 << 20}
+    assert found["moecache_read_bytes"].type == "counter"
+    used = {s.labels["phase"]: s.value for s in found["moecache_read_ahead_used_experts"].samples}
+    assert used == {"decode": 30, "prompt": 30}
+    wait = {s.labels["phase"]: s.value for s in found["moecache_read_wait_seconds"].samples}
+    assert wait == {"decode": pytest.approx(0.025), "prompt": 0}
+    assert {s.labels["tier"] for s in found["moecache_read_ahead_wasted_bytes"].samples} == {"ram"}
+    lines = table(s).splitlines()
+    assert lines[1] == ("reads: decode 10.00 MiB per token, 75.0% of the experts read ahead selected, 2.00 MiB "
+                        "read ahead and not selected, waited 5.00 ms per token; prompt 300.0 MiB")
+    # a device cache has no reads: no such series
+    device = families([stats(7)])
+    assert "moecache_read_bytes" not in device or not device["moecache_read_bytes"].samples

@@ -22,6 +22,7 @@ from . import native
 from .boundary import Boundary, file_changed
 from .config import CacheConfig, ConfigError
 from .probe import CachedLayer, CacheUnavailable
+from .ramtier import TierReads
 from .rates import PlannerRates
 from .reports import Reports, StepCounts, TraceRecorder
 from .sizing import CachePlan
@@ -57,6 +58,7 @@ class LiveCache:
         self.boundary = Boundary(ctx, self.engine, n_layers=len(layers), n_used=self.n_used, wait=bool(config.wait),
                                  tier=tier)
         self.counts = StepCounts()
+        self.reads = TierReads(len(layers)) if tier == native.RAM else None
         self.failed = None
         self.reports = Reports(config, self.engine, stats=self.stats, layers=[layer.il for layer in layers],
                                profile_name=model_name, trace=self._trace)
@@ -104,6 +106,9 @@ class LiveCache:
         if self._trace:
             self._trace.record(observed, self.counts.decode_steps)
         self.counts.add(observed)
+        if self.reads:
+            self.reads.update(native.read_counters(self.ctx, self.tier, len(self.layers)),
+                              n_tokens=observed.n_tokens, prompt=observed.prefill or observed.n_tokens > 1)
         flush = self.config.flush_steps
         if not observed.prefill and flush and self.above is None and self.counts.decode_steps % flush == 0:
             self.reports.flush_in_background()
@@ -154,8 +159,10 @@ class LiveCache:
             "step_us_max": counts.step_ns_max / 1e3,
             "upload_wait_us": int(self.boundary.wait_us),
             "failed": self.failed,
-            "layers": [{"layer": layer.il, **{name: values[i] for name, values in counters.items()}}
-                       for i, layer in enumerate(self.layers)],
+            "layers": [{"layer": layer.il, **{name: values[i] for name, values in counters.items()},
+                        **(self.reads.layers[i] if self.reads else {})} for i, layer in enumerate(self.layers)],
+            # the RAM tier's reads of the model file: per phase, and decode's per token
+            **({"reads": self.reads.to_json()} if self.reads else {}),
             "plan": self.plan.to_json(),
             # the RAM tier under this device cache: its lookups are this cache's misses (a file
             # read is its miss)
@@ -209,7 +216,9 @@ class LiveCache:
         for i in range(len(self.layers)):
             self.lib.llama_moe_cache_get_counters(self.ctx, self.tier, i, c)
             out.append({"hits": c.hits, "misses": c.misses, "lane": c.lane, "uploads": c.uploads,
-                        "upload_bytes": c.upload_bytes})
+                        "upload_bytes": c.upload_bytes, "read_ahead": c.read_ahead, "read_ahead_used": c.read_ahead_used,
+                        "read_ahead_bytes": c.read_ahead_bytes, "read_ahead_wasted_bytes": c.read_ahead_wasted_bytes,
+                        "read_wait_us": c.read_wait_us})
         return out
 
 

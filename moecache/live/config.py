@@ -50,6 +50,10 @@ class CacheConfig:
                                    # model file when selected; "auto": what the process may use
                                    # less what it holds (moecache.live.ramtier); 0 = off. With
                                    # SLOTS or MIB too, it serves the CPU half of the device cache
+    read_ahead: int = 1            # the RAM tier alone, in decode: 1 reads each layer's likely experts
+                                   # while the layer before computes (the next router applied to its
+                                   # input, in the graph); 0: each layer reads its misses at its
+                                   # router. A prompt reads the next layer whole either way
     planner: int | None = None     # 1: the miss planner (issue 22): some misses through the
                                    # copy-on-miss lane, an eager upload only when it pays back its
                                    # link time (moecache.live.rates); None: on wherever it can run
@@ -67,7 +71,8 @@ class CacheConfig:
                               f"the cache: set one")
         for name, minimum, maximum in (("reserve_mib", 0, None), ("inserts", 1, C_INT_MAX), ("debug", 0, None),
                                        ("wait", 0, 1), ("flush_steps", 0, None),
-                                       ("max_batch", 1, MAX_BATCH), ("repack", 0, 1), ("planner", 0, 1)):
+                                       ("max_batch", 1, MAX_BATCH), ("repack", 0, 1), ("read_ahead", 0, 1),
+                                       ("planner", 0, 1)):
             if getattr(self, name) is None:  # planner: decided below, from the policy and timing
                 continue
             # keyword values too (attach(slots=...)): ints, or text parse_int reads, kept as int

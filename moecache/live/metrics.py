@@ -3,7 +3,9 @@ misses, uploads, evictions and late uploads per layer (with the miss planner, it
 and the uploads it declined), per cache the upload bytes, link bytes per decode token, hit ratio,
 step time, the cache's size and the planner's rates. Every series has a `context` label (one per
 live cache) and a `tier` label: "device" (the slots on the device) or "ram" (the RAM tier's
-experts in host memory, alone or under a device cache).
+experts in host memory, alone or under a device cache). The RAM tier adds its reads of the
+model file, with a `phase` label ("prompt" or "decode"): bytes read, experts read ahead, of them
+selected, the bytes of those not selected, and the time the layers waited for their reads.
 
 Named by Prometheus's conventions: `moecache_` then snake case (colons are for recording
 rules), the unit in the name in base units (`_bytes`, `_seconds`, `_bytes_per_second`),
@@ -34,6 +36,13 @@ PER_CACHE_COUNTERS = {  # stats counter -> (metric name, help); upload_bytes is 
     "upload_bytes": ("upload_bytes", "Bytes written into the cache"),
 }
 LABELS = ["context", "tier"]
+READS = {  # the RAM tier's reads of the model file (its stats' "reads", per phase) -> (metric name, help, scale)
+    "read_bytes": ("read_bytes", "Bytes the RAM tier read from the model file", 1),
+    "read_ahead": ("read_ahead_experts", "Experts read ahead of their layer (the next layer's router, applied early)", 1),
+    "read_ahead_used": ("read_ahead_used_experts", "Experts read ahead that their layer then selected", 1),
+    "read_ahead_wasted_bytes": ("read_ahead_wasted_bytes", "Bytes read ahead for experts their layer did not select", 1),
+    "read_wait_us": ("read_wait_seconds", "Time the layers' CPU matmuls waited for their reads", 1e-6),
+}
 
 
 def tiers(stats: dict) -> list[dict]:
@@ -62,6 +71,8 @@ class CacheCollector:
                                   labels=[*LABELS, "rate"])
         payback = GaugeMetricFamily("moecache_planner_payback_uses",
                                     "Uses an eager upload must bring beyond its victim's", labels=LABELS)
+        reads = {key: CounterMetricFamily(f"moecache_{name}", text, labels=[*LABELS, "phase"])
+                 for key, (name, text, _) in READS.items()}
         for index, cache in enumerate(self.caches()):
             for stats in tiers(cache.stats()):
                 labels = [str(index), stats["tier"].lower()]
@@ -83,9 +94,14 @@ class CacheCollector:
                     for rate in ("link", "host", "dram"):
                         rates.add_metric([*labels, rate], stats["planner"][f"{rate}_gbps"] * 1e9)
                     payback.add_metric(labels, stats["planner"]["payback_uses"])
+                for phase, counts in (stats.get("reads") or {}).items():
+                    if phase in ("prompt", "decode"):
+                        for key, family in reads.items():
+                            family.add_metric([*labels, phase], counts[key] * READS[key][2])
         yield from layer_families.values()
         yield from cache_families.values()
         yield from (ratio, step, size, slots, link, rates, payback)
+        yield from reads.values()
 
 
 def exposition(caches: Callable[[], Iterable]) -> bytes:

@@ -40,16 +40,18 @@ def patch_version() -> str:
     return ffi.string(lib().llama_moe_cache_version()).decode()
 
 
-def init(ctx, slots: int, *, max_batch: int = 32, in_ram: bool = False) -> int:
+def init(ctx, slots: int, *, max_batch: int = 32, in_ram: bool = False, read_ahead: bool = True) -> int:
     """llama_moe_cache_init: allocate `slots` empty slots per cached layer for ubatches of up to
     max_batch tokens (in_ram: the RAM tier, which keeps `slots` experts per layer in host memory
-    and observes every ubatch); the number of cached layers, 0 when none (libllama logs why).
+    and observes every ubatch; read_ahead: it reads each layer's predicted experts while the layer
+    before computes); the number of cached layers, 0 when none (libllama logs why).
     slots=0 releases the cache: the stock graph from the next decode on. Each tier has its own
     cache: this one replaces (or releases) only the cache of its tier."""
     params = lib().llama_moe_cache_default_params()
     params.n_slots = slots
     params.max_batch = max_batch
     params.in_ram = in_ram
+    params.read_ahead = read_ahead
     return lib().llama_moe_cache_init(as_context(ctx), params)
 
 
@@ -68,3 +70,20 @@ def model_metadata(ctx, key: str) -> str | None:
     n = lib().llama_model_meta_val_str(lib().llama_get_model(ctx), key.encode(), buf, 256)
     # "replace": metadata need not be UTF-8, and a long value is cut at 255 bytes, maybe mid-character
     return ffi.string(buf).decode(errors="replace") if n >= 0 else None
+
+
+READ_COUNTERS = {"read_bytes": "upload_bytes", "read_ahead": "read_ahead", "read_ahead_used": "read_ahead_used",
+                 "read_ahead_bytes": "read_ahead_bytes", "read_ahead_wasted_bytes": "read_ahead_wasted_bytes",
+                 "read_wait_us": "read_wait_us"}
+
+
+def read_counters(ctx, tier: int, n_layers: int) -> list[dict]:
+    """The RAM tier's reads, per cached layer, as libllama counts them (llama_moe_cache_counters):
+    bytes read from the model file, experts read ahead, of them selected, their bytes, the bytes of
+    those not selected, and the time the layer's matmuls waited for its reads."""
+    counters = ffi.new("struct llama_moe_cache_counters *")
+    out = []
+    for i in range(n_layers):
+        lib().llama_moe_cache_get_counters(ctx, tier, i, counters)
+        out.append({name: getattr(counters, field) for name, field in READ_COUNTERS.items()})
+    return out

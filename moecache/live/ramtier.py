@@ -44,6 +44,40 @@ class RamPlan(CachePlan):
         return out
 
 
+class TierReads:
+    """The RAM tier's reads, from libllama's per-layer counters read at every step: per layer, and
+    summed per phase, as the ubatch before the step was a prompt (more than one token) or decode,
+    with the tokens of each phase (the tier's decode_tokens count a prompt's too: it looks them up)."""
+
+    def __init__(self, n_layers: int):
+        self.layers = [dict.fromkeys(native.READ_COUNTERS, 0) for _ in range(n_layers)]
+        self.phases = {"decode": dict.fromkeys(native.READ_COUNTERS, 0),
+                       "prompt": dict.fromkeys(native.READ_COUNTERS, 0)}
+        self.tokens = {"decode": 0, "prompt": 0}
+
+    def update(self, counters: list[dict], *, n_tokens: int, prompt: bool) -> None:
+        name = "prompt" if prompt else "decode"
+        phase = self.phases[name]
+        self.tokens[name] += n_tokens
+        for now, layer in zip(counters, self.layers):
+            for key, value in now.items():
+                phase[key] += value - layer[key]
+                layer[key] = value
+
+    def to_json(self) -> dict:
+        """Both phases with their tokens, and decode's per token: bytes read, bytes read ahead and
+        not selected, ms waited; the share of the experts read ahead that their layer selected
+        (precision)."""
+        decode, n = self.phases["decode"], self.tokens["decode"]
+        per_token = {"read_bytes_per_token": decode["read_bytes"] / n if n else None,
+                     "wasted_bytes_per_token": decode["read_ahead_wasted_bytes"] / n if n else None,
+                     "wait_ms_per_token": decode["read_wait_us"] / 1e3 / n if n else None,
+                     "read_ahead_precision": decode["read_ahead_used"] / decode["read_ahead"]
+                     if decode["read_ahead"] else None}
+        return {"decode": dict(decode, tokens=n), "prompt": dict(self.phases["prompt"], tokens=self.tokens["prompt"]),
+                "decode_per_token": per_token}
+
+
 def open_ram_tier(ctx, config) -> tuple[RamPlan, list[CachedLayer]]:
     """The RAM tier of ctx, planned and initialised; raises CacheUnavailable when it cannot be."""
     if native.init(ctx, 1, in_ram=True) <= 0:
@@ -51,7 +85,7 @@ def open_ram_tier(ctx, config) -> tuple[RamPlan, list[CachedLayer]]:
                                "moecache.experts_from_file() (LLAMA_MOE_CACHE_RAM_MIB does it for Llama)")
     layers = cached_layers(ctx, native.RAM)
     plan = plan_ram(config, layers, int(native.lib().llama_n_ubatch(ctx)))
-    if native.init(ctx, plan.slots, in_ram=True) <= 0:
+    if native.init(ctx, plan.slots, in_ram=True, read_ahead=bool(config.read_ahead)) <= 0:
         raise CacheUnavailable(f"{plan.sized_by}: libllama refused {plan.slots} experts per layer (its log says why)")
     return plan, cached_layers(ctx, native.RAM)
 

@@ -14,7 +14,7 @@ const char * llama_moe_cache_version(void) {
 }
 
 struct llama_moe_cache_params llama_moe_cache_default_params(void) {
-    return { /*.n_slots =*/ 0, /*.max_batch =*/ 32, /*.in_ram =*/ false };
+    return { /*.n_slots =*/ 0, /*.max_batch =*/ 32, /*.in_ram =*/ false, /*.read_ahead =*/ true };
 }
 
 int32_t llama_moe_cache_init(struct llama_context * ctx, struct llama_moe_cache_params params) {

@@ -53,6 +53,16 @@ public:
     // where the stock graph copies the selections of layer cl, [n_expert_used, n_tokens]
     ggml_tensor * stock_ids(ggml_context * ctx, const llama_moe_cache_layer & cl, int64_t n_tokens) const;
 
+    // the RAM tier's read-ahead: the ops that apply the router of the cached layer after cl to cur,
+    // cl's input, and hand their top-k to the tier, which the graph runs before cl's experts; nullptr
+    // for none
+    virtual ggml_tensor * read_ahead(ggml_context * ctx, const llama_moe_cache_layer & cl, ggml_tensor * cur) const {
+        GGML_UNUSED(ctx);
+        GGML_UNUSED(cl);
+        GGML_UNUSED(cur);
+        return nullptr;
+    }
+
     // the CPU observer of the host part of a split layer (ggml_mul_mat_id_skip), with the
     // llama_moe_cache_layer as userdata: the first of the layer's matmuls to run records the
     // selected ids and starts eager admissions (the RAM tier: reads the missing experts in; under a

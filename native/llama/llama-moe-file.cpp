@@ -8,9 +8,10 @@
 #include "gguf.h"
 
 #include <algorithm>
-#include <atomic>
+#include <cerrno>
 #include <cstdio>
 #include <filesystem>
+#include <string>
 #include <stdexcept>
 
 #if !defined(_WIN32)
@@ -18,6 +19,7 @@
 #endif
 #if defined(__linux__)
 #include <sys/mman.h>
+#include <sys/sysmacros.h>
 #include <fcntl.h>
 #include <unistd.h>
 #endif
@@ -66,6 +68,33 @@ struct llama_moe_model_files::model_file {
     }
 };
 
+#if defined(__linux__)
+// the largest request readahead(2) takes whole on the device holding fd: the kernel cuts one at the
+// larger of the device's readahead and its largest request (read_ahead_kb, max_sectors_kb); 128 KiB
+// where sysfs does not say (the kernel's default readahead)
+static size_t moe_readahead_max(int fd) {
+    size_t best = 128*1024;
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+        return best;
+    }
+    const std::string dev = "/sys/dev/block/" + std::to_string(major(st.st_dev)) + ":" + std::to_string(minor(st.st_dev));
+    for (const char * queue : { "/queue/", "/../queue/" }) { // a disk, or a partition of one
+        for (const char * name : { "read_ahead_kb", "max_sectors_kb" }) {
+            FILE * f = fopen((dev + queue + name).c_str(), "r");
+            unsigned long kb = 0;
+            if (f && fscanf(f, "%lu", &kb) == 1) {
+                best = std::max(best, (size_t) kb*1024);
+            }
+            if (f) {
+                fclose(f);
+            }
+        }
+    }
+    return best;
+}
+#endif
+
 llama_moe_model_files::llama_moe_model_files() = default;
 llama_moe_model_files::~llama_moe_model_files() = default;
 
@@ -100,6 +129,11 @@ std::map<std::string, llama_moe_file_offset> llama_moe_model_files::open(const s
             }
             where[ggml_get_name(t)] = { (int32_t) files.size(), offset };
         }
+#if defined(__linux__)
+        ra_max.push_back(moe_readahead_max(mf.file->file_id()));
+#else
+        ra_max.push_back(0);
+#endif
         files.push_back(std::move(mf));
     }
     return where;
@@ -107,6 +141,7 @@ std::map<std::string, llama_moe_file_offset> llama_moe_model_files::open(const s
 
 void llama_moe_model_files::clear() {
     files.clear();
+    ra_max.clear();
 }
 
 bool llama_moe_model_files::unchanged() const {
@@ -127,41 +162,37 @@ const void * llama_moe_model_files::read(int32_t file, size_t offset, size_t siz
     return buf.data();
 }
 
-#if defined(__linux__)
-// pread the ranges, a few threads each its own requests, mapping each range once it is read
-static bool moe_pread_all(const std::vector<llama_moe_file_range> & ranges, const std::vector<int> & fds) {
-    std::atomic<size_t> next{0};
-    std::atomic<bool>   failed{false};
-    auto reader = [&]() {
-        std::vector<uint8_t> buf;
-        for (size_t r; (r = next++) < ranges.size() && !failed; ) {
-            const auto & range = ranges[r];
-            buf.resize(std::max(buf.size(), range.size));
-            for (size_t done = 0; done < range.size; ) {
-                const ssize_t n = pread(fds[r], buf.data() + done, range.size - done, (off_t) (range.offset + done));
-                if (n <= 0) {
-                    failed = true; // an I/O error, or a file shorter than its header says
-                    break;
-                }
-                done += (size_t) n;
-            }
-            if (!failed) {
-                llama_moe_populate(range.mapped, range.size);
-            }
-        }
-    };
-    const size_t n_threads = std::min<size_t>(ranges.size(), 8);
-    std::vector<std::thread> threads;
-    for (size_t t = 1; t < n_threads; ++t) {
-        threads.emplace_back(reader);
+size_t llama_moe_model_files::missing(const llama_moe_file_range & range) const {
+#if !defined(__linux__)
+    return range.size;
+#else
+    static const uintptr_t page = (uintptr_t) sysconf(_SC_PAGESIZE);
+    const uintptr_t first = (uintptr_t) range.mapped & ~(page - 1);
+    const size_t    len   = (uintptr_t) range.mapped + range.size - first;
+    std::vector<unsigned char> in((len + page - 1)/page);
+    if (mincore((void *) first, len, in.data()) != 0) {
+        return range.size;
     }
-    reader();
-    for (auto & t : threads) {
-        t.join();
-    }
-    return !failed;
-}
+    const size_t n_in = std::count_if(in.begin(), in.end(), [](unsigned char c) { return (c & 1) != 0; });
+    return std::min(range.size, (in.size() - n_in)*page);
 #endif
+}
+
+void llama_moe_model_files::start(const llama_moe_file_range & range) const {
+#if defined(__linux__)
+    const int    fd   = files[range.file].file->file_id();
+    const size_t step = ra_max[range.file];
+    for (size_t done = 0; done < range.size; done += step) {
+        readahead(fd, (off_t) (range.offset + done), std::min(step, range.size - done));
+    }
+#else
+    GGML_UNUSED(range);
+#endif
+}
+
+bool llama_moe_model_files::map(const llama_moe_file_range & range) const {
+    return llama_moe_populate(range.mapped, range.size);
+}
 
 bool llama_moe_model_files::read_in(const std::vector<llama_moe_file_range> & ranges, size_t & n_bytes) const {
 #if !defined(__linux__)
@@ -169,23 +200,22 @@ bool llama_moe_model_files::read_in(const std::vector<llama_moe_file_range> & ra
     GGML_UNUSED(n_bytes);
     return false;
 #else
-    std::vector<llama_moe_file_range> todo;
-    std::vector<int> fds;
+    std::vector<const llama_moe_file_range *> todo;
     for (const auto & range : ranges) {
-        if (llama_moe_resident(range.mapped, range.size)) {
-            continue; // in the page cache already (e.g. the whole file is)
+        const size_t n = missing(range);
+        if (n > 0) { // else in the page cache already (e.g. the whole file is)
+            todo.push_back(&range);
+            n_bytes += n;
+            start(range);
         }
-        todo.push_back(range);
-        fds.push_back(files[range.file].file->file_id());
-        n_bytes += range.size;
+    }
+    bool ok = true;
+    for (const auto * range : todo) {
+        ok = map(*range) && ok;
     }
     // the files' stamps are checked after the reads (what a changed file put in the page cache is
     // never used: the tier stops)
-    bool ok = moe_pread_all(todo, fds);
-    for (const auto & f : files) {
-        ok = ok && f.unchanged();
-    }
-    return ok;
+    return ok && unchanged();
 #endif
 }
 
@@ -220,55 +250,24 @@ void llama_moe_model_files::release_all() const {
     }
 }
 
-bool llama_moe_resident(const void * data, size_t size) {
-#if !defined(__linux__)
-    GGML_UNUSED(data);
-    GGML_UNUSED(size);
-    return false;
-#else
-    static const uintptr_t page = (uintptr_t) sysconf(_SC_PAGESIZE);
-    const uintptr_t first = (uintptr_t) data & ~(page - 1);
-    const size_t    len   = (uintptr_t) data + size - first;
-    std::vector<unsigned char> in((len + page - 1)/page);
-    if (mincore((void *) first, len, in.data()) != 0) {
-        return false;
-    }
-    return std::all_of(in.begin(), in.end(), [](unsigned char c) { return (c & 1) != 0; });
-#endif
-}
-
-void llama_moe_populate(const void * data, size_t size) {
+bool llama_moe_populate(const void * data, size_t size) {
 #if defined(__linux__)
 #ifndef MADV_POPULATE_READ
 #define MADV_POPULATE_READ 22 // Linux 5.14; older kernels refuse it, and the matmuls fault the pages in
 #endif
     static const uintptr_t page = (uintptr_t) sysconf(_SC_PAGESIZE);
     const uintptr_t first = (uintptr_t) data & ~(page - 1);
-    madvise((void *) first, (uintptr_t) data + size - first, MADV_POPULATE_READ);
+    for (;;) {
+        if (madvise((void *) first, (uintptr_t) data + size - first, MADV_POPULATE_READ) == 0) {
+            return true;
+        }
+        if (errno != EINTR && errno != EAGAIN) {
+            return errno == EINVAL; // EFAULT: a page that cannot be read (past the end of a file cut short, an I/O error)
+        }
+    }
 #else
     GGML_UNUSED(data);
     GGML_UNUSED(size);
+    return true;
 #endif
-}
-
-llama_moe_read_thread::~llama_moe_read_thread() {
-    if (thread.joinable()) {
-        thread.join();
-    }
-}
-
-void llama_moe_read_thread::start(std::function<bool(size_t & n_bytes)> read) {
-    thread = std::thread([this, read = std::move(read)]() {
-        bytes = 0;
-        ok = read(bytes);
-    });
-}
-
-bool llama_moe_read_thread::join(size_t & n_bytes) {
-    if (!thread.joinable()) {
-        return false;
-    }
-    thread.join();
-    n_bytes = bytes;
-    return ok;
 }

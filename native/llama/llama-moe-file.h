@@ -2,11 +2,9 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <functional>
 #include <map>
 #include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
 struct ggml_tensor;
@@ -50,7 +48,7 @@ struct llama_moe_file_range {
 };
 
 // the model files that experts are read from: repacked experts' standard layout is only there, and
-// experts mapped and unread are read in through them (the RAM tier), or read from them instead of
+// experts mapped and unread are read into the page cache through them and mapped (the RAM tier), or read from them instead of
 // faulting the mapping in (a device cache over them). Reads go through the page cache
 class llama_moe_model_files {
 public:
@@ -69,8 +67,18 @@ public:
     // the file changed around the read; throws when the read fails
     const void * read(int32_t file, size_t offset, size_t size, std::vector<uint8_t> & buf);
 
-    // the ranges not in memory already, read through the page cache all at once (a few threads, each
-    // its own requests) and mapped; n_bytes counts them. false when a read failed or a file changed
+    // the bytes of range not in the page cache
+    size_t missing(const llama_moe_file_range & range) const;
+
+    // start reading range into the page cache, without a copy (readahead(2), in requests of at most
+    // what the file's device reads ahead at once: a larger one would be cut there); map(range): wait
+    // for its pages and map them (MADV_POPULATE_READ) rather than one fault at a time while a matmul
+    // runs; false when a page cannot be read (an I/O error, a file cut short)
+    void start(const llama_moe_file_range & range) const;
+    bool map  (const llama_moe_file_range & range) const;
+
+    // the ranges not in memory already, all started, then mapped (n_bytes counts them); false when a
+    // read failed or a file changed
     bool read_in(const std::vector<llama_moe_file_range> & ranges, size_t & n_bytes) const;
 
     // unmap the range's pages (those it shares with its neighbours stay) and release it from the page cache
@@ -84,30 +92,10 @@ private:
     struct model_file;
 
     std::vector<model_file> files;
+    std::vector<size_t>     ra_max; // [file] the largest request readahead(2) takes whole there
 };
-
-// whether every page of [data, data + size) is in memory
-bool llama_moe_resident(const void * data, size_t size);
 
 // map the pages of [data, data + size) now, in one call, rather than one fault at a time while a
-// matmul runs
-void llama_moe_populate(const void * data, size_t size);
-
-// a read on a thread of its own, joined later: the RAM tier reads the next layer's experts ahead, and
-// a layer's misses while its resident experts are computed
-class llama_moe_read_thread {
-public:
-    ~llama_moe_read_thread();
-
-    // read(n_bytes) on a new thread: whether it read everything, and the bytes it read
-    void start(std::function<bool(size_t & n_bytes)> read);
-    bool running() const { return thread.joinable(); }
-
-    // waits for the read (false when none was started); n_bytes, the bytes it read
-    bool join(size_t & n_bytes);
-
-private:
-    std::thread thread;
-    bool        ok    = false;
-    size_t      bytes = 0;
-};
+// matmul runs; false when a page cannot be read (a kernel without MADV_POPULATE_READ: true, the
+// matmul faults them in)
+bool llama_moe_populate(const void * data, size_t size);

@@ -106,6 +106,8 @@ std::vector<llama_moe_cache_layer> llama_moe_find_layers(const llama_model & mod
         llama_moe_cache_layer cl;
         cl.il            = (int32_t) il;
         cl.exps          = moe_experts_of(model.layers[il]);
+        cl.router        = { model.layers[il].ffn_gate_inp, model.layers[il].ffn_gate_inp_b, model.layers[il].ffn_exp_probs_b,
+                             (int32_t) model.hparams.expert_gating_func };
         cl.n_expert      = (int32_t) cl.exps.down->ne[2];
         cl.n_expert_used = (int32_t) model.hparams.n_expert_used(il);
         cl.n_slots       = n_slots;

@@ -23,6 +23,15 @@ struct llama_moe_cache_part {
     size_t  offset = 0;
 };
 
+// the router of a cached layer, for the RAM tier's read-ahead: the graph applies it to the input of
+// the cached layer before, to predict which experts this one selects
+struct llama_moe_router {
+    ggml_tensor * gate_inp   = nullptr; // [n_embd, n_expert]
+    ggml_tensor * gate_inp_b = nullptr; // [n_expert] or nullptr
+    ggml_tensor * probs_b    = nullptr; // the selection bias (DeepSeek V3's exp_probs_b) or nullptr
+    int32_t       gating     = 0;       // llama_expert_gating_func_type, applied before probs_b
+};
+
 // one cached MoE layer: the experts stay in host memory, n_slots of them are mirrored on the
 // device of the layer's router (see llama_moe_cache_init in llama.h), or kept in memory by the
 // RAM tier; fixed once the cache is built
@@ -32,8 +41,9 @@ struct llama_moe_cache_layer {
     int32_t n_expert_used = 0;
     int32_t n_slots       = 0;
 
-    llm_moe_experts exps; // the model's experts, as build_moe_ffn gets them
-    llm_moe_experts bank; // their device slots: the graph runs the same expert FFN over them
+    llm_moe_experts  exps;   // the model's experts, as build_moe_ffn gets them
+    llama_moe_router router; // its router
+    llm_moe_experts  bank;   // their device slots: the graph runs the same expert FFN over them
 
     // every tensor of exps that bank holds: all but the down bias, which build_moe_ffn adds after
     // the device and host halves are merged (the RAM tier: the weights it reads in)

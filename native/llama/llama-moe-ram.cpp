@@ -1,7 +1,10 @@
 #include "llama-moe-ram.h"
 
+#include "llama-hparams.h"
 #include "llama-impl.h"
 #include "llama-model.h"
+
+#include "ggml-backend.h"
 
 #include <algorithm>
 #include <map>
@@ -33,7 +36,7 @@ static int64_t moe_us_since(std::chrono::steady_clock::time_point t0) {
 
 // no device; the skip tables stay zero (the CPU computes every expert)
 llama_moe_ram::llama_moe_ram(const llama_model & model, const llama_moe_cache_params & params, uint32_t n_ubatch) :
-        llama_moe_cache((int32_t) n_ubatch, /*has_lane =*/ false) {
+        llama_moe_cache((int32_t) n_ubatch, /*has_lane =*/ false), ahead_on(params.read_ahead) {
     std::vector<llama_moe_cache_layer> candidates = llama_moe_find_layers(model, params.n_slots, /*in_ram =*/ true);
     llama_moe_find_in_files(model, candidates, files);
     if (candidates.empty()) {
@@ -56,12 +59,16 @@ llama_moe_ram::llama_moe_ram(const llama_model & model, const llama_moe_cache_pa
     ggml_tensor * stock_observed = new_stock_observed(ctx_host, n_ubatch);
     alloc(ctx_host, ggml_backend_cpu_buffer_type());
     init_state(stock_observed);
+    predictions.resize(layers.size());
+    ahead.resize(layers.size());
+    reader = std::make_unique<llama_moe_reader>(files);
 
     if (layers[0].n_slots >= layers[0].n_expert) {
         read_all();
     }
-    LLAMA_LOG_INFO("%s: expert cache, RAM tier: %zu layers x %d experts kept in memory (%.1f MiB), the others read from the model file\n",
-            __func__, layers.size(), layers[0].n_slots, layers.size()*layers[0].n_slots*layers[0].expert_bytes()/1024.0/1024.0);
+    LLAMA_LOG_INFO("%s: expert cache, RAM tier: %zu layers x %d experts kept in memory (%.1f MiB), the others read from the model file%s\n",
+            __func__, layers.size(), layers[0].n_slots, layers.size()*layers[0].n_slots*layers[0].expert_bytes()/1024.0/1024.0,
+            ahead_on ? ", read ahead by the next layer's router" : "");
 }
 
 // when every expert fits, they are all read in and mapped now, as stock's mmap does at load
@@ -87,6 +94,74 @@ void llama_moe_ram::read_all() {
 // graph
 //
 
+// the custom op of read_ahead, on one CPU thread: the prediction goes to the tier of the layer
+static void moe_predicted(ggml_tensor * dst, const ggml_tensor * ids, int ith, int nth, void * userdata) {
+    GGML_UNUSED(dst);
+    GGML_UNUSED(nth);
+    if (ith == 0) {
+        const auto * next = (const llama_moe_cache_layer *) userdata;
+        static_cast<llama_moe_ram *>(next->cache)->predicted(*next, ids);
+    }
+}
+
+// whether t's weights are in the CPU's memory (a device's backend, an RPC server's among them, cannot
+// run the custom op that hands the prediction over)
+static bool moe_on_cpu(const ggml_tensor * t) {
+    if (!t || !t->buffer) {
+        return false;
+    }
+    if (ggml_backend_buffer_is_host(t->buffer)) {
+        return true; // the mapped file's buffer among them, whose type names no device
+    }
+    ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(t->buffer));
+    return dev && ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU; // repacked
+}
+
+// the router of the next cached layer on this layer's input (its normed FFN input, as the next layer
+// would see its own), with the bias and the probability function that change its top-k; none where
+// the router is on a device
+ggml_tensor * llama_moe_ram::read_ahead(ggml_context * ctx, const llama_moe_cache_layer & cl, ggml_tensor * cur) const {
+    if (!ahead_on || cl.i + 1 >= n_layers()) {
+        return nullptr;
+    }
+    const llama_moe_cache_layer & next = layers[cl.i + 1];
+    const llama_moe_router & r = next.router;
+    if (next.n_slots >= next.n_expert || !moe_on_cpu(r.gate_inp) || r.gate_inp->ne[0] != cur->ne[0] ||
+            r.gate_inp->ne[1] != next.n_expert) {
+        return nullptr;
+    }
+    ggml_tensor * probs = ggml_mul_mat(ctx, r.gate_inp, cur); // [n_expert, n_tokens]
+    if (r.gate_inp_b) {
+        probs = ggml_add(ctx, probs, r.gate_inp_b);
+    }
+    if (r.probs_b) {
+        switch (r.gating) {
+            case LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX:       probs = ggml_soft_max(ctx, probs); break;
+            case LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID:       probs = ggml_sigmoid(ctx, probs);  break;
+            case LLAMA_EXPERT_GATING_FUNC_TYPE_SQRT_SOFTPLUS: probs = ggml_sqrt(ctx, ggml_softplus(ctx, probs)); break;
+            default: break; // the logits themselves
+        }
+        probs = ggml_add(ctx, probs, r.probs_b);
+    }
+    ggml_tensor * ids = ggml_argsort_top_k(ctx, probs, next.n_expert_used); // [n_used, n_tokens]
+    return ggml_map_custom1_inplace(ctx, ids, moe_predicted, 1, const_cast<llama_moe_cache_layer *>(&next));
+}
+
+// (the last layer of a prompt runs its outputs only: their predictions alone, the ubatch's last)
+void llama_moe_ram::predicted(const llama_moe_cache_layer & next, const ggml_tensor * ids) {
+    const int64_t n_used = ids->ne[0];
+    int64_t t0 = 0;
+    if (next.il == last_il && ubatch_outs < ids->ne[1]) {
+        t0 = ids->ne[1] - ubatch_outs;
+    }
+    auto & p = predictions[next.i];
+    p.clear();
+    for (int64_t t = t0; t < ids->ne[1]; ++t) {
+        const int32_t * row = (const int32_t *) ((const char *) ids->data + t*ids->nb[1]);
+        p.insert(p.end(), row, row + n_used);
+    }
+}
+
 void llama_moe_ram::observe_matmul(const llama_moe_cache_layer & cl, const ggml_tensor * ids, const ggml_tensor * skip) {
     record(cl, ids, skip);
     if (skip == cl.skip_late) {
@@ -100,7 +175,7 @@ void llama_moe_ram::record(const llama_moe_cache_layer & cl, const ggml_tensor *
     if (routing.recorded(cl.i)) {
         return; // another matmul of the layer ran first
     }
-    drop_transient(); // the layer before has run
+    drop_transient(/*all =*/ false); // those of the layers before whose reads are done
     if (!changed && !files.unchanged()) {
         fail_reads();
     }
@@ -128,148 +203,211 @@ void llama_moe_ram::record(const llama_moe_cache_layer & cl, const ggml_tensor *
     }
 }
 
-// before the CPU computes layer cl: every selected expert that is not resident is read in at once;
-// those admitted keep their slot, the others are dropped once the layer has run. A graph that runs
-// the layer's experts twice (later: the table of the pass after this one): in a ubatch without
-// read-ahead the reads run on another thread while this pass (now) computes the resident experts,
-// and the pass over skip_late computes the experts read (finish_late_reads); otherwise this pass
-// computes them all
+// before the CPU computes layer cl: every selected expert that is neither resident nor read ahead is
+// queued for the reader, then the experts predicted for the next layer; those admitted keep their
+// slot, the others are dropped once the layer has run. A graph that runs the layer's experts twice
+// (later: the table of the pass after this one): this pass (now) computes the experts kept while the
+// reader reads, and the pass over skip_late waits for the reads and computes those experts
+// (finish_late_reads); otherwise the CPU waits here and this pass computes them all
 void llama_moe_ram::read_misses(const llama_moe_cache_layer & cl, const std::vector<llama_moe_upload> & admitted,
                                 const ggml_tensor * now, const ggml_tensor * later) {
-    const auto t0 = std::chrono::steady_clock::now();
-    std::vector<llama_moe_upload> reads = misses(cl, admitted);
-    const bool ahead_next = reads_ahead(cl.i + 1);
-    if (later) {
-        const bool late_reads = later == cl.skip_late && !ahead_next && !reads.empty() && !changed;
-        int32_t * first  = (int32_t *) now->data;
-        int32_t * second = (int32_t *) later->data;
-        std::fill(first, first + cl.n_expert, 0);
-        std::fill(second, second + cl.n_expert, 1);
-        if (late_reads) {
-            for (const auto & job : reads) {
-                first[job.expert]  = 1;
-                second[job.expert] = 0;
-            }
-            start_late_reads(reads, (int32_t) admitted.size(), t0);
-            return;
+    pending p;
+    p.i          = cl.i;
+    p.n_admitted = (int32_t) admitted.size();
+    p.t0         = std::chrono::steady_clock::now();
+    reads demand;
+    if (!changed) {
+        std::vector<int32_t> experts = misses(cl, p.ticket);
+        demand = queue_reads(cl.i, std::move(experts));
+        p.ticket = std::max(p.ticket, demand.ticket);
+        for (size_t n : demand.bytes) {
+            layer_counters[cl.i].upload_bytes += n;
         }
+        note_transient(cl, demand, admitted);
+        read_ahead_of(cl.i + 1); // behind this layer's reads
     }
-    size_t n_bytes = 0;
-    const bool ok = !changed && (reads.empty() || read_in(reads, n_bytes));
-    auto & c = layer_counters[cl.i];
-    c.uploads      += ok ? admitted.size() : 0;
-    c.upload_bytes += n_bytes;
-    c.upload_us    += moe_us_since(t0);
-    if (ok && ahead_next) {
-        read_ahead(cl.i + 1);
+    if (later == cl.skip_late && p.ticket > 0 && !changed) {
+        write_passes(cl, (int32_t *) now->data, (int32_t *) later->data);
+        late = p;
+        return;
     }
+    if (later) {
+        std::fill((int32_t *) now->data, (int32_t *) now->data + cl.n_expert, 0);
+        std::fill((int32_t *) later->data, (int32_t *) later->data + cl.n_expert, 1);
+    }
+    finish_reads(p);
 }
 
-// the selected experts of layer cl that are neither resident nor read ahead; what this layer reads
-// (and what the read-ahead brought that no token selected) and does not keep is transient
-std::vector<llama_moe_upload> llama_moe_ram::misses(const llama_moe_cache_layer & cl, const std::vector<llama_moe_upload> & admitted) {
+// the selected experts of layer cl that are neither kept nor read ahead; ticket: the read-ahead's
+// batch, when a selected expert is in it. The experts read ahead are counted used or wasted
+std::vector<int32_t> llama_moe_ram::misses(const llama_moe_cache_layer & cl, uint64_t & ticket) {
     const llama_moe_slots & ls = slots[cl.i];
+    const reads & ah = ahead[cl.i];
     const int32_t * ids = routing.row(cl.i);
-    std::vector<uint8_t> in(cl.n_expert, 0); // 1: read already, 2: also selected
-    for (const auto & job : finish_read_ahead()) {
-        in[job.expert] = 1;
+    std::vector<uint8_t> in(cl.n_expert, 0); // 1: read ahead, 2: selected
+    for (int32_t e : ah.experts) {
+        in[e] = 1;
     }
+    std::vector<int32_t> out;
+    for (int32_t k = 0; k < routing.n(cl.i); ++k) {
+        const int32_t e = ids[k];
+        if (e < 0 || (in[e] & 2) || ls.cached(e)) {
+            continue;
+        }
+        if (in[e] == 1) {
+            ticket = ah.ticket;
+        } else {
+            out.push_back(e);
+        }
+        in[e] |= 2;
+    }
+    auto & c = layer_counters[cl.i];
+    for (size_t j = 0; j < ah.experts.size(); ++j) {
+        if (in[ah.experts[j]] & 2) {
+            c.read_ahead_used++;
+        } else {
+            c.read_ahead_wasted_bytes += ah.bytes[j];
+        }
+    }
+    return out;
+}
+
+// the experts read for layer cl that no slot keeps are dropped once the layer has run (after their
+// batch is done)
+void llama_moe_ram::note_transient(const llama_moe_cache_layer & cl, const reads & demand, const std::vector<llama_moe_upload> & admitted) {
     std::vector<uint8_t> kept(cl.n_expert, 0);
     for (const auto & job : admitted) {
         kept[job.expert] = 1;
     }
-    std::vector<llama_moe_upload> reads;
-    for (int32_t k = 0; k < routing.n(cl.i); ++k) {
-        const int32_t e = ids[k];
-        if (e < 0 || in[e] == 2 || ls.cached(e)) {
-            continue;
-        }
-        if (in[e] == 0) {
-            reads.push_back({ cl.i, e, -1 });
-        }
-        in[e] = 2;
-    }
-    for (int32_t e = 0; e < cl.n_expert; ++e) {
-        if (in[e] && !kept[e]) {
-            transient.push_back({ cl.i, e, -1 });
+    for (const reads * r : { &demand, (const reads *) &ahead[cl.i] }) {
+        for (int32_t e : r->experts) {
+            if (!kept[e]) {
+                transient.push_back({ cl.i, e, r->ticket });
+            }
         }
     }
-    return reads;
+    ahead[cl.i] = reads();
+}
+
+// queue the experts of layer i that are not kept: all of them when the ubatch selects most of a
+// layer's experts (a prompt), else those the graph predicted
+void llama_moe_ram::read_ahead_of(int32_t i) {
+    if (i >= n_layers()) {
+        return;
+    }
+    std::vector<int32_t> experts = predicted_experts(i);
+    predictions[i].clear();
+    if (experts.empty()) {
+        return;
+    }
+    ahead[i] = queue_reads(i, std::move(experts));
+    auto & c = layer_counters[i];
+    c.read_ahead += ahead[i].experts.size();
+    for (size_t n : ahead[i].bytes) {
+        c.read_ahead_bytes += n;
+        c.upload_bytes     += n;
+    }
+}
+
+std::vector<int32_t> llama_moe_ram::predicted_experts(int32_t i) const {
+    const llama_moe_cache_layer & next = layers[i];
+    std::vector<uint8_t> want(next.n_expert, 0);
+    if (whole_layer_ahead(i)) {
+        std::fill(want.begin(), want.end(), 1); // in a few large requests, rather than the prediction's scattered ones
+    } else {
+        for (int32_t e : predictions[i]) {
+            if (e >= 0 && e < next.n_expert) {
+                want[e] = 1;
+            }
+        }
+    }
+    std::vector<int32_t> out;
+    for (int32_t e = 0; e < next.n_expert; ++e) {
+        if (want[e] && !slots[i].cached(e)) {
+            out.push_back(e);
+        }
+    }
+    return out;
 }
 
 // a ubatch that selects most experts of a layer will select most of the next one's (layer i): read
-// them while this layer computes (the last layer runs only the outputs)
-bool llama_moe_ram::reads_ahead(int32_t i) const {
-    if (i >= n_layers()) {
-        return false;
-    }
+// them all while this layer computes (the last layer runs only the outputs)
+bool llama_moe_ram::whole_layer_ahead(int32_t i) const {
     const auto & next = layers[i];
     const uint32_t rows = next.il == last_il ? ubatch_outs : ubatch_rows;
     return (int64_t) rows*next.n_expert_used >= next.n_expert && next.n_slots < next.n_expert;
 }
 
-void llama_moe_ram::start_late_reads(std::vector<llama_moe_upload> & reads, int32_t n_admitted, time_point t0) {
-    late_jobs.swap(reads);
-    late_admitted = n_admitted;
-    late_t0       = t0;
-    late.start([this](size_t & n_bytes) { return read_in(late_jobs, n_bytes); });
-}
-
-// the second pass of a layer whose misses were read while its first pass ran: wait for the reads
-// (a failed one stops the tier, and the second pass computes nothing)
-void llama_moe_ram::finish_late_reads() {
-    if (!late.running()) {
-        return;
-    }
-    size_t n_bytes = 0;
-    const bool ok = late.join(n_bytes);
-    const auto & cl = layers[late_jobs[0].i];
-    auto & c = layer_counters[cl.i];
-    c.uploads      += ok ? late_admitted : 0;
-    c.upload_bytes += n_bytes;
-    c.upload_us    += moe_us_since(late_t0);
-    if (!ok) {
-        std::fill((int32_t *) cl.skip_late->data, (int32_t *) cl.skip_late->data + cl.n_expert, 1);
-    }
-    late_jobs.clear();
-}
-
-// start reading the experts of layer i that are not resident, on another thread
-void llama_moe_ram::read_ahead(int32_t i) {
-    ahead_jobs.clear();
-    for (int32_t e = 0; e < layers[i].n_expert; ++e) {
-        if (!slots[i].cached(e)) {
-            ahead_jobs.push_back({ i, e, -1 });
+// the first pass computes the experts kept, the second the others the layer selected (read now)
+void llama_moe_ram::write_passes(const llama_moe_cache_layer & cl, int32_t * first, int32_t * second) const {
+    std::fill(first, first + cl.n_expert, 0);
+    std::fill(second, second + cl.n_expert, 1);
+    const int32_t * ids = routing.row(cl.i);
+    for (int32_t k = 0; k < routing.n(cl.i); ++k) {
+        const int32_t e = ids[k];
+        if (e >= 0 && !slots[cl.i].cached(e)) {
+            first[e]  = 1;
+            second[e] = 0;
         }
     }
-    if (ahead_jobs.empty()) {
-        return;
-    }
-    ahead.start([this](size_t & n_bytes) { return read_in(ahead_jobs, n_bytes); });
 }
 
-// the experts the read-ahead read (after it has finished), counted to their layer
-std::vector<llama_moe_upload> llama_moe_ram::finish_read_ahead() {
-    if (!ahead.running()) {
-        return {};
-    }
-    size_t n_bytes = 0;
-    const bool ok = ahead.join(n_bytes);
-    std::vector<llama_moe_upload> jobs;
-    jobs.swap(ahead_jobs);
+// wait for the reads of a layer (a failed one stops the tier)
+void llama_moe_ram::finish_reads(const pending & p) {
+    const auto t = std::chrono::steady_clock::now();
+    const bool ok = !changed && reader->wait(p.ticket);
+    auto & c = layer_counters[p.i];
+    c.uploads      += ok ? p.n_admitted : 0;
+    c.upload_us    += moe_us_since(p.t0);
+    c.read_wait_us += moe_us_since(t);
     if (!ok) {
-        return {};
+        fail_reads();
     }
-    layer_counters[jobs[0].i].upload_bytes += n_bytes;
-    return jobs;
+}
+
+// the second pass of a layer whose misses were read while its first pass ran (a failed read: the
+// second pass computes nothing)
+void llama_moe_ram::finish_late_reads() {
+    if (late.i < 0) {
+        return;
+    }
+    const pending p = late;
+    late = pending();
+    finish_reads(p);
+    if (changed) {
+        const auto & cl = layers[p.i];
+        std::fill((int32_t *) cl.skip_late->data, (int32_t *) cl.skip_late->data + cl.n_expert, 1);
+    }
 }
 
 //
 // the model file
 //
 
-// read the experts' weights through the page cache, every part of every job at once, and map them;
-// false, and the tier stopped, when a file changed or a read failed
+// the experts of layer i queued for the reader, with the bytes each needs from the file (an expert
+// whose pages are all in the page cache needs none: the matmul maps them)
+llama_moe_ram::reads llama_moe_ram::queue_reads(int32_t i, std::vector<int32_t> experts) {
+    reads r;
+    std::vector<llama_moe_file_range> ranges;
+    for (int32_t e : experts) {
+        size_t n = 0;
+        const size_t n_ranges = ranges.size();
+        for (const auto & part : layers[i].parts) {
+            ranges.push_back(moe_range(part, e));
+            n += files.missing(ranges.back());
+        }
+        if (n == 0) {
+            ranges.resize(n_ranges);
+        }
+        r.bytes.push_back(n);
+    }
+    r.experts = std::move(experts);
+    r.ticket  = reader->queue(std::move(ranges));
+    return r;
+}
+
+// read the experts' weights into the page cache, every part of every job at once, and map them (on
+// this thread); false, and the tier stopped, when a file changed or a read failed
 bool llama_moe_ram::read_in(const std::vector<llama_moe_upload> & jobs, size_t & n_bytes) {
     std::vector<llama_moe_file_range> ranges;
     for (const auto & job : jobs) {
@@ -330,11 +468,17 @@ void llama_moe_ram::release_unkept() {
     files.release_all();
 }
 
-void llama_moe_ram::drop_transient() {
-    for (const auto & job : transient) {
-        drop(job.i, job.expert);
+// all: every one (the reader idle); else those whose batch is done
+void llama_moe_ram::drop_transient(bool all) {
+    std::vector<transient_read> later;
+    for (const auto & t : transient) {
+        if (all || reader->done(t.ticket)) {
+            drop(t.i, t.expert);
+        } else {
+            later.push_back(t);
+        }
     }
-    transient.clear();
+    transient.swap(later);
 }
 
 //
@@ -343,6 +487,7 @@ void llama_moe_ram::drop_transient() {
 
 void llama_moe_ram::boundary_begin() {
     finish_late_reads(); // a graph that stopped before a layer's second pass
+    reader->wait(reader->last());
 }
 
 void llama_moe_ram::boundary_end(uint32_t n_tokens, uint32_t n_outputs) {
@@ -350,10 +495,16 @@ void llama_moe_ram::boundary_end(uint32_t n_tokens, uint32_t n_outputs) {
         release_unkept();
         released = true;
     }
-    for (const auto & job : finish_read_ahead()) {
-        drop(job.i, job.expert); // read for a layer the last ubatch did not reach
+    for (int32_t i = 0; i < n_layers(); ++i) {
+        for (int32_t e : ahead[i].experts) {
+            if (!slots[i].cached(e)) {
+                drop(i, e); // read ahead for a layer the last ubatch did not reach
+            }
+        }
+        ahead[i] = reads();
+        predictions[i].clear();
     }
-    drop_transient();
+    drop_transient(/*all =*/ true);
     ubatch_rows = n_tokens;
     ubatch_outs = n_outputs;
     if (!staged.empty() && !changed) {

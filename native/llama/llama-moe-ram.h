@@ -2,16 +2,20 @@
 
 #include "llama-moe-cache.h"
 #include "llama-moe-file.h"
+#include "llama-moe-reader.h"
 
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 // the RAM tier (llama_moe_cache_params.in_ram), for models larger than RAM: the slots are the experts
 // kept in host memory, over experts the loader left mapped and unread (LLAMA_LAZY_MODE_EXPERTS).
-// Before a layer's CPU matmuls run, its observer reads every selected expert that is not resident
-// from the model file, all at once; an expert that loses its slot, or was read for one layer
+// Before a layer's CPU matmuls run, its observer queues every selected expert that is not resident
+// for reading from the model file, then the experts the next layer's router, applied early to this
+// layer's input, predicts (read_ahead); a reader thread reads them into the page cache and maps them
+// while the CPU computes the experts kept. An expert that loses its slot, or was read for one layer
 // without one, is dropped (its pages unmapped, then released from the page cache). The CPU computes
 // every expert through the mapping with stock's kernels; no device, no upload worker
 class llama_moe_ram : public llama_moe_cache {
@@ -26,6 +30,12 @@ public:
 
     void record(const llama_moe_cache_layer & cl, const ggml_tensor * ids, const ggml_tensor * skip) override;
 
+    ggml_tensor * read_ahead(ggml_context * ctx, const llama_moe_cache_layer & cl, ggml_tensor * cur) const override;
+
+    // the graph's prediction of layer next's selections, ids I32 [n_used, n_tokens] (on the CPU, before
+    // the observer of the layer before next runs)
+    void predicted(const llama_moe_cache_layer & next, const ggml_tensor * ids);
+
     bool stopped() const override { return changed; }
 
 protected:
@@ -38,47 +48,70 @@ protected:
 private:
     using time_point = std::chrono::steady_clock::time_point;
 
+    // experts of one layer on their way in: one batch of the reader (ticket), the bytes each took
+    // from the file (0: resident already)
+    struct reads {
+        std::vector<int32_t> experts;
+        std::vector<size_t>  bytes;
+        uint64_t             ticket = 0;
+    };
+
+    // an expert read for one layer without a slot
+    struct transient_read {
+        int32_t  i      = -1;
+        int32_t  expert = -1;
+        uint64_t ticket = 0;
+    };
+
+    // the reads of a layer the CPU waits for in its second pass (or before its only one)
+    struct pending {
+        int32_t    i      = -1; // the layer; -1: none
+        uint64_t   ticket = 0;
+        int32_t    n_admitted = 0;
+        time_point t0;
+    };
+
     void read_all();
 
-    // during the graph: layer cl's misses read in, the tables of its two passes
+    // during the graph: layer cl's misses queued, the next layer's predicted experts queued after
+    // them, the tables of its two passes
     void read_misses(const llama_moe_cache_layer & cl, const std::vector<llama_moe_upload> & admitted,
                      const ggml_tensor * now, const ggml_tensor * later);
-    std::vector<llama_moe_upload> misses(const llama_moe_cache_layer & cl, const std::vector<llama_moe_upload> & admitted);
-    bool reads_ahead(int32_t i) const;
-    void start_late_reads(std::vector<llama_moe_upload> & reads, int32_t n_admitted, time_point t0);
+    std::vector<int32_t> misses(const llama_moe_cache_layer & cl, uint64_t & ticket);
+    void note_transient(const llama_moe_cache_layer & cl, const reads & demand, const std::vector<llama_moe_upload> & admitted);
+    void read_ahead_of(int32_t i);
+    std::vector<int32_t> predicted_experts(int32_t i) const;
+    bool whole_layer_ahead(int32_t i) const;
+    void write_passes(const llama_moe_cache_layer & cl, int32_t * first, int32_t * second) const;
+    void finish_reads(const pending & p);
     void finish_late_reads();
-    void read_ahead(int32_t i);
-    std::vector<llama_moe_upload> finish_read_ahead();
 
-    // read the experts in from the model file (all at once), drop them from memory
+    // the model file: reads queued to the reader, drops
+    reads queue_reads(int32_t i, std::vector<int32_t> experts);
     bool read_in(const std::vector<llama_moe_upload> & jobs, size_t & n_bytes);
     void read_staged();
     void fail_reads();
     void drop(int32_t i, int32_t expert);
-    void drop_transient();
+    void drop_transient(bool all);
     void release_unkept();
 
     llama_moe_model_files files;
     std::atomic<bool>     changed{false}; // a model file changed or could not be read: the tier stops
+    const bool            ahead_on;       // llama_moe_cache_params.read_ahead
 
-    std::vector<llama_moe_upload> transient; // experts read for one layer of one ubatch without a slot
+    // experts read for one layer of one ubatch without a slot, each dropped once its layer has run and
+    // its batch is done
+    std::vector<transient_read> transient;
 
     bool     released    = false; // release_unkept ran
     int32_t  last_il     = -1;    // the model's last layer, which runs only the outputs
     uint32_t ubatch_rows = 0;     // tokens of the ubatch
     uint32_t ubatch_outs = 0;     // its outputs
 
-    // the read-ahead: in a ubatch that selects most experts of a layer (a prompt), the next layer's
-    // experts are read while this one computes
-    std::vector<llama_moe_upload> ahead_jobs;
+    std::vector<std::vector<int32_t>> predictions; // [n_layers] the graph's prediction in this ubatch (ids)
+    std::vector<reads>                ahead;       // [n_layers] experts read ahead for the layer
 
-    // the reads of a layer's misses while its first pass computes the resident experts (a layer with
-    // skip_late, in a ubatch without read-ahead); the second pass joins them
-    std::vector<llama_moe_upload> late_jobs;
-    int32_t                       late_admitted = 0;
-    time_point                    late_t0;
+    pending late; // a layer's reads, waited for by its second pass
 
-    // last: their threads stop before the members they use go
-    llama_moe_read_thread ahead;
-    llama_moe_read_thread late;
+    std::unique_ptr<llama_moe_reader> reader; // last: its thread stops before the members it uses go
 };

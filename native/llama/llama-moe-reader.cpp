@@ -1,0 +1,112 @@
+#include "llama-moe-reader.h"
+
+#include <algorithm>
+
+llama_moe_reader::llama_moe_reader(const llama_moe_model_files & files) : files(files) {
+    thread = std::thread([this]() { run(); });
+}
+
+llama_moe_reader::~llama_moe_reader() {
+    {
+        std::lock_guard<std::mutex> lock(mutex);
+        stopping = true;
+    }
+    work.notify_all();
+    thread.join();
+}
+
+// ranges of one file that follow each other, in the file and in its mapping, are read as one
+static void moe_merge(std::vector<llama_moe_file_range> & ranges) {
+    std::sort(ranges.begin(), ranges.end(), [](const llama_moe_file_range & a, const llama_moe_file_range & b) {
+        return a.file != b.file ? a.file < b.file : a.offset < b.offset;
+    });
+    std::vector<llama_moe_file_range> merged;
+    for (const auto & r : ranges) {
+        auto * last = merged.empty() ? nullptr : &merged.back();
+        if (last && last->file == r.file && last->offset + last->size == r.offset &&
+                (const char *) last->mapped + last->size == (const char *) r.mapped) {
+            last->size += r.size;
+        } else {
+            merged.push_back(r);
+        }
+    }
+    ranges.swap(merged);
+}
+
+uint64_t llama_moe_reader::queue(std::vector<llama_moe_file_range> ranges) {
+    if (ranges.empty()) {
+        return 0;
+    }
+    moe_merge(ranges);
+    uint64_t ticket;
+    {
+        std::lock_guard<std::mutex> lock(mutex);
+        ticket = ++n_queued;
+        batches.push_back({ ticket, std::move(ranges) });
+    }
+    work.notify_one();
+    return ticket;
+}
+
+bool llama_moe_reader::wait(uint64_t ticket) {
+    std::unique_lock<std::mutex> lock(mutex);
+    completed.wait(lock, [&]() { return n_done >= ticket || failed; });
+    return !failed;
+}
+
+bool llama_moe_reader::done(uint64_t ticket) {
+    std::lock_guard<std::mutex> lock(mutex);
+    return n_done >= ticket || failed;
+}
+
+uint64_t llama_moe_reader::last() {
+    std::lock_guard<std::mutex> lock(mutex);
+    return n_queued;
+}
+
+// (under the lock) the ranges the window lets start now, in the order queued
+void llama_moe_reader::start_window(std::vector<llama_moe_file_range> & to_start) {
+    for (auto & b : batches) {
+        while (b.n_started < b.ranges.size() && (in_flight < window || in_flight == 0)) {
+            to_start.push_back(b.ranges[b.n_started++]);
+            in_flight += to_start.back().size;
+        }
+    }
+}
+
+// start what the window allows, map the oldest range started, repeat; a batch whose ranges are all
+// mapped is done (after a check that the files did not change: its pages might be another file's)
+void llama_moe_reader::run() {
+    std::vector<llama_moe_file_range> to_start;
+    std::unique_lock<std::mutex> lock(mutex);
+    for (;;) {
+        work.wait(lock, [&]() { return stopping || !batches.empty(); });
+        if (stopping) {
+            return;
+        }
+        to_start.clear();
+        start_window(to_start);
+        batch & front = batches.front(); // (a deque keeps references to the elements it keeps)
+        const llama_moe_file_range range = front.ranges[front.n_mapped];
+        lock.unlock();
+        for (const auto & r : to_start) {
+            files.start(r);
+        }
+        bool ok = files.map(range);
+        const bool last_range = front.n_mapped + 1 == front.ranges.size(); // only this thread moves n_mapped
+        if (last_range) {
+            ok = ok && files.unchanged();
+        }
+        lock.lock();
+        in_flight -= range.size;
+        front.n_mapped++;
+        failed = failed || !ok;
+        if (last_range) {
+            n_done = front.ticket;
+            batches.pop_front();
+            completed.notify_all();
+        } else if (failed) {
+            completed.notify_all();
+        }
+    }
+}
