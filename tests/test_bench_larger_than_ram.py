@@ -108,8 +108,10 @@ def test_io_bound(bench):
     MB = bench.MB
 
     def row(kind, placement, prompt_tok_s, *read_bytes):
-        return {"kind": kind, "placement": placement, "anon_bytes": 100 * MB, "prompt_tok_s": prompt_tok_s,
-                "runs": [{"status": "ok", "prompt_tokens": 10, "read_bytes_prompt": b} for b in read_bytes]}
+        return {"kind": kind, "placement": placement, "config": f"{kind}, {placement}", "anon_bytes": 100 * MB,
+                "prompt_tok_s": prompt_tok_s,
+                "runs": [{"status": "ok", "prompt_tokens": 10, "read_bytes_prompt": b, "prompt_tok_s": prompt_tok_s,
+                          "decode_read_bytes_per_token": 0, "decode_tok_s": 1.0} for b in read_bytes]}
 
     report = {"limit_mb": 1000, "disk": {"sequential_qd1_gbps": 0.5, "sequential_threads_gbps": 1.0},
               "facts": {"expert_bytes": 1600 * MB, "other_bytes": 100 * MB, "moe_layers": 2, "n_expert": 8,
@@ -169,3 +171,27 @@ def test_roofline_of_each_limited_tier_row(bench):
     assert bench.rooflines(report)["tier, limited"]["tok_s"] == pytest.approx(25.0)
     report["disk"] = None
     assert bench.rooflines(report) == {}
+
+
+def test_the_rooflines_disk_rate_is_the_best_the_run_measured(bench):
+    """A limited run whose own reads went faster than the O_DIRECT measurement sets the rate."""
+    MB = bench.MB
+
+    def run(prompt_bytes, decode_bytes):
+        return {"status": "ok", "read_bytes_prompt": prompt_bytes, "prompt_tok_s": 20.0, "prompt_tokens": 40,
+                "decode_read_bytes_per_token": decode_bytes, "decode_tok_s": 10.0}
+
+    tier = {"kind": "tier", "placement": "limited", "config": "tier, 1600 MB", "decode_tok_s": 10.0,
+            "decode_read_bytes_per_token": 100 * MB, "runs": [run(1000 * MB, 100 * MB)]}
+    in_ram = {"kind": "tier", "placement": "ram", "config": "tier, in RAM", "decode_tok_s": 50.0,
+              "decode_read_bytes_per_token": 0, "runs": [run(0, 0)]}
+    report = {"disk": {"sequential_qd1_gbps": 1.0, "sequential_threads_gbps": 0.9}, "rows": [in_ram, tier]}
+    # the prompt read 1000 MB in 2 s: 0.5 GB/s, slower than the disk measurement: 1.0 GB/s stands
+    r = bench.rooflines(report)["tier, 1600 MB"]
+    assert (r["gbps"], r["gbps_from"]) == (pytest.approx(1.0), "the disk measurement")
+    tier["runs"].append(run(3000 * MB, 100 * MB))  # 1.5 GB/s in its prompt
+    r = bench.rooflines(report)["tier, 1600 MB"]
+    assert (r["gbps"], r["gbps_from"]) == (pytest.approx(1.5), "tier, 1600 MB's prompt")
+    assert r["tok_s"] == pytest.approx(15.0)  # 100 MB at 1.5 GB/s
+    tier["runs"].append({**run(0, 200 * MB), "status": "killed"})  # a failed run measures nothing
+    assert bench.rooflines(report)["tier, 1600 MB"]["gbps"] == pytest.approx(1.5)
