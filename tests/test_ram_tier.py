@@ -24,6 +24,7 @@ from moecache.live.activate import attach  # noqa: E402
 from moecache.live.config import CacheConfig, ConfigError  # noqa: E402
 from moecache.live.placement import experts_from_file  # noqa: E402
 from moecache.live.probe import CacheUnavailable  # noqa: E402
+from moecache.models.tiny import ARCHS, tiny_moe  # noqa: E402
 
 MIB = 1 << 20
 N_TOKENS = 64
@@ -490,3 +491,32 @@ def test_run_py_says_why_a_decode_failed_when_the_model_file_changed(tmp_path, m
     err = capsys.readouterr().err.splitlines()
     assert err[-1].startswith("run.py: error: llama_decode returned -3: the RAM tier stopped: RuntimeError: the "
                               "model file changed since it was loaded"), err
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_ram_tier_with_read_ahead_is_bit_identical_on_every_architecture(arch):
+    """The tier alone, read-ahead on (the default): each architecture's next router, with its bias
+    and probability function, predicts from this layer's input; whatever it predicts, the logits
+    are stock mmap's, and the tier misses, reads and (with a next MoE layer) reads ahead."""
+    # 3 layers of 8 experts of about 768 KiB, 2 or 3 kept per layer: most selections are read
+    path = str(tiny_moe(arch=arch, n_layer=3, n_expert=8, n_expert_used=2, n_embd=128, n_ff_exp=512,
+                        n_head=4, n_head_kv=2))
+    llm = load_from_file(path)
+    per_k = sum(layer.expert_bytes for layer in attach(llm, ram_mib=1 << 20).layers)
+    llm.close()
+    with default_params("llama_model_default_params", use_extra_bufts=False):
+        stock = llama_cpp.Llama(path, n_gpu_layers=0, n_ctx=512, n_threads=N_THREADS, n_threads_batch=N_THREADS,
+                                verbose=False)
+    stock_tokens, stock_logits = greedy(stock, PROMPT, 24)
+    stock.close()
+    llm = load_from_file(path)
+    cache = attach(llm, ram_mib=2 * per_k // MIB + 1, policy="lru", wait=1)
+    tokens, logits = greedy(llm, PROMPT, 24)
+    assert cache.slots < cache.layers[0].n_expert
+    assert tokens == stock_tokens
+    assert np.array_equal(logits, stock_logits), f"max |diff| {np.abs(logits - stock_logits).max()}"
+    counters = cache.native_counters()
+    assert sum(c["upload_bytes"] for c in counters) > 0
+    if len(cache.layers) > 1:
+        assert sum(c["read_ahead"] for c in counters) > 0, counters
+    llm.close()
