@@ -174,6 +174,7 @@ def run_python(code: str, env: dict, timeout=300) -> subprocess.CompletedProcess
     """`code` in a fresh interpreter from the repository root, with env as its only
     LLAMA_MOE_CACHE_* variables."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_MOE_CACHE_")}
+    full_env["PYTHONFAULTHANDLER"] = "1"  # a crash prints where it happened
     full_env.update(env)
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full_env, cwd=REPO,
                           capture_output=True, text=True, timeout=timeout)

@@ -226,7 +226,7 @@ void llama_moe_ram::read_misses(const llama_moe_cache_layer & cl, const std::vec
         note_transient(cl, demand, admitted);
         read_ahead_of(cl.i + 1); // behind this layer's reads
     }
-    if (later == cl.skip_late && p.ticket > 0 && !changed) {
+    if (later && later == cl.skip_late && p.ticket > 0 && !changed) { // (a layer kept whole has one pass: no skip_late)
         write_passes(cl, (int32_t *) now->data, (int32_t *) later->data);
         late = p;
         return;
