@@ -32,10 +32,14 @@ after decoding, the bytes its page faults read from storage per decode token (/p
 whether the greedy tokens equal the first in-RAM run's, and the 1-minute load average at the
 start of the runs (medians); for the tier's limited rows, from its stats (LLAMA_MOE_CACHE_STATS),
 per decode token: the bytes it read, of them read ahead and not selected, the time the layers
-waited for their reads, and the share of the experts read ahead that their layer selected. Pages other processes cached first
+waited for their reads, and the share of the experts read ahead that their layer selected; and,
+token by token, a least-squares fit of a decode token's time to the bytes it read (ms per MB read,
+the CPU's work on a read included, and ms at no read). Pages other processes cached first
 (the Python and llama.cpp libraries) count in RSS but not in the cgroup. The disk (unless --no-disk): O_DIRECT reads of
 the model file, sequential 2 MiB requests at queue depth 1 and with --disk-threads threads, and
-4 KiB requests at random offsets at queue depth 1; with them an I/O bound for the limited run:
+4 KiB requests at random offsets at queue depth 1; then requests of one expert's tensor at random
+offsets by two paths, the tier's (the page cache, a mapping, then unmapped and released) and
+O_DIRECT into one buffer used again: GB/s and the CPU time per MB read of each; with them an I/O bound for the limited run:
 the experts that fit in the limit beside everything else stay resident, and each token reads
 the rest of its experts once at the best sequential bandwidth. And for each limited tier row its
 roofline, the fastest a limited decode can be: max(the in-RAM tier row's decode time per token,
@@ -76,7 +80,10 @@ LARGER_THAN_LIMIT = 1.75  # the issue's minimum ratio of model size to memory li
 CACHED_ENOUGH = 0.99  # in RAM: at least this share of the file's pages in the page cache
 EVICTED_ENOUGH = 0.01  # limited: at most this share left after eviction
 RANDOM_READ_SECONDS = 2.0
+READ_PATH_REQUESTS = 400  # expert-sized requests per read path and measurement (half each)
+MADV_POPULATE_READ = 22   # Linux 5.14 (the mmap module does not name it)
 READ_KEYS = ("read_bytes_per_token", "wasted_bytes_per_token", "wait_ms_per_token", "read_ahead_precision")
+FIT_KEYS = ("decode_ms_per_read_mb", "decode_ms_at_no_read")
 
 
 class BenchError(ValueError):
@@ -158,7 +165,7 @@ def _bench(args) -> int:
         if args.ram_mib == "0":
             report["notes"].append("no tier rows (--ram-mib 0)")
     if not args.no_disk:
-        report["disk"] = measure_disk(model, args.disk_mib * MIB, args.disk_threads)
+        report["disk"] = measure_disk(model, args.disk_mib * MIB, args.disk_threads, report["facts"]["part_bytes"])
     if not args.disk_only:
         ratio = report["facts"]["file_bytes"] / (args.limit_mb * MB) if args.limit_mb else None
         if ratio is not None and ratio < LARGER_THAN_LIMIT:
@@ -214,9 +221,11 @@ def model_facts(path: str) -> dict:
     try:
         expert_bytes = other_bytes = 0
         moe_layers = set()
+        exps_bytes = []
         for tensor in reader.tensors:
             if re.search(r"\.ffn_\w+_exps\.", tensor.name):
                 expert_bytes += int(tensor.n_bytes)
+                exps_bytes.append(int(tensor.n_bytes))
                 moe_layers.add(tensor.name.split(".")[1])
             else:
                 other_bytes += int(tensor.n_bytes)
@@ -228,7 +237,9 @@ def model_facts(path: str) -> dict:
         raise BenchError(f"{path} is not a MoE model (no routed expert tensors or expert counts)")
     return {"file_bytes": os.path.getsize(path), "expert_bytes": expert_bytes, "other_bytes": other_bytes,
             "moe_layers": len(moe_layers), "n_expert": counts["expert_count"],
-            "n_expert_used": counts["expert_used_count"]}
+            "n_expert_used": counts["expert_used_count"],
+            # one expert's bytes of one of its tensors: what the tier reads in one request
+            "part_bytes": int(statistics.median(exps_bytes)) // counts["expert_count"]}
 
 
 # --- the page cache ----------------------------------------------------------------------------
@@ -238,6 +249,7 @@ _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+_libc.readahead.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_size_t]
 
 
 def cached_share(path: str) -> float:
@@ -504,14 +516,21 @@ def child(spec_json: str) -> int:
         print(f"{PROG}: error: the prompt ({len(prompt)} tokens) must have 2 tokens or more, and with "
               f"-n {spec['n_predict']} fit -c {spec['ctx_size']}", file=sys.stderr)
         return 1
-    # the disk reads of the prompt end where greedy's first single-token evaluation starts
+    # the disk reads of the prompt end where greedy's first single-token evaluation starts; each
+    # decode token's time and reads (llama_decode on the CPU returns once the graph ran)
     read_at_first_token = []
+    token_ms, token_read_bytes = [], []
     evaluate = llm.eval
 
     def eval_noting_reads(tokens):
-        if len(tokens) == 1 and not read_at_first_token:
-            read_at_first_token.append(_io_read_bytes())
-        return evaluate(tokens)
+        if len(tokens) != 1:
+            return evaluate(tokens)
+        read_before, start = _io_read_bytes(), time.perf_counter()
+        if not read_at_first_token:
+            read_at_first_token.append(read_before)
+        evaluate(tokens)
+        token_ms.append((time.perf_counter() - start) * 1e3)
+        token_read_bytes.append(_io_read_bytes() - read_before)
 
     llm.eval = eval_noting_reads
     run = greedy(llm, prompt, spec["n_predict"])
@@ -521,10 +540,22 @@ def child(spec_json: str) -> int:
               "prompt_tok_s": len(prompt) / run.prompt_seconds, "decode_tok_s": spec["n_predict"] / run.seconds,
               "read_bytes_load": read_loaded - read_before, "read_bytes_prompt": read_at_first_token[0] - read_loaded,
               "decode_read_bytes_per_token": (read_done - read_at_first_token[0]) / spec["n_predict"],
-              "peak_rss_bytes": memory["VmHWM"], "anon_bytes": memory["RssAnon"], "file_rss_bytes": memory["RssFile"]}
+              "peak_rss_bytes": memory["VmHWM"], "anon_bytes": memory["RssAnon"], "file_rss_bytes": memory["RssFile"],
+              **token_time_fit(token_ms, token_read_bytes)}
     llm.close()
     write_json(spec["result"], result)
     return 0
+
+
+def token_time_fit(token_ms: list[float], token_read_bytes: list[int]) -> dict:
+    """A decode token's time against the bytes it read, fitted by least squares over the run's
+    tokens: ms per MB read (what a read costs the token, the CPU's work on it included, beside
+    the wait) and ms at no read. None where the tokens' reads do not vary (a run in RAM)."""
+    mb = [n / MB for n in token_read_bytes]
+    if len(mb) < 3 or statistics.pvariance(mb) == 0:
+        return {"decode_ms_per_read_mb": None, "decode_ms_at_no_read": None}
+    slope, intercept = statistics.linear_regression(mb, token_ms)
+    return {"decode_ms_per_read_mb": slope, "decode_ms_at_no_read": intercept}
 
 
 def _io_read_bytes() -> int:
@@ -550,7 +581,7 @@ def summarize(args, runs: dict) -> list[dict]:
                "kind": kind, "placement": placement, "runs": config_runs, "ok_runs": len(ok),
                "failures": sorted({r["status"] for r in config_runs if r["status"] != "ok"})}
         for key in ("decode_tok_s", "prompt_tok_s", "cached_at_start", "page_cache_bytes", "peak_rss_bytes",
-                    "anon_bytes", "decode_read_bytes_per_token", "load_s", "load_average", *READ_KEYS):
+                    "anon_bytes", "decode_read_bytes_per_token", "load_s", "load_average", *READ_KEYS, *FIT_KEYS):
             values = [r[key] for r in ok if r.get(key) is not None]
             row[key] = statistics.median(values) if values else None
             if key in ("decode_tok_s", "prompt_tok_s"):
@@ -588,10 +619,11 @@ PAIRS = {"ram": ("stock", "ram"), "limited": ("stock", "limited"), "read_ahead":
 
 # --- the disk ----------------------------------------------------------------------------------
 
-def measure_disk(path: str, total_bytes: int, threads: int) -> dict | None:
+def measure_disk(path: str, total_bytes: int, threads: int, part_bytes: int) -> dict | None:
     """O_DIRECT reads of the file (the page cache bypassed): sequential 2 MiB requests at queue
-    depth 1 and with `threads` threads, 4 KiB at random offsets at queue depth 1; GB/s. None
-    where the filesystem has no O_DIRECT (tmpfs)."""
+    depth 1 and with `threads` threads, 4 KiB at random offsets at queue depth 1; GB/s. Then what
+    reading one expert part (part_bytes) costs the CPU by each path (read_path_costs). None where
+    the filesystem has no O_DIRECT (tmpfs)."""
     size = os.path.getsize(path)
     request = 2 * MIB
     usable = size // request * request
@@ -609,6 +641,7 @@ def measure_disk(path: str, total_bytes: int, threads: int) -> dict | None:
         qd1 = _sequential(fd, range(0, total_bytes, request), request, 1)
         parallel = _sequential(fd, range(total_bytes, 2 * total_bytes, request), request, threads)
         random_read = _random_reads(fd, size // mmap.PAGESIZE, mmap.PAGESIZE)
+        paths = read_path_costs(path, fd, part_bytes)
     except OSError as e:
         print(f"disk: O_DIRECT reads of {path} failed ({e.strerror}): no disk figures", file=sys.stderr)
         return None
@@ -617,7 +650,54 @@ def measure_disk(path: str, total_bytes: int, threads: int) -> dict | None:
     return {"request_bytes": request, "bytes_per_measurement": total_bytes, "threads": threads,
             "sequential_qd1_gbps": qd1, "sequential_threads_gbps": parallel,
             "random_4k_qd1_gbps": random_read["gbps"], "random_4k_qd1_us": random_read["us"],
-            "random_4k_reads": random_read["reads"]}
+            "random_4k_reads": random_read["reads"], "read_paths": paths}
+
+
+def read_path_costs(path: str, direct_fd: int, part_bytes: int) -> dict:
+    """Requests of one expert part's bytes at random page offsets, one at a time (the file
+    evicted first), by two paths: `page_cache`, as the RAM tier reads an expert it does not keep
+    (readahead(2) into the page cache, MADV_POPULATE_READ through a mapping, then unmapped with
+    MADV_DONTNEED and released with POSIX_FADV_DONTNEED), and `direct`, O_DIRECT into one buffer
+    used again for every request. GB/s and this process's CPU time (user + system) per MB read:
+    the CPU a decode token spends on its reads, on the cores its matmuls run on."""
+    n_pages = -(-part_bytes // mmap.PAGESIZE)
+    span = n_pages * mmap.PAGESIZE
+    size = os.path.getsize(path)
+    if size < 4 * span:
+        raise BenchError(f"{path} is too small to measure reads of {part_bytes} bytes")
+    slots = range(0, size - span, span)  # requests that share no page
+    offsets = random.Random(1).sample(slots, min(READ_PATH_REQUESTS, len(slots)))
+    evict(path)
+    fd = os.open(path, os.O_RDONLY)
+    mapping = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+    buffer = mmap.mmap(-1, span)  # page-aligned, as O_DIRECT needs
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # as the tier opens the file: no readahead of its own
+        half = len(offsets) // 2  # each path reads its own offsets: nothing the other left cached
+        return {"request_bytes": span,
+                "page_cache": _timed_reads(offsets[:half], span, lambda o: _read_mapped(fd, mapping, o, span)),
+                "direct": _timed_reads(offsets[half:], span, lambda o: os.preadv(direct_fd, [buffer], o))}
+    finally:
+        buffer.close()
+        mapping.close()
+        os.close(fd)
+
+
+def _read_mapped(fd: int, mapping: mmap.mmap, offset: int, span: int) -> None:
+    if _libc.readahead(fd, offset, span) != 0:
+        raise OSError(ctypes.get_errno(), "readahead")
+    mapping.madvise(MADV_POPULATE_READ, offset, span)
+    mapping.madvise(mmap.MADV_DONTNEED, offset, span)
+    os.posix_fadvise(fd, offset, span, os.POSIX_FADV_DONTNEED)
+
+
+def _timed_reads(offsets: list[int], span: int, read) -> dict:
+    cpu, start = time.process_time(), time.perf_counter()
+    for offset in offsets:
+        read(offset)
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
+    n_bytes = len(offsets) * span
+    return {"requests": len(offsets), "gbps": n_bytes / seconds / 1e9, "cpu_ms_per_mb": cpu_seconds * 1e3 / (n_bytes / MB)}
 
 
 def _sequential(fd: int, offsets: range, request: int, threads: int) -> float:
@@ -822,6 +902,11 @@ def markdown(report: dict) -> str:
                      f"queue depth 1, {disk['sequential_threads_gbps']:.2f} GB/s with {disk['threads']} threads; "
                      f"4 KiB random reads at queue depth 1 {disk['random_4k_qd1_gbps']:.3f} GB/s "
                      f"({disk['random_4k_qd1_us']:.0f} us each)")
+        paths = disk["read_paths"]
+        lines.append(f"Reads of {paths['request_bytes'] / MB:.2f} MB (one expert's tensor) at random offsets, one at a time: "
+                     f"through the page cache and a mapping, as the tier reads, {paths['page_cache']['gbps']:.2f} GB/s, "
+                     f"{paths['page_cache']['cpu_ms_per_mb']:.3f} ms of CPU per MB; O_DIRECT into one buffer used again, "
+                     f"{paths['direct']['gbps']:.2f} GB/s, {paths['direct']['cpu_ms_per_mb']:.3f} ms of CPU per MB")
     lines += _roofline_lines(report)
     if report["bound"]:
         lines += _bound_lines(report)
@@ -840,6 +925,9 @@ def _reads_lines(rows: list[dict]) -> list[str]:
                    f"read, of it {(r.get('wasted_bytes_per_token') or 0) / MB:.1f} MB read ahead and not selected; "
                    f"the layers waited {r.get('wait_ms_per_token') or 0:.1f} ms for their reads; "
                    f"{'no read-ahead' if precision is None else f'{precision:.0%} of the experts read ahead selected'}")
+        if r.get("decode_ms_per_read_mb") is not None:
+            out.append(f"Decode of {r['config']}, token by token (least squares, median of the runs): "
+                       f"{r['decode_ms_per_read_mb']:.2f} ms per MB read, {r['decode_ms_at_no_read']:.1f} ms at no read")
     return out
 
 

@@ -195,3 +195,36 @@ def test_the_rooflines_disk_rate_is_the_best_the_run_measured(bench):
     assert r["tok_s"] == pytest.approx(15.0)  # 100 MB at 1.5 GB/s
     tier["runs"].append({**run(0, 200 * MB), "status": "killed"})  # a failed run measures nothing
     assert bench.rooflines(report)["tier, 1600 MB"]["gbps"] == pytest.approx(1.5)
+
+
+def test_a_tokens_time_is_fitted_against_its_reads(bench):
+    """Least squares over the run's decode tokens: ms per MB read and ms at no read; none where
+    the reads do not vary (in RAM) or there are too few tokens."""
+    MB = bench.MB
+    fit = bench.token_time_fit([20.0 + 0.5 * mb for mb in (10, 30, 20, 40)], [mb * MB for mb in (10, 30, 20, 40)])
+    assert fit == {"decode_ms_per_read_mb": pytest.approx(0.5), "decode_ms_at_no_read": pytest.approx(20.0)}
+    assert bench.token_time_fit([30.0, 31.0, 29.0], [0, 0, 0]) == {"decode_ms_per_read_mb": None,
+                                                                    "decode_ms_at_no_read": None}
+    assert bench.token_time_fit([30.0, 40.0], [0, MB])["decode_ms_per_read_mb"] is None
+
+
+def test_the_read_paths_cost_the_cpu_per_mb_read(bench, tmp_path):
+    """Both paths read their requests and report a rate and the CPU per MB; a file too small
+    for the requests is one error naming it."""
+    path = tmp_path / "model.gguf"
+    path.write_bytes(os.urandom(8 << 20))
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError:
+        pytest.skip("no O_DIRECT on the test's filesystem")
+    try:
+        costs = bench.read_path_costs(str(path), fd, 300_000)
+        with pytest.raises(bench.BenchError, match="too small to measure reads of 3000000 bytes"):
+            bench.read_path_costs(str(path), fd, 3_000_000)
+    finally:
+        os.close(fd)
+    assert costs["request_bytes"] == 303104  # whole pages
+    # the file holds 27 requests that share no page: half of them each
+    assert (costs["page_cache"]["requests"], costs["direct"]["requests"]) == (13, 14)
+    for name in ("page_cache", "direct"):
+        assert costs[name]["gbps"] > 0 and costs[name]["cpu_ms_per_mb"] >= 0
