@@ -19,6 +19,7 @@ from conftest import N_THREADS, PROMPT, REPO, default_params, greedy, load, reco
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
+from moecache.formats.traces import DECODE, PREFILL, READS, read_trace  # noqa: E402
 from moecache.live import native  # noqa: E402
 from moecache.live.activate import attach  # noqa: E402
 from moecache.live.config import CacheConfig, ConfigError  # noqa: E402
@@ -158,6 +159,29 @@ def test_ram_tier_read_ahead_costs_bytes_never_the_output(tier_path, smol_stock,
     precision = on_reads["decode_per_token"]["read_ahead_precision"]
     assert precision == decode["read_ahead_used"] / decode["read_ahead"] and 0.5 < precision < 1
     assert on_reads["decode_per_token"]["wasted_bytes_per_token"] > 0
+
+
+def test_ram_tier_trace_records_each_layers_reads_as_the_stats_count_them(tier_path, expert_bytes, tmp_path):
+    """The tier's trace carries, per batch and layer, what it read (READS): summed over the steps
+    of each phase they are the stats' reads of that phase, and over all steps each layer's."""
+    per_k, n_layers, _ = expert_bytes
+    path = str(tmp_path / "ram.route.csv")
+    llm = load_from_file(tier_path)
+    cache = attach(llm, ram_mib=2 * per_k // MIB + 1, policy="lru", wait=1, trace=path)
+    greedy(llm, PROMPT, 16)
+    stats = cache.stats()
+    llm.close()
+    trace = read_trace(path)
+    assert trace.reads.shape == (trace.ids.shape[0], n_layers, len(READS))
+    for i, layer in enumerate(stats["layers"]):
+        assert trace.reads[:, i].sum(axis=0).tolist() == [layer[name] for name in READS], f"layer {i}"
+    for phase, name in ((PREFILL, "prompt"), (DECODE, "decode")):
+        assert trace.reads[trace.phase == phase].sum(axis=(0, 1)).tolist() == \
+            [stats["reads"][name][column] for column in READS], name
+    decode = dict(zip(READS, trace.reads[trace.phase == DECODE].sum(axis=(0, 1)).tolist()))
+    # decode read ahead, some of it wasted, and read on demand what it did not predict
+    assert 0 < decode["read_ahead_used"] < decode["read_ahead"] and decode["read_ahead_wasted_bytes"] > 0
+    assert decode["read_bytes"] > decode["read_ahead_bytes"]
 
 
 def test_ram_tier_keeps_every_expert_that_fits(tier_path, smol_stock, expert_bytes):
