@@ -15,7 +15,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import N_THREADS, PROMPT, REPO, default_params, greedy, load, record_plans, run_python
+from conftest import N_THREADS, PROMPT, REPO, default_params, greedy, load, output_line, record_plans, run_python
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
@@ -195,6 +195,46 @@ def test_ram_tier_keeps_every_expert_that_fits(tier_path, smol_stock, expert_byt
     assert first[0] == again[0] == smol_stock[0]
     # the second pass selects what the first did, all of it kept: no expert was dropped
     assert misses > 0 and cache.stats()["totals"]["misses"] == misses
+
+
+def test_ram_tier_keeping_every_expert_reads_what_the_kernel_evicted_in_one_pass(tier_path, smol_stock,
+                                                                                 expert_bytes):
+    """A tier that keeps every expert reads them all in at init, and its layers run one pass (no
+    second table). Pages the kernel evicts before an expert has its slot (memory pressure: here the
+    file's mapping unmapped and its page cache dropped right after attach) are read on demand in
+    that one pass: the path that wrote through the missing second table (SIGSEGV, 1 run in 257,
+    fixed in 3ff7b95). In a fresh process, so that a crash fails the test."""
+    per_k, _, n_expert = expert_bytes
+    n = 8
+    run = run_python(f"""
+        import ctypes, mmap, os
+        import llama_cpp
+        from moecache.live.activate import attach
+        from moecache.live.decode import greedy
+        from moecache.live.placement import experts_from_file
+        path = {tier_path!r}
+        with experts_from_file():
+            llm = llama_cpp.Llama(path, n_gpu_layers=0, n_ctx=512, n_threads={N_THREADS},
+                                  n_threads_batch={N_THREADS}, verbose=False)
+        cache = attach(llm, ram_mib={n_expert * per_k // MIB + 64}, policy="lru", wait=1)
+        assert cache.slots == {n_expert}
+        # unmapped (the mapping refaults from the file), then out of the page cache: as reclaim would
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        with open("/proc/self/maps") as f:
+            spans = [line.split()[0].split("-") for line in f if line.rstrip().endswith(os.path.realpath(path))]
+        for start, end in spans:
+            assert madvise(int(start, 16), int(end, 16) - int(start, 16), mmap.MADV_DONTNEED) == 0
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+        print("TOKENS", greedy(llm, {PROMPT!r}, {n}).tokens)
+        print("READ", sum(c["upload_bytes"] for c in cache.native_counters()))
+    """, {})
+    assert run.returncode == 0, run.stderr
+    assert output_line(run.stdout, "TOKENS ") == str(smol_stock[0][:n])
+    # the prompt's layers found their experts evicted and read them: reads were pending in one pass
+    assert int(output_line(run.stdout, "READ ")) >= per_k, run.stdout
 
 
 def test_ram_tier_refusals(tier_path, expert_bytes):
