@@ -162,7 +162,8 @@ def _check_header(header) -> None:
         raise ValueError("layers must be ascending")
     crc = header.get("crc32")
     if not isinstance(crc, dict) or sorted(crc) != sorted(name for name, _, _ in _arrays("reads" in crc)):
-        raise ValueError(f"crc32 must give each of {', '.join(name for name, _, _ in ARRAYS)} (and reads, or not)")
+        raise ValueError(f"crc32 must give each of {', '.join(name for name, _, _ in ARRAYS)}, "
+                         f"and reads if it has them")
     for name, value in crc.items():
         crc[name] = parse_int(value, f"crc32 {name}", minimum=0, maximum=2**32 - 1)
 

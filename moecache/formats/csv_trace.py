@@ -431,7 +431,8 @@ class _Grid:
         L, k = self.shape
         reads = _READS_BYTES * capacity * L if "reads" in self.cells else 0
         try:
-            require_memory(_GRID_BYTES_PER_CELL * capacity * L * k + reads, f"{capacity} steps x {L} layers x {k} ranks")
+            require_memory(_GRID_BYTES_PER_CELL * capacity * L * k + reads,
+                           f"{capacity} steps x {L} layers x {k} ranks")
         except ValueError as e:
             raise TraceError(f"{self.path}: {e}") from None
         for name, array in [*self.cells.items(), *self.steps.items()]:
