@@ -15,10 +15,11 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import N_THREADS, PROMPT, REPO, default_params, greedy, load, record_plans, run_python
+from conftest import N_THREADS, PROMPT, REPO, default_params, greedy, load, output_line, record_plans, run_python
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
+from moecache.formats.traces import DECODE, PREFILL, READS, read_trace  # noqa: E402
 from moecache.live import native  # noqa: E402
 from moecache.live.activate import attach  # noqa: E402
 from moecache.live.config import CacheConfig, ConfigError  # noqa: E402
@@ -160,6 +161,29 @@ def test_ram_tier_read_ahead_costs_bytes_never_the_output(tier_path, smol_stock,
     assert on_reads["decode_per_token"]["wasted_bytes_per_token"] > 0
 
 
+def test_ram_tier_trace_records_each_layers_reads_as_the_stats_count_them(tier_path, expert_bytes, tmp_path):
+    """The tier's trace carries, per batch and layer, what it read (READS): summed over the steps
+    of each phase they are the stats' reads of that phase, and over all steps each layer's."""
+    per_k, n_layers, _ = expert_bytes
+    path = str(tmp_path / "ram.route.csv")
+    llm = load_from_file(tier_path)
+    cache = attach(llm, ram_mib=2 * per_k // MIB + 1, policy="lru", wait=1, trace=path)
+    greedy(llm, PROMPT, 16)
+    stats = cache.stats()
+    llm.close()
+    trace = read_trace(path)
+    assert trace.reads.shape == (trace.ids.shape[0], n_layers, len(READS))
+    for i, layer in enumerate(stats["layers"]):
+        assert trace.reads[:, i].sum(axis=0).tolist() == [layer[name] for name in READS], f"layer {i}"
+    for phase, name in ((PREFILL, "prompt"), (DECODE, "decode")):
+        assert trace.reads[trace.phase == phase].sum(axis=(0, 1)).tolist() == \
+            [stats["reads"][name][column] for column in READS], name
+    decode = dict(zip(READS, trace.reads[trace.phase == DECODE].sum(axis=(0, 1)).tolist()))
+    # decode read ahead, some of it wasted, and read on demand what it did not predict
+    assert 0 < decode["read_ahead_used"] < decode["read_ahead"] and decode["read_ahead_wasted_bytes"] > 0
+    assert decode["read_bytes"] > decode["read_ahead_bytes"]
+
+
 def test_ram_tier_keeps_every_expert_that_fits(tier_path, smol_stock, expert_bytes):
     per_k, n_layers, n_expert = expert_bytes
     llm = load_from_file(tier_path)
@@ -171,6 +195,46 @@ def test_ram_tier_keeps_every_expert_that_fits(tier_path, smol_stock, expert_byt
     assert first[0] == again[0] == smol_stock[0]
     # the second pass selects what the first did, all of it kept: no expert was dropped
     assert misses > 0 and cache.stats()["totals"]["misses"] == misses
+
+
+def test_ram_tier_keeping_every_expert_reads_what_the_kernel_evicted_in_one_pass(tier_path, smol_stock,
+                                                                                 expert_bytes):
+    """A tier that keeps every expert reads them all in at init, and its layers run one pass (no
+    second table). Pages the kernel evicts before an expert has its slot (memory pressure: here the
+    file's mapping unmapped and its page cache dropped right after attach) are read on demand in
+    that one pass: the path that wrote through the missing second table (SIGSEGV, 1 run in 257,
+    fixed in 3ff7b95). In a fresh process, so that a crash fails the test."""
+    per_k, _, n_expert = expert_bytes
+    n = 8
+    run = run_python(f"""
+        import ctypes, mmap, os
+        import llama_cpp
+        from moecache.live.activate import attach
+        from moecache.live.decode import greedy
+        from moecache.live.placement import experts_from_file
+        path = {tier_path!r}
+        with experts_from_file():
+            llm = llama_cpp.Llama(path, n_gpu_layers=0, n_ctx=512, n_threads={N_THREADS},
+                                  n_threads_batch={N_THREADS}, verbose=False)
+        cache = attach(llm, ram_mib={n_expert * per_k // MIB + 64}, policy="lru", wait=1)
+        assert cache.slots == {n_expert}
+        # unmapped (the mapping refaults from the file), then out of the page cache: as reclaim would
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        with open("/proc/self/maps") as f:
+            spans = [line.split()[0].split("-") for line in f if line.rstrip().endswith(os.path.realpath(path))]
+        for start, end in spans:
+            assert madvise(int(start, 16), int(end, 16) - int(start, 16), mmap.MADV_DONTNEED) == 0
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+        print("TOKENS", greedy(llm, {PROMPT!r}, {n}).tokens)
+        print("READ", sum(c["upload_bytes"] for c in cache.native_counters()))
+    """, {})
+    assert run.returncode == 0, run.stderr
+    assert output_line(run.stdout, "TOKENS ") == str(smol_stock[0][:n])
+    # the prompt's layers found their experts evicted and read them: reads were pending in one pass
+    assert int(output_line(run.stdout, "READ ")) >= per_k, run.stdout
 
 
 def test_ram_tier_refusals(tier_path, expert_bytes):

@@ -1,5 +1,6 @@
 import hashlib
 import os
+import re
 import tracemalloc
 from dataclasses import replace
 
@@ -11,7 +12,8 @@ from moecache.formats import csv_trace
 import moecache.util as util
 from moecache.formats.binary_trace import write_binary_trace
 from moecache.formats.trace_writer import TraceWriter
-from moecache.formats.traces import DECODE, PREFILL, TraceError, read_trace, synthetic_routing
+from moecache.formats.traces import (DECODE, MAX_READ, PREFILL, READS, SHIPPED_TRACES, TRACES_DIR, TraceError,
+                                     read_trace, synthetic_routing)
 
 QWEN = TRACES / "qwen3-30b-a3b.route.csv"
 GPTOSS = TRACES / "gpt-oss-120b.route.csv"
@@ -28,6 +30,14 @@ turn,phase,step,layer,slot,expert,weight,residency,expert_bytes
 0,1,1,2,0,0,0.5,0,2000
 0,1,1,2,1,7,0.5,0,2000
 """
+
+
+def with_reads(text):
+    """SMALL with the RAM tier's reads: row r's READS columns all r (summed per step and layer)."""
+    lines = text.splitlines()
+    lines[4] += "," + ",".join(READS)
+    lines[5:] = [f"{row}{f',{r}' * len(READS)}" for r, row in enumerate(lines[5:])]
+    return "\n".join(lines) + "\n"
 
 
 def write(tmp_path, text, name="t.csv"):
@@ -282,6 +292,8 @@ def digest(trace) -> str:
         a = np.ascontiguousarray(getattr(trace, name))
         h.update(f"{name} {a.dtype.str} {a.shape}".encode() + a.tobytes())
     h.update(repr((trace.model, trace.arch, trace.n_layer, trace.n_expert, trace.n_expert_used)).encode())
+    if trace.reads is not None:  # (the shipped traces predate them: their digests stay)
+        h.update(np.ascontiguousarray(trace.reads).tobytes())
     return h.hexdigest()[:16]
 
 
@@ -412,16 +424,17 @@ def test_a_converted_trace_reads_back_as_its_csv_mapped(tmp_path, path):
     assert os.path.getsize(out) < os.path.getsize(path) / 2
 
 
-def small_binary(tmp_path):
+def small_binary(tmp_path, text=SMALL):
     path = tmp_path / "t.bin"
-    write_binary_trace(read_trace(write(tmp_path, SMALL)), path)
+    write_binary_trace(read_trace(write(tmp_path, text)), path)
     return path
 
 
-def test_a_damaged_binary_trace_is_an_error_naming_it_never_other_values(tmp_path):
+@pytest.mark.parametrize("text", [SMALL, with_reads(SMALL)], ids=["routing", "with the RAM tier's reads"])
+def test_a_damaged_binary_trace_is_an_error_naming_it_never_other_values(tmp_path, text):
     """Any byte flipped fails a check (CRC-32s of the header and of each array, sizes, ranges)
     or lies in the padding between arrays; a file cut anywhere, or grown, is refused."""
-    path = small_binary(tmp_path)
+    path = small_binary(tmp_path, text)
     data, good = path.read_bytes(), digest(read_trace(str(path)))
     seen = set()
 
@@ -475,3 +488,41 @@ def test_a_binary_trace_of_values_no_trace_holds_is_refused(tmp_path, change, me
     write_binary_trace(replace(trace, **change(trace)), tmp_path / "t.bin")
     with pytest.raises(TraceError, match=message):
         read_trace(str(tmp_path / "t.bin"))
+
+
+# --- the RAM tier's reads (optional columns) -------------------------------------------------
+
+def test_the_ram_tiers_reads_land_on_each_layers_first_row_and_survive_conversion(tmp_path):
+    """A batch's reads of a layer go on the layer's first row in the batch (a prompt's last layer
+    ran its last token only); they read back per step and layer, and the binary form and a
+    selection of steps keep them. Traces without the columns read as before, reads None."""
+    path = str(tmp_path / "reads.csv")
+    prompt_reads, decode_reads = [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]], [[11, 12, 13, 14, 15], [0, 0, 0, 0, 0]]
+    with TraceWriter(path, model="m", arch="a", n_layer=3, n_expert=4, n_expert_used=2,
+                     layers=[(0, 10, 0), (2, 10, 0)], reads=True) as writer:
+        writer.write_step(0, PREFILL, 0, np.array([[1, 2, 3, 0], [-1, -1, 2, 3]]), None, np.zeros((2, 4), int),
+                          prompt_reads)
+        writer.write_step(0, DECODE, 2, np.array([[1, 2], [2, 3]]), None, np.ones((2, 2), int), decode_reads)
+        with pytest.raises(ValueError, match=r"reads for layer\(s\) \[2\] with no rows"):
+            writer.write_step(0, DECODE, 3, np.array([[1, 2], [-1, -1]]), None, np.ones((2, 2), int), prompt_reads)
+    trace = read_trace(path)
+    assert trace.reads.tolist() == [[prompt_reads[0], [0] * 5], [[0] * 5, prompt_reads[1]], decode_reads]
+    out = tmp_path / "reads.bin"
+    write_binary_trace(trace, out)
+    assert digest(read_trace(str(out))) == digest(trace)
+    assert trace.select([2]).reads.tolist() == [decode_reads]
+    for shipped in (*SHIPPED_TRACES, TRACES_DIR / "synth-qwen3-30b-a3b-L8.ram-tier.route.csv"):
+        assert read_trace(str(shipped)).reads is None
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda s: s.replace(",read_bytes", ""), "t.csv:5: header has read_ahead, read_ahead_used, read_ahead_bytes, "
+                                            "read_ahead_wasted_bytes without read_bytes"),
+    (lambda s: s.replace("0,1,1,2,1,7,0.5,0,2000,5,5,5,5,5", "0,1,1,2,1,7,0.5,0,2000,5,5,-5,5,5"),
+     f"t.csv:11: read_ahead_bytes=-5 must be in [0, {MAX_READ}]"),
+    (lambda s: s.replace("0,1,1,2,1,7,0.5,0,2000,5,5,5,5,5", f"0,1,1,2,1,7,0.5,0,2000,5,5,5,5,{MAX_READ + 1}"),
+     f"t.csv:11: read_bytes={MAX_READ + 1} must be in [0, {MAX_READ}]"),
+])
+def test_bad_reads_fail_with_file_and_line(tmp_path, blocks, edit, message):
+    with pytest.raises(TraceError, match=re.escape(message)):
+        read_trace(write(tmp_path, edit(with_reads(SMALL))))

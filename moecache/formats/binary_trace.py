@@ -17,7 +17,8 @@ Layout, little-endian:
     the ARRAYS, in that order, each from the next multiple of 64 bytes (zeros between), the
     last ending the file: per step turn, step (int64), phase (int8), batch (int64, -1: not
     recorded); per step x layer x rank ids (int32, -1: layer not run), weights (float32),
-    residency (int8), dropped (bool, one byte 0 or 1).
+    residency (int8), dropped (bool, one byte 0 or 1); then, where the header's crc32 names it
+    (a live RAM tier's trace), per step x layer x READS reads (int64).
 
 Opening checks the header, the file's size, each array's CRC-32 and the value ranges the
 replay relies on, a window at a time: a damaged, truncated or foreign file is one TraceError
@@ -35,8 +36,8 @@ import zlib
 import numpy as np
 
 from ..util import IntegerError, atomic_write, parse_int
-from .traces import (DECODE, MAX_EXPERT_BYTES, MAX_EXPERTS, MAX_INDEX, MAX_LAYERS, WINDOW_STEPS, RouteTrace,
-                     TraceError, TraceReader, register_reader)
+from .traces import (DECODE, MAX_EXPERT_BYTES, MAX_EXPERTS, MAX_INDEX, MAX_LAYERS, MAX_READ, READS, WINDOW_STEPS,
+                     RouteTrace, TraceError, TraceReader, register_reader)
 
 MAGIC = b"route_trace binary v1"
 ALIGN = 64
@@ -44,16 +45,23 @@ MAX_HEADER = 1 << 20  # bytes of the JSON line: layers, expert_bytes, dense_byte
 # (name, dtype, per step or per cell) in file order; the dtypes are RouteTrace's
 ARRAYS = (("turn", "<i8", "step"), ("step", "<i8", "step"), ("phase", "i1", "step"), ("batch", "<i8", "step"),
           ("ids", "<i4", "cell"), ("weights", "<f4", "cell"), ("residency", "i1", "cell"), ("dropped", "?", "cell"))
+READS_ARRAY = ("reads", "<i8", "reads")  # after them, in a trace that has it
 # the values each array may hold, as (minimum, maximum); the weights any
 RANGES = {"turn": (0, MAX_INDEX), "step": (0, MAX_INDEX), "phase": (0, DECODE), "batch": (-1, MAX_INDEX),
-          "residency": (0, 2)}
+          "residency": (0, 2), "reads": (0, MAX_READ * MAX_EXPERTS)}
+
+
+def _arrays(reads: bool) -> tuple:
+    """The arrays of a file, with the reads or without."""
+    return ARRAYS + ((READS_ARRAY,) if reads else ())
 
 
 def write_binary_trace(trace: RouteTrace, path) -> int:
     """Write `trace` in the binary form to path, atomically (readers see the old file or the
     whole new one; a device or a FIFO is written through, util.atomic_write); returns its size."""
     shape = trace.ids.shape
-    arrays = {name: np.ascontiguousarray(getattr(trace, name), dtype=dtype) for name, dtype, _ in ARRAYS}
+    arrays = {name: np.ascontiguousarray(getattr(trace, name), dtype=dtype)
+              for name, dtype, _ in _arrays(trace.reads is not None)}
     header = {"model": trace.model, "arch": trace.arch, "n_layer": int(trace.n_layer),
               "n_expert": int(trace.n_expert), "n_expert_used": int(trace.n_expert_used),
               "layers": trace.layers.tolist(), "expert_bytes": trace.expert_bytes.tolist(),
@@ -62,7 +70,7 @@ def write_binary_trace(trace: RouteTrace, path) -> int:
     text = json.dumps(header).encode("ascii")
     head = b"%s\n%s\n%08x\n" % (MAGIC, text, zlib.crc32(text))
 
-    layout, size = _layout(len(head), *shape)
+    layout, size = _layout(len(head), *shape, reads=trace.reads is not None)
 
     def write(tmp):
         with open(tmp, "wb") as f:  # a pipe cannot tell() where it is: the layout says
@@ -76,12 +84,12 @@ def write_binary_trace(trace: RouteTrace, path) -> int:
     return size
 
 
-def _layout(start, n_steps, n_layers, k):
+def _layout(start, n_steps, n_layers, k, *, reads):
     """[(name, dtype, shape, offset)] of the arrays after a header ending at `start`, and the
     file's size."""
     layout, offset = [], start
-    for name, dtype, per in ARRAYS:
-        shape = (n_steps,) if per == "step" else (n_steps, n_layers, k)
+    for name, dtype, per in _arrays(reads):
+        shape = {"step": (n_steps,), "cell": (n_steps, n_layers, k), "reads": (n_steps, n_layers, len(READS))}[per]
         offset = -(-offset // ALIGN) * ALIGN
         layout.append((name, np.dtype(dtype), shape, offset))
         offset += np.dtype(dtype).itemsize * math.prod(shape)
@@ -93,7 +101,8 @@ def read_binary_trace(path: str) -> RouteTrace:
     try:
         with open(path, "rb") as f:
             header, start = _read_header(path, f)
-            layout, size = _layout(start, header["n_steps"], len(header["layers"]), header["n_expert_used"])
+            layout, size = _layout(start, header["n_steps"], len(header["layers"]), header["n_expert_used"],
+                                   reads="reads" in header["crc32"])
             found = os.fstat(f.fileno()).st_size
             if found != size:
                 raise TraceError(f"{path}: {found} bytes where its header describes {size}: truncated or damaged")
@@ -152,8 +161,9 @@ def _check_header(header) -> None:
     if any(a >= b for a, b in zip(header["layers"], header["layers"][1:])):
         raise ValueError("layers must be ascending")
     crc = header.get("crc32")
-    if not isinstance(crc, dict) or sorted(crc) != sorted(name for name, _, _ in ARRAYS):
-        raise ValueError(f"crc32 must give each of {', '.join(name for name, _, _ in ARRAYS)}")
+    if not isinstance(crc, dict) or sorted(crc) != sorted(name for name, _, _ in _arrays("reads" in crc)):
+        raise ValueError(f"crc32 must give each of {', '.join(name for name, _, _ in ARRAYS)}, "
+                         f"and reads if it has them")
     for name, value in crc.items():
         crc[name] = parse_int(value, f"crc32 {name}", minimum=0, maximum=2**32 - 1)
 
@@ -162,7 +172,7 @@ def _check_arrays(trace, crc32) -> None:
     """Each array's CRC-32 and values (RANGES; ids in [-1, n_expert)), a window of steps at a
     time, the pages read dropped behind; steps in (turn, step) order."""
     ranges = {**RANGES, "ids": (-1, trace.n_expert - 1), "dropped": (0, 1)}
-    for name, _, _ in ARRAYS:
+    for name, _, _ in _arrays(trace.reads is not None):
         array, crc = getattr(trace, name), 0
         for start in range(0, len(array), WINDOW_STEPS):
             window = array[start:start + WINDOW_STEPS]

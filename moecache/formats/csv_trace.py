@@ -6,7 +6,7 @@ Format (columns are read by name, so their order may change):
     # route_trace v1
     # model=... arch=... n_layer=48 n_expert=128 n_expert_used=6
     # layer=0 expert_bytes=3059712 dense_bytes=11953152      (one line per MoE layer)
-    turn,phase,step,layer,slot,expert,weight,residency,expert_bytes[,dropped][,batch]
+    turn,phase,step,layer,slot,expert,weight,residency,expert_bytes[,dropped][,batch][,READS]
 
 One row per (turn, step, layer, router rank). phase 0 is prefill, 1 decode; `slot` is the
 router rank; `residency` is the recording engine's outcome (0 miss, 1 hit, 2 prefetched hit).
@@ -21,6 +21,12 @@ tokens of one batch were evaluated in one ubatch (a multi-token decode, e.g. a s
 verification, or a prompt's ubatch), between the same two cache steps, and the per-layer replay
 observes them together. Such a token may lack a layer as a whole (llama.cpp runs the last layer only for the
 tokens whose logits are wanted). Without the column every decode token is its own observation.
+The optional READS columns (moecache.formats.traces.READS: read_ahead, read_ahead_used,
+read_ahead_bytes, read_ahead_wasted_bytes, read_bytes; all or none, written by the live RAM tier's
+traces) are what the tier read for a layer in a batch: summed over the batch's rows of the layer
+(moecache's writer puts them on the first and writes 0 on the others), they are libllama's counters
+of that layer over the batch (the bytes read on demand: read_bytes - read_ahead_bytes). The replay
+does not use them.
 
 Long recordings replay from its compact binary form (moecache.formats.binary_trace), which
 read_trace tells from it by the first line.
@@ -35,13 +41,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..util import IntegerError, parse_int, require_memory
-from .traces import (DECODE, MAX_EXPERT_BYTES, MAX_EXPERTS, MAX_INDEX, MAX_LAYERS, MAX_LINE, PREFILL, WINDOW_STEPS,
-                     RouteTrace, TraceError, TraceReader, register_reader)
+from .traces import (DECODE, MAX_EXPERT_BYTES, MAX_EXPERTS, MAX_INDEX, MAX_LAYERS, MAX_LINE, MAX_READ, PREFILL,
+                     READS, WINDOW_STEPS, RouteTrace, TraceError, TraceReader, register_reader)
 
 MAGIC = "# route_trace v1"
 REQUIRED_COLUMNS = ("turn", "phase", "step", "layer", "slot", "expert", "weight",
                     "residency", "expert_bytes")
-OPTIONAL_COLUMNS = ("dropped", "batch")
+OPTIONAL_COLUMNS = ("dropped", "batch") + READS
 INT_COLUMNS = ("turn", "phase", "step", "layer", "slot", "expert", "residency")
 BLOCK_CHARS = 1 << 22         # text read and parsed at a time: about 140,000 rows
 _LONGEST_LINE = 1 << 26       # characters: far beyond a valid row (csv allows 131072 per field)
@@ -50,7 +56,7 @@ _EXACT_ROWS = 1 << 16         # rows the csv module's path converts to arrays at
 # overflows it sends the block to the exact path, which names it); the weight as float() reads it
 _FAST_TYPES = {"turn": np.int32, "phase": np.int8, "step": np.int32, "layer": np.int16, "slot": np.int32,
                "expert": np.int32, "residency": np.int8, "expert_bytes": np.int64, "dropped": np.int8,
-               "batch": np.int32, "weight": np.float64}
+               "batch": np.int32, "weight": np.float64, **dict.fromkeys(READS, np.int64)}
 
 
 @dataclass
@@ -140,6 +146,10 @@ def _parse_header(path, preamble):
     unknown = [c for c in header if c not in REQUIRED_COLUMNS + OPTIONAL_COLUMNS]
     if unknown:
         raise TraceError(f"{path}:{preamble.header_line}: unknown column(s) {', '.join(unknown)}")
+    reads = [c for c in READS if c in header]
+    if reads and len(reads) < len(READS):
+        raise TraceError(f"{path}:{preamble.header_line}: header has {', '.join(reads)} without "
+                         f"{', '.join(c for c in READS if c not in reads)} (the reads' columns come together)")
     return header
 
 
@@ -150,7 +160,7 @@ def read_route_trace(path: str) -> RouteTrace:
         with open(path, "r", encoding="utf-8", newline="") as f:
             preamble = _read_preamble(path, f)
             header = _parse_header(path, preamble)
-            grid = _Grid(path, preamble, "batch" in header)
+            grid = _Grid(path, preamble, "batch" in header, READS[0] in header)
             for first_line, columns in _row_pieces(path, f, header, preamble.header_line + 1):
                 grid.add(first_line, columns)
     except OSError as e:
@@ -332,6 +342,10 @@ def _check_rows(path, preamble, columns, first_line):
     if "batch" in columns:
         batch = columns["batch"]
         fail_at((batch < 0) | (batch > MAX_INDEX), lambda r: f"batch={batch[r]} must be in [0, {MAX_INDEX}]")
+    for name in READS:
+        if name in columns:
+            values = columns[name]
+            fail_at((values < 0) | (values > MAX_READ), lambda r: f"{name}={values[r]} must be in [0, {MAX_READ}]")
 
 
 # per (step, layer, rank) cell of a trace: dtype, the value of a cell without a row
@@ -340,15 +354,17 @@ _CELL_COLUMNS = {"ids": "expert", "weights": "weight", "residency": "residency",
 # per step, in the order steps first appear: (turn << 31 | step), phase, batch, its first row
 _STEP_FIELDS = {"key": np.int64, "phase": np.int8, "batch": np.int64, "first_row": np.int64}
 _GRID_BYTES_PER_CELL = 16  # the cells' 10 bytes, and room for growing and checking them
+_READS_BYTES = 8 * len(READS) * 5 // 4  # a step x layer's reads, and room for growing them
 
 
 class _Grid:
-    """The dense arrays of a trace being read, filled a piece of rows at a time. A step gets
+    """The dense arrays of a trace being read, filled a piece of rows at a time (cells: those
+    per step x layer, of each rank or of the reads). A step gets
     its index when it first appears (rows may come in any order; trace() sorts the steps), and
     the arrays grow by a quarter in place (ndarray.resize, a realloc): the memory is the final
     arrays' and at most a quarter more, whatever the text's size."""
 
-    def __init__(self, path, preamble, recorded_batch):
+    def __init__(self, path, preamble, recorded_batch, recorded_reads):
         self.path, self.preamble, self.recorded_batch = path, preamble, recorded_batch
         self.layers = np.array(sorted(preamble.layer_bytes), dtype=np.int64)
         self.layer_index = np.full(preamble.n_layer, -1, dtype=np.int64)
@@ -356,6 +372,8 @@ class _Grid:
         self.layer_seen = np.zeros(self.layers.size, dtype=bool)
         self.shape = (self.layers.size, preamble.k)
         self.cells = {name: np.full((0, *self.shape), absent, dtype) for name, (dtype, absent) in _CELLS.items()}
+        if recorded_reads:  # per step x layer: the reads' columns summed over the layer's rows of the step
+            self.cells["reads"] = np.zeros((0, self.layers.size, len(READS)), np.int64)
         self.steps = {name: np.zeros(0, dtype) for name, dtype in _STEP_FIELDS.items()}
         self.index_of = {}  # step key -> step index
         self.n_steps = self.n_rows = 0
@@ -367,10 +385,13 @@ class _Grid:
         layer = self.layer_index[columns["layer"]]
         cell = (step * self.shape[0] + layer) * self.shape[1] + columns["slot"]
         self._check_duplicates(first_line, columns, cell)
-        for name, array in self.cells.items():
-            if _CELL_COLUMNS[name] in columns:
-                values = columns[_CELL_COLUMNS[name]]
-                array.reshape(-1)[cell] = values != 0 if name == "dropped" else values
+        for name, column in _CELL_COLUMNS.items():
+            if column in columns:
+                values = columns[column]
+                self.cells[name].reshape(-1)[cell] = values != 0 if name == "dropped" else values
+        if "reads" in self.cells:
+            np.add.at(self.cells["reads"].reshape(-1, len(READS)), step * self.shape[0] + layer,
+                      np.stack([columns[name] for name in READS], axis=1))
         self.layer_seen[layer] = True
         self.n_rows += len(cell)
 
@@ -408,8 +429,10 @@ class _Grid:
             return
         capacity = max(n_steps, capacity + capacity // 4)
         L, k = self.shape
+        reads = _READS_BYTES * capacity * L if "reads" in self.cells else 0
         try:
-            require_memory(_GRID_BYTES_PER_CELL * capacity * L * k, f"{capacity} steps x {L} layers x {k} ranks")
+            require_memory(_GRID_BYTES_PER_CELL * capacity * L * k + reads,
+                           f"{capacity} steps x {L} layers x {k} ranks")
         except ValueError as e:
             raise TraceError(f"{self.path}: {e}") from None
         for name, array in [*self.cells.items(), *self.steps.items()]:

@@ -11,6 +11,7 @@ from typing import Sequence
 import numpy as np
 
 from .csv_trace import MAGIC, REQUIRED_COLUMNS
+from .traces import MAX_READ, READS
 
 
 class TraceWriter:
@@ -20,11 +21,12 @@ class TraceWriter:
     leaves whole steps behind: the file is always a readable prefix of the run.
     `layers` are (model layer number, expert_bytes, dense_bytes) for each cached layer, in
     the order the rows of `ids` passed to write_step follow. Any model and arch name is
-    accepted; the preamble records it as one word (see _preamble_word).
+    accepted; the preamble records it as one word (see _preamble_word). reads: the file has
+    the READS columns, and every write_step gives them.
     """
 
     def __init__(self, path: str, *, model: str, arch: str, n_layer: int, n_expert: int,
-                 n_expert_used: int, layers: Sequence[tuple[int, int, int]]):
+                 n_expert_used: int, layers: Sequence[tuple[int, int, int]], reads: bool = False):
         if not layers:
             raise ValueError("TraceWriter needs at least one layer")
         for layer, expert_bytes, _ in layers:
@@ -40,7 +42,8 @@ class TraceWriter:
                            f"n_layer={n_layer} n_expert={n_expert} "
                            f"n_expert_used={n_expert_used}"]
         preamble += [f"# layer={l} expert_bytes={b} dense_bytes={d}" for l, b, d in layers]
-        preamble.append(",".join(REQUIRED_COLUMNS + ("batch",)))
+        self.reads = reads
+        preamble.append(",".join(REQUIRED_COLUMNS + ("batch",) + (READS if reads else ())))
         self._batch = 0
         self._size = 0  # bytes of the whole steps written
         try:  # O_NOFOLLOW: a symlink planted at the path must not get its target truncated
@@ -68,11 +71,13 @@ class TraceWriter:
             raise
         self._size += size
 
-    def write_step(self, turn: int, phase: int, step: int, ids, weights, residency) -> None:
+    def write_step(self, turn: int, phase: int, step: int, ids, weights, residency, reads=None) -> None:
         """ids, residency: (n_layers, n_used) ints; weights: same shape or None (written as nan).
         n_used may be a multiple of k (several tokens, steps step, step + 1, ...); rank =
         position modulo k. A layer whose k ids for a token are all -1 did not run for it and
-        gets no rows. Each call is one batch (one observation of the cache)."""
+        gets no rows. Each call is one batch (one observation of the cache). reads: (n_layers,
+        len(READS)) ints, each layer's on its first row (0 on the others): a writer with reads
+        needs them, and a layer with no rows must have read nothing."""
         if self._fd is None:
             raise ValueError(f"{self.path}: TraceWriter is closed")
         ids = np.asarray(ids)
@@ -90,6 +95,7 @@ class TraceWriter:
         if weights.shape != ids.shape:
             raise ValueError(f"weights shape {weights.shape} != ids shape {ids.shape}")
         n_layers, n_used = ids.shape
+        first_rows, other_rows = self._reads(reads, groups)
         out = []
         for token in range(n_used // self.k):
             for li in range(n_layers):
@@ -100,9 +106,25 @@ class TraceWriter:
                     j = token * self.k + rank
                     res = int(residency[li, j])
                     out.append(f"{turn},{phase},{step + token},{layer},{rank},{int(ids[li, j])},"
-                               f"{float(weights[li, j]):.6g},{res},{0 if res else size},{self._batch}\n")
+                               f"{float(weights[li, j]):.6g},{res},{0 if res else size},{self._batch}"
+                               f"{first_rows.pop(li, other_rows)}\n")
         self._write("".join(out))
         self._batch += 1
+
+    def _reads(self, reads, groups) -> tuple[dict, str]:
+        """The text that ends a row: ({layer index: its reads, for its first row}, for the others)."""
+        if not self.reads:
+            if reads is not None:
+                raise ValueError("reads given to a TraceWriter without the reads' columns")
+            return {}, ""
+        reads = np.asarray(reads)
+        if reads.shape != (self.layers.size, len(READS)) or (reads < 0).any() or (reads > MAX_READ).any():
+            raise ValueError(f"reads must be ({self.layers.size}, {len(READS)}) counts in [0, {MAX_READ}], "
+                             f"got shape {reads.shape}")
+        ran = groups.any(axis=(1, 2))
+        if reads[~ran].any():
+            raise ValueError(f"reads for layer(s) {self.layers[~ran & reads.any(axis=1)].tolist()} with no rows")
+        return {li: "," + ",".join(map(str, row)) for li, row in enumerate(reads.tolist())}, ",0" * len(READS)
 
     def flush(self) -> None:
         """To the disk: the steps are in the file already (one write each), this survives a

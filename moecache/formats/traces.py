@@ -16,6 +16,12 @@ import numpy as np
 
 PREFILL, DECODE = 0, 1
 
+# The RAM tier's reads of one layer in one batch (a ubatch), as a live trace of the tier records
+# them (the stats' names, moecache.live.native.READ_COUNTERS): experts read ahead (predicted), of
+# them selected, the bytes they took from the file, those of the ones not selected (wasted), and
+# every byte read (read ahead or on demand)
+READS = ("read_ahead", "read_ahead_used", "read_ahead_bytes", "read_ahead_wasted_bytes", "read_bytes")
+
 # The real traces the repository ships (traces/README.md: source, licence): the one place that
 # knows where they are.
 TRACES_DIR = Path(__file__).resolve().parents[2] / "traces"
@@ -52,6 +58,9 @@ class RouteTrace:
     dropped: np.ndarray         # (n_steps, n_layers, k) bool; all False if the column is absent
     batch: np.ndarray | None = None  # (n_steps,) the observation (ubatch) of each step; -1 (the
                                      # default) when not recorded: every step its own
+    reads: np.ndarray | None = None  # (n_steps, n_layers, len(READS)) int64: the RAM tier's reads of
+                                     # a layer in a batch, on the batch's first step that ran the
+                                     # layer (0 on the others); None when not recorded
     pages: mmap.mmap | None = None   # the file the arrays map (moecache.formats.binary_trace), if any
 
     def __post_init__(self):
@@ -75,8 +84,9 @@ class RouteTrace:
 
     def select(self, steps) -> "RouteTrace":
         """The trace of these steps only (an index or mask over steps, in trace order)."""
-        per_step = ("turn", "step", "phase", "ids", "weights", "residency", "dropped", "batch")
-        return replace(self, **{name: getattr(self, name)[steps] for name in per_step})
+        per_step = ("turn", "step", "phase", "ids", "weights", "residency", "dropped", "batch", "reads")
+        return replace(self, **{name: getattr(self, name)[steps] for name in per_step
+                                if getattr(self, name) is not None})
 
     @classmethod
     def from_routing(cls, ids, n_expert: int, *, expert_bytes=None, name: str = "routing") -> "RouteTrace":
@@ -105,6 +115,7 @@ MAX_LAYERS = 4096
 MAX_EXPERTS = 65536
 MAX_INDEX = 2**31 - 1          # turn, step and batch numbers
 MAX_EXPERT_BYTES = 2**40
+MAX_READ = 2**46               # each of READS in a row: a sum over any layer's ranks fits in int64
 MAX_LINE = 1 << 16            # characters in a format's first line, and in a CSV preamble line
 WINDOW_STEPS = 4096           # steps a check or a replay takes at a time (temporaries, mapped pages)
 

@@ -103,12 +103,12 @@ class LiveCache:
         self.counts.steps += 1
         if observed is None:
             return
+        reads = self.reads.update(native.read_counters(self.ctx, self.tier, len(self.layers)),
+                                  n_tokens=observed.n_tokens, prompt=observed.prefill or observed.n_tokens > 1) \
+            if self.reads else None
         if self._trace:
-            self._trace.record(observed, self.counts.decode_steps)
+            self._trace.record(observed, self.counts.decode_steps, reads)
         self.counts.add(observed)
-        if self.reads:
-            self.reads.update(native.read_counters(self.ctx, self.tier, len(self.layers)),
-                              n_tokens=observed.n_tokens, prompt=observed.prefill or observed.n_tokens > 1)
         flush = self.config.flush_steps
         if not observed.prefill and flush and self.above is None and self.counts.decode_steps % flush == 0:
             self.reports.flush_in_background()

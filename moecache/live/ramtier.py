@@ -55,14 +55,18 @@ class TierReads:
                        "prompt": dict.fromkeys(native.READ_COUNTERS, 0)}
         self.tokens = {"decode": 0, "prompt": 0}
 
-    def update(self, counters: list[dict], *, n_tokens: int, prompt: bool) -> None:
+    def update(self, counters: list[dict], *, n_tokens: int, prompt: bool) -> list[dict]:
+        """counters: libllama's now; returns each layer's reads since the last update."""
         name = "prompt" if prompt else "decode"
         phase = self.phases[name]
         self.tokens[name] += n_tokens
+        since = []
         for now, layer in zip(counters, self.layers):
-            for key, value in now.items():
-                phase[key] += value - layer[key]
-                layer[key] = value
+            since.append({key: value - layer[key] for key, value in now.items()})
+            for key, value in since[-1].items():
+                phase[key] += value
+            layer.update(now)
+        return since
 
     def to_json(self) -> dict:
         """Both phases with their tokens, and decode's per token: bytes read, bytes read ahead and

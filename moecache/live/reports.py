@@ -17,7 +17,7 @@ import numpy as np
 from ..core.engine import CacheEngine
 from ..formats.profile import UsageProfile
 from ..formats.trace_writer import TraceWriter
-from ..formats.traces import DECODE, PREFILL
+from ..formats.traces import DECODE, PREFILL, READS
 from ..util import write_json
 from .boundary import Observed
 from .config import CacheConfig, ConfigError
@@ -58,7 +58,8 @@ class TraceRecorder:
     stops the trace, logged, not the cache. The RAM tier (ram_tier) looks every ubatch up, a
     prompt's too: its trace records a ubatch of more than one token as a prompt (libllama does
     not tell the step which tokens asked for outputs), so that a replay tells its prompts from
-    its decode tokens (moecache.offline's RAM model feeds both to the engine alike)."""
+    its decode tokens (moecache.offline's RAM model feeds both to the engine alike); its rows
+    carry what the tier read for each layer (the READS columns)."""
 
     def __init__(self, path: str, *, model_name: str, arch: str, layers: list[CachedLayer], n_used: int,
                  ram_tier: bool = False):
@@ -66,7 +67,7 @@ class TraceRecorder:
             self.writer = TraceWriter(
                 path, model=os.path.basename(model_name) or "model", arch=arch,
                 n_layer=max(layer.il for layer in layers) + 1, n_expert=layers[0].n_expert, n_expert_used=n_used,
-                layers=[(layer.il, layer.expert_bytes, 0) for layer in layers])
+                layers=[(layer.il, layer.expert_bytes, 0) for layer in layers], reads=ram_tier)
         except OSError as e:
             if e.errno not in _DISK_FULL:  # a bad path is the setting's fault
                 raise ConfigError(f"LLAMA_MOE_CACHE_TRACE={path!r}: {e.strerror or e}") from None
@@ -79,18 +80,26 @@ class TraceRecorder:
         self._turn = 0
         self._tokens = 0
         self._phase = None
+        # the RAM tier's reads not written yet: of a layer that ran no token of its batch
+        self._unwritten = np.zeros((len(layers), len(READS)), dtype=np.int64) if ram_tier else None
 
-    def record(self, observed: Observed, decode_steps: int) -> None:
-        """One boundary's selections and their hits; decode_steps: the steps before it."""
+    def record(self, observed: Observed, decode_steps: int, reads: list[dict] | None = None) -> None:
+        """One boundary's selections and their hits; decode_steps: the steps before it; reads:
+        the RAM tier's, per layer (TierReads.update), written with the first batch that runs the layer."""
         if self.writer is None:
             return
+        if reads is not None:
+            self._unwritten += [[layer[name] for name in READS] for layer in reads]
+            reads = np.where((observed.ids >= 0).any(axis=1)[:, None], self._unwritten, 0)
+            self._unwritten -= reads
         prompt = observed.prefill or (self.ram_tier and observed.n_tokens > 1)
         phase = PREFILL if prompt else DECODE
         if phase == PREFILL and self._phase == DECODE:
             self._turn += 1
         self._phase = phase
         try:
-            self.writer.write_step(self._turn, phase, self._tokens, observed.ids, None, observed.hits.astype(np.int8))
+            self.writer.write_step(self._turn, phase, self._tokens, observed.ids, None, observed.hits.astype(np.int8),
+                                   reads)
             self._tokens += observed.n_tokens
         except (OSError, ValueError) as e:
             log.error("moecache: error: LLAMA_MOE_CACHE_TRACE=%r: %s - trace stopped after %d steps",

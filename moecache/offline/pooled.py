@@ -80,7 +80,9 @@ def pooled_trace(trace: RouteTrace) -> tuple[RouteTrace, int]:
                    expert_bytes=np.array([trace.expert_bytes[g[0]] for g in groups]),
                    dense_bytes=np.array([sum(int(trace.dense_bytes[layer]) for layer in g) for g in groups]),
                    ids=merge(shifted).astype(np.int32), weights=merge(trace.weights),
-                   residency=merge(trace.residency), dropped=merge(trace.dropped)), n
+                   residency=merge(trace.residency), dropped=merge(trace.dropped),
+                   reads=None if trace.reads is None else np.stack([trace.reads[:, g].sum(axis=1) for g in groups],
+                                                                   axis=1)), n
 
 
 def _place(groups, n_layers) -> np.ndarray:
