@@ -516,35 +516,40 @@ def child(spec_json: str) -> int:
         print(f"{PROG}: error: the prompt ({len(prompt)} tokens) must have 2 tokens or more, and with "
               f"-n {spec['n_predict']} fit -c {spec['ctx_size']}", file=sys.stderr)
         return 1
-    # the disk reads of the prompt end where greedy's first single-token evaluation starts; each
-    # decode token's time and reads (llama_decode on the CPU returns once the graph ran)
-    read_at_first_token = []
-    token_ms, token_read_bytes = [], []
-    evaluate = llm.eval
-
-    def eval_noting_reads(tokens):
-        if len(tokens) != 1:
-            return evaluate(tokens)
-        read_before, start = _io_read_bytes(), time.perf_counter()
-        if not read_at_first_token:
-            read_at_first_token.append(read_before)
-        evaluate(tokens)
-        token_ms.append((time.perf_counter() - start) * 1e3)
-        token_read_bytes.append(_io_read_bytes() - read_before)
-
-    llm.eval = eval_noting_reads
+    tokens = TokenReads(llm)
     run = greedy(llm, prompt, spec["n_predict"])
     read_done = _io_read_bytes()
     memory = _proc_status()
     result = {"tokens": run.tokens, "prompt_tokens": len(prompt), "load_s": load_seconds,
               "prompt_tok_s": len(prompt) / run.prompt_seconds, "decode_tok_s": spec["n_predict"] / run.seconds,
-              "read_bytes_load": read_loaded - read_before, "read_bytes_prompt": read_at_first_token[0] - read_loaded,
-              "decode_read_bytes_per_token": (read_done - read_at_first_token[0]) / spec["n_predict"],
+              "read_bytes_load": read_loaded - read_before, "read_bytes_prompt": tokens.first_read - read_loaded,
+              "decode_read_bytes_per_token": (read_done - tokens.first_read) / spec["n_predict"],
               "peak_rss_bytes": memory["VmHWM"], "anon_bytes": memory["RssAnon"], "file_rss_bytes": memory["RssFile"],
-              **token_time_fit(token_ms, token_read_bytes)}
+              **token_time_fit(tokens.ms, tokens.read_bytes)}
     llm.close()
     write_json(spec["result"], result)
     return 0
+
+
+class TokenReads:
+    """llm.eval noting each single-token evaluation's time and disk reads (llama_decode on the CPU
+    returns once the graph ran); the prompt's reads end where the first one starts."""
+
+    def __init__(self, llm):
+        self.first_read = None
+        self.ms, self.read_bytes = [], []
+        self.evaluate = llm.eval
+        llm.eval = self.eval
+
+    def eval(self, tokens):
+        if len(tokens) != 1:
+            return self.evaluate(tokens)
+        read_before, start = _io_read_bytes(), time.perf_counter()
+        if self.first_read is None:
+            self.first_read = read_before
+        self.evaluate(tokens)
+        self.ms.append((time.perf_counter() - start) * 1e3)
+        self.read_bytes.append(_io_read_bytes() - read_before)
 
 
 def token_time_fit(token_ms: list[float], token_read_bytes: list[int]) -> dict:
