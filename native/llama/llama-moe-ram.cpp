@@ -61,6 +61,9 @@ llama_moe_ram::llama_moe_ram(const llama_model & model, const llama_moe_cache_pa
     init_state(stock_observed);
     predictions.resize(layers.size());
     ahead.resize(layers.size());
+    for (const auto & cl : layers) {
+        room = std::max(room, std::min<size_t>(cl.n_expert, (size_t) n_ubatch*cl.n_expert_used)*cl.expert_bytes());
+    }
     reader = std::make_unique<llama_moe_reader>(files);
 
     if (layers[0].n_slots >= layers[0].n_expert) {
@@ -309,23 +312,32 @@ void llama_moe_ram::read_ahead_of(int32_t i) {
     }
 }
 
+// the experts of layer i the graph predicted that are not kept; in a ubatch that selects most of the
+// layer, all of them (a few large requests rather than the prediction's scattered ones). The most
+// predicted first, as many as fit beside the reads held already within room
 std::vector<int32_t> llama_moe_ram::predicted_experts(int32_t i) const {
     const llama_moe_cache_layer & next = layers[i];
-    std::vector<uint8_t> want(next.n_expert, 0);
-    if (whole_layer_ahead(i)) {
-        std::fill(want.begin(), want.end(), 1); // in a few large requests, rather than the prediction's scattered ones
-    } else {
-        for (int32_t e : predictions[i]) {
-            if (e >= 0 && e < next.n_expert) {
-                want[e] = 1;
-            }
+    const bool whole = whole_layer_ahead(i);
+    std::vector<int32_t> votes(next.n_expert, 0);
+    for (int32_t e : predictions[i]) {
+        if (e >= 0 && e < next.n_expert) {
+            votes[e]++;
         }
     }
     std::vector<int32_t> out;
     for (int32_t e = 0; e < next.n_expert; ++e) {
-        if (want[e] && !slots[i].cached(e)) {
+        if ((whole || votes[e] > 0) && !slots[i].cached(e)) {
             out.push_back(e);
         }
+    }
+    size_t held = 0;
+    for (const auto & t : transient) {
+        held += layers[t.i].expert_bytes();
+    }
+    const size_t fit = (room - std::min(room, held)) / next.expert_bytes();
+    if (out.size() > fit) {
+        std::stable_sort(out.begin(), out.end(), [&](int32_t a, int32_t b) { return votes[a] > votes[b]; });
+        out.resize(fit);
     }
     return out;
 }

@@ -108,6 +108,10 @@ private:
     uint32_t ubatch_rows = 0;     // tokens of the ubatch
     uint32_t ubatch_outs = 0;     // its outputs
 
+    // the bytes of experts read beyond the slots that the tier holds at once, read-ahead included: one
+    // layer's reads for a full ubatch, what the sizing leaves for them (moecache.live.ramtier.plan_ram)
+    size_t room = 0;
+
     std::vector<std::vector<int32_t>> predictions; // [n_layers] the graph's prediction in this ubatch (ids)
     std::vector<reads>                ahead;       // [n_layers] experts read ahead for the layer
 
