@@ -184,6 +184,31 @@ def test_ram_tier_trace_records_each_layers_reads_as_the_stats_count_them(tier_p
     assert decode["read_bytes"] > decode["read_ahead_bytes"]
 
 
+def test_ram_tier_reads_ahead_of_a_prompts_layer_within_one_layers_reads(tier_path, expert_bytes, tmp_path):
+    """A prompt selects most experts of each layer: the tier reads the next layer ahead while the
+    layer computes, but holds at most one layer's reads beyond its slots (what the sizing leaves for
+    them), read-ahead included. What it holds of layer l - 1 while layer l is read ahead are the
+    experts it read and did not admit, so layer l gets at most E minus those (every expert of the
+    next layer before: a model with few layers of many experts went past its memory limit and
+    thrashed)."""
+    _, n_layers, n_expert = expert_bytes
+    path = str(tmp_path / "ram.route.csv")
+    llm = load_from_file(tier_path)
+    cache = attach(llm, ram_mib=2 * expert_bytes[0] // MIB + 1, policy="lru", wait=1, trace=path)
+    prompt = list(range(1000, 1400))  # one ubatch of varied tokens
+    llm.eval(prompt)
+    counters = cache.native_counters()
+    llm.eval(prompt[:1])  # (the trace has the prompt's step once the next one starts)
+    llm.close()
+    trace = read_trace(path)
+    ids = trace.ids[trace.phase == PREFILL]
+    selected = [len(np.unique(ids[:, layer][ids[:, layer] >= 0])) for layer in range(n_layers)]
+    held = [n - c["uploads"] for n, c in zip(selected, counters)]
+    read_ahead = [c["read_ahead"] for c in counters]
+    assert read_ahead[0] == 0 and min(read_ahead[1:]) > 0 and min(held[:-1]) > 0, (read_ahead, held)  # (the last layer runs the outputs only)
+    assert all(read_ahead[i] <= n_expert - held[i - 1] for i in range(1, n_layers)), (read_ahead, held)
+
+
 def test_ram_tier_keeps_every_expert_that_fits(tier_path, smol_stock, expert_bytes):
     per_k, n_layers, n_expert = expert_bytes
     llm = load_from_file(tier_path)
