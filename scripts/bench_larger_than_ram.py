@@ -238,8 +238,8 @@ def model_facts(path: str) -> dict:
     return {"file_bytes": os.path.getsize(path), "expert_bytes": expert_bytes, "other_bytes": other_bytes,
             "moe_layers": len(moe_layers), "n_expert": counts["expert_count"],
             "n_expert_used": counts["expert_used_count"],
-            # one expert's bytes of one of its tensors: what the tier reads in one request
-            "part_bytes": int(statistics.median(exps_bytes)) // counts["expert_count"]}
+            # one expert's bytes of its largest tensor (a weight, not a bias): one request of the tier
+            "part_bytes": max(exps_bytes) // counts["expert_count"]}
 
 
 # --- the page cache ----------------------------------------------------------------------------
@@ -908,7 +908,7 @@ def markdown(report: dict) -> str:
                      f"4 KiB random reads at queue depth 1 {disk['random_4k_qd1_gbps']:.3f} GB/s "
                      f"({disk['random_4k_qd1_us']:.0f} us each)")
         paths = disk["read_paths"]
-        lines.append(f"Reads of {paths['request_bytes'] / MB:.2f} MB (one expert's tensor) at random offsets, one at a time: "
+        lines.append(f"Reads of {paths['request_bytes'] / MB:.2f} MB (one expert's largest tensor) at random offsets, one at a time: "
                      f"through the page cache and a mapping, as the tier reads, {paths['page_cache']['gbps']:.2f} GB/s, "
                      f"{paths['page_cache']['cpu_ms_per_mb']:.3f} ms of CPU per MB; O_DIRECT into one buffer used again, "
                      f"{paths['direct']['gbps']:.2f} GB/s, {paths['direct']['cpu_ms_per_mb']:.3f} ms of CPU per MB")
