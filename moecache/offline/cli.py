@@ -100,21 +100,21 @@ def _shares_arg(text):
     return list(dict.fromkeys(values))
 
 
-def _nonnegative_arg(what):
-    """A flag of one finite number >= 0, `what` naming it in the error."""
+def _nonnegative_arg(what, unit):
+    """A flag of one finite number >= 0 of `unit`, `what` naming it in the error."""
     def parse(text):
         try:
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
         if not (math.isfinite(value) and value >= 0):
-            raise argparse.ArgumentTypeError(f"{text!r}: {what} must be a finite number >= 0")
+            raise argparse.ArgumentTypeError(f"{text!r}: {what} must be a finite number of {unit} >= 0")
         return value
     parse.__name__ = what
     return parse
 
 
-_us_arg = _nonnegative_arg("a latency in us")  # --ids-trip-us, --join-us, --disk-read-us
+_us_arg = _nonnegative_arg("a latency", "us")  # --ids-trip-us, --join-us, --disk-read-us
 
 
 def _read_ahead_arg(text):
@@ -197,7 +197,7 @@ def _add_ram_flags(ap) -> None:
     ap.add_argument("--disk-read-us", type=_us_arg,
                     help=f"with --ram-mib: one read request's latency, us (default {DISK_READ_US:g}, ASSUMED: "
                          f"a 4 KiB read at queue depth 1 on the benchmarks' disk)")
-    ap.add_argument("--read-cpu-ms-per-mb", type=_nonnegative_arg("a CPU cost in ms per MB"),
+    ap.add_argument("--read-cpu-ms-per-mb", type=_nonnegative_arg("a CPU cost", "ms per MB"),
                     help="with --ram-mib: the CPU's work per MB the RAM tier reads (page-cache insert, mapping, "
                          "unmapping, release), ms, beside no compute (default 0; CALIBRATED on the benchmarks' "
                          "2-core machine: moecache.offline.calibration)")
