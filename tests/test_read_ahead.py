@@ -64,7 +64,7 @@ def chosen_by_step(monkeypatch, predictor, tokens):
     return picks
 
 
-@pytest.mark.parametrize("name", [n for n in PREDICTORS if n != "oracle"])
+@pytest.mark.parametrize("name", [n for n in PREDICTORS if not PREDICTORS[n]().reads_future])
 def test_online_predictors_never_see_what_they_predict(monkeypatch, name):
     """Two runs equal up to token 3's layer 1, then different: every read-ahead decided before
     layer 2 of token 3 (the prediction for layer 2 included) is the same in both. The oracle,
@@ -156,13 +156,15 @@ def test_the_kept_experts_are_computed_while_the_misses_are_read():
     assert (run(1.0), run(0.5), run(0.25)) == pytest.approx((2e-3, 3e-3, 5e-3))
 
 
-def test_without_read_ahead_the_timeline_is_the_disk_formula(monkeypatch):
+@pytest.mark.parametrize("read_cpu", [0.0, 0.358])
+def test_without_read_ahead_the_timeline_is_the_disk_formula(monkeypatch, read_cpu):
     """On the live tier's trace, a read-ahead that reads nothing times the decode as
-    ReplayResult.disk_ms (moecache.offline.cost.Disk.tier_token_ms) does; every `kept` it is handed is what
-    the graph found (a selection is a hit iff kept)."""
+    ReplayResult.disk_ms (moecache.offline.cost.Disk.tier_token_ms) does, the CPU's work on the
+    reads (ms per MB) included; every `kept` it is handed is what the graph found (a selection
+    is a hit iff kept)."""
     trace = read_trace(str(SYNTH))
     k = ram_tier_slots(trace, 932)
-    disk = Disk(0.95, 40)
+    disk = Disk(0.95, 40, read_cpu)
     ra = ReadAhead("temporal", 1, disk, 5.26)
     ra.predictor = Fixed([])
     decode = ra.decode
@@ -181,6 +183,36 @@ def test_without_read_ahead_the_timeline_is_the_disk_formula(monkeypatch):
     assert ra.read_ahead == 0 and ra.misses == run.totals["misses"]
     assert ra.ms_per_token == pytest.approx(run.disk_ms(5.26, disk), rel=1e-12)
     assert ra.read_bytes == run.disk_reads()[0]
+
+
+def test_the_read_cpu_is_charged_after_the_layer_beside_no_compute():
+    """One layer, expert 0 kept, expert 1 missed, 1 MB each at 1 GB/s both ways: 2 ms, plus the
+    CPU's work on the 1 MB read (0.5 ms per MB), which no compute hides; the wait is the read's
+    time beyond the kept expert's compute (none here)."""
+    def run(read_cpu, gbps=1.0):
+        ra = ReadAhead("none", 1, Disk(gbps, 0.0, read_cpu), 1.0)
+        ra.bind([MB], [0], 4, 2)
+        kept = np.array([[True, False, False, False]])
+        ra.decode(np.array([[0, 1]]), np.array([[True, False]]), kept, np.zeros(1, dtype=np.int64))
+        ra.finish()
+        return ra.seconds, ra.wait_ms_per_token
+    assert run(0.0) == pytest.approx((2e-3, 0.0))
+    assert run(0.5) == pytest.approx((2.5e-3, 0.0))
+    assert run(0.5, gbps=0.5) == pytest.approx((3.5e-3, 1.0))  # read 2 ms, kept 1 ms: 1 ms waited
+
+
+def test_the_router_finds_its_recall_of_the_next_layers_misses_and_never_layer_0(monkeypatch):
+    """router stands for the next router on this layer's input: with ROUTER_RECALL 1 it reads
+    every miss of layers 1.. ahead and nothing for a token's layer 0 (no router of it has run);
+    with 0 it reads only experts the layer did not select."""
+    rng = np.random.default_rng(3)
+    tokens = [list(rng.integers(0, 8, 4)) for _ in range(6)]
+    monkeypatch.setattr(readahead, "ROUTER_RECALL", 1.0)
+    ra = tier("router", 4, tokens, n_expert=8)
+    assert ra.precision == 1.0 and ra.useful == ra.misses - len(tokens)  # every layer 0 missed, unread
+    monkeypatch.setattr(readahead, "ROUTER_RECALL", 0.0)
+    ra = tier("router", 4, tokens, n_expert=8)
+    assert ra.useful == 0 and ra.read_ahead == 3 * len(tokens)
 
 
 def test_cli_prints_the_read_ahead_beside_the_tier(capsys):

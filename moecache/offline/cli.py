@@ -8,7 +8,7 @@ through moecache.offline.replay.simulate (the models are described there).
                               [--dram-gbps G] [--device-gbps G] [--ids-trip-us U] [--join-us U]
                               [--planner] [--cpu-share 0,0.9|tuned] [--csv FILE] [--plot PNG]
     python -m moecache.replay TRACE --ram-mib 932[,1351] --disk-gbps G [--disk-read-us U]
-                              [--read-ahead-kb KB] [--host-gbps G] [--policies default]
+                              [--read-cpu-ms-per-mb C] [--read-ahead-kb KB] [--host-gbps G] [--policies default]
                               [--expert-read-ahead none,cooccur:1,oracle:2]
     python -m moecache.replay TRACE --convert OUT
 
@@ -62,12 +62,12 @@ from ..formats.profile import UsageProfile
 from ..formats.traces import DECODE, PREFILL, read_trace
 from ..util import OneLineParser, Progress, atomic_write, gbps_arg, int_arg, int_list_arg, output_problem
 from .budget import BUDGET_POLICIES
-from .cost import Disk
+from .cost import DISK_READ_US, Disk
 from .readahead import PREDICTORS, ReadAhead, parse_spec
 from .steps import decode_steps
 from .replay import (GLOBAL, MIB, MODELS, PAGE_CACHE, PER_LAYER, PREFILL_MODES, UPSTREAM, GlobalReplay,
                      PageCacheReplay, PerLayerReplay, ReplayResult, UpstreamReplay, per_layer_slots, policy_names,
-                     ram_tier_slots, simulate)
+                     ram_tier_replay, ram_tier_slots, simulate)
 from .upstream import TUNER_SHARES, UPSTREAM_TAGS
 
 
@@ -100,15 +100,21 @@ def _shares_arg(text):
     return list(dict.fromkeys(values))
 
 
-def _us_arg(text):
-    """--ids-trip-us, --join-us: one finite number >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"{text!r}: a latency must be a finite number of us >= 0")
-    return value
+def _nonnegative_arg(what, unit):
+    """A flag of one finite number >= 0 of `unit`, `what` naming it in the error."""
+    def parse(text):
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not (math.isfinite(value) and value >= 0):
+            raise argparse.ArgumentTypeError(f"{text!r}: {what} must be a finite number of {unit} >= 0")
+        return value
+    parse.__name__ = what
+    return parse
+
+
+_us_arg = _nonnegative_arg("a latency", "us")  # --ids-trip-us, --join-us, --disk-read-us
 
 
 def _read_ahead_arg(text):
@@ -132,10 +138,9 @@ def admission_list_arg(text):
 
 
 _budgets_arg.__name__, _inserts_arg.__name__, _shares_arg.__name__ = "budget list", "inserts", "share list"
-admission_list_arg.__name__, _us_arg.__name__ = "admission list", "latency"
+admission_list_arg.__name__ = "admission list"
 _read_ahead_arg.__name__ = "read-ahead list"
 RATE_FLAGS = ("host_gbps", "link_gbps", "dram_gbps", "device_gbps", "ids_trip_us", "join_us")
-DISK_READ_US = 40.0  # ASSUMED: a 4 KiB read at queue depth 1 (measured 40 us on the benchmarks' virtual disk)
 READ_AHEAD_KB = 128  # the kernel's default read_ahead_kb (VM_READAHEAD_PAGES)
 
 
@@ -192,6 +197,10 @@ def _add_ram_flags(ap) -> None:
     ap.add_argument("--disk-read-us", type=_us_arg,
                     help=f"with --ram-mib: one read request's latency, us (default {DISK_READ_US:g}, ASSUMED: "
                          f"a 4 KiB read at queue depth 1 on the benchmarks' disk)")
+    ap.add_argument("--read-cpu-ms-per-mb", type=_nonnegative_arg("a CPU cost", "ms per MB"),
+                    help="with --ram-mib: the CPU's work per MB the RAM tier reads (page-cache insert, mapping, "
+                         "unmapping, release), ms, beside no compute (default 0; CALIBRATED on the benchmarks' "
+                         "2-core machine: moecache.offline.calibration)")
     ap.add_argument("--read-ahead-kb", type=int_arg(minimum=0),
                     help=f"with --ram-mib: the disk's read_ahead_kb (/sys/block/DEV/queue/read_ahead_kb; default "
                          f"{READ_AHEAD_KB}, the kernel's), which llama.cpp's mapping doubles")
@@ -265,6 +274,7 @@ def check_args(args) -> None:
 def _check_ram_args(args):
     """--ram-mib and the disk's flags go together."""
     disk_flags = [flag for flag, value in (("--disk-gbps", args.disk_gbps), ("--disk-read-us", args.disk_read_us),
+                                           ("--read-cpu-ms-per-mb", args.read_cpu_ms_per_mb),
                                            ("--read-ahead-kb", args.read_ahead_kb),
                                            ("--expert-read-ahead", args.expert_read_ahead or None))
                   if value is not None]
@@ -274,7 +284,8 @@ def _check_ram_args(args):
         return
     if args.disk_gbps is None:
         raise ValueError("--ram-mib needs --disk-gbps, the disk's read rate (GB/s) its reads are timed at")
-    args.disk = Disk(args.disk_gbps, DISK_READ_US if args.disk_read_us is None else args.disk_read_us)
+    args.disk = Disk(args.disk_gbps, DISK_READ_US if args.disk_read_us is None else args.disk_read_us,
+                     args.read_cpu_ms_per_mb or 0.0)
     if args.read_ahead_kb is None:
         args.read_ahead_kb = READ_AHEAD_KB
 
@@ -323,10 +334,6 @@ def run(args, trace, profile) -> list[ReplayResult]:
         return PerLayerReplay(policy, k, inserts=args.inserts, admission=admission, prefill=args.prefill,
                               profile=profile, seed=args.seed, miss_plan=args.hardware.rates if args.planner else None)
 
-    def ram_tier(policy, admission, k, read_ahead):
-        return PerLayerReplay(policy, k, inserts=k, admission=admission, prefill="lookup", seed=args.seed,
-                              read_ahead=read_ahead)
-
     def read_aheads():  # the RAM tier without, then with each --expert-read-ahead (new ones each run)
         return [None] + [ReadAhead(name, width, args.disk, args.hardware.rates.host_gbps)
                          for name, width in args.expert_read_ahead]
@@ -343,7 +350,7 @@ def run(args, trace, profile) -> list[ReplayResult]:
            [(GlobalReplay(p, b, seed=args.seed), {}) for p in args.policies if p in policy_names(GLOBAL)
             for b in args.budget_mib] + \
            [(UpstreamReplay(p, b, share), {}) for p in upstream for b in args.budget_mib for share in _shares(p, args)] + \
-           [(ram_tier(p, a, args.ram_slots[b], read_ahead), {"ram_mib": b}) for p, a in timings for b in args.ram_mib
+           [(ram_tier_replay(p, args.ram_slots[b], a, read_ahead, args.seed), {"ram_mib": b}) for p, a in timings for b in args.ram_mib
             for read_ahead in read_aheads()] + \
            [(PageCacheReplay(p, b, args.read_ahead_kb), {"ram_mib": b})
             for p in policy_names(PAGE_CACHE) for b in args.ram_mib]

@@ -31,7 +31,14 @@ computes the layer's experts kept in memory, then computes the misses: per layer
     dense / host  +  max(kept / host, read_us + misses / disk)  +  misses / host
 
 (no read, no wait, where the layer missed nothing), and the uploads issued at a boundary read
-after the token at the disk's rate, the CPU waiting.
+after the token at the disk's rate, the CPU waiting. Each byte the tier reads also costs the CPU
+`read_cpu_ms_per_mb` (CALIBRATED, not derived: the page-cache insert, the mapping, the unmap and
+the release of what it read, work on the cores the compute uses), added to its layer pass after
+the layer's experts, beside no compute:
+
+    ...  +  read_cpu x (misses + boundary uploads)
+
+(moecache.offline.calibration fits it to the benchmark's measurements; 0 leaves it out.)
 
 The rates are a hardware class's (moecache.core.hardware.HARDWARE), whose figures and
 assumptions are stated there.
@@ -48,21 +55,32 @@ import numpy as np
 from ..core.missplan import STOCK_LAYOUT, Layout, Rates
 
 
+DISK_READ_US = 40.0  # ASSUMED: a 4 KiB read at queue depth 1 (measured 40 us on the benchmarks' virtual disk)
+
+
 @dataclass(frozen=True)
 class Disk:
-    """The disk a model larger than RAM is read from: its rate for large requests (GB/s) and the
-    latency of one request (us; a 4 KiB read at queue depth 1 takes about that)."""
+    """The disk a model larger than RAM is read from: its rate for large requests (GB/s), the
+    latency of one request (us; a 4 KiB read at queue depth 1 takes about that) and the CPU's
+    work per MB (10^6 bytes) the RAM tier reads, ms (module docstring)."""
 
     gbps: float
     read_us: float
+    read_cpu_ms_per_mb: float = 0.0
 
     def __post_init__(self):
-        if not (math.isfinite(self.gbps) and self.gbps > 0 and math.isfinite(self.read_us) and self.read_us >= 0):
-            raise ValueError(f"a disk needs a finite rate > 0 and a latency >= 0, got {self.gbps} GB/s, "
-                             f"{self.read_us} us")
+        if not (math.isfinite(self.gbps) and self.gbps > 0 and math.isfinite(self.read_us) and self.read_us >= 0
+                and math.isfinite(self.read_cpu_ms_per_mb) and self.read_cpu_ms_per_mb >= 0):
+            raise ValueError(f"a disk needs a finite rate > 0, a latency >= 0 and a CPU cost >= 0, got "
+                             f"{self.gbps} GB/s, {self.read_us} us, {self.read_cpu_ms_per_mb} ms/MB")
+
+    @property
+    def read_cpu_s_per_byte(self) -> float:
+        return self.read_cpu_ms_per_mb / 1e9
 
     def describe(self) -> str:
-        return f"disk {self.gbps:g} GB/s, {self.read_us:g} us a request"
+        cpu = f", the tier's reads {self.read_cpu_ms_per_mb:g} ms of CPU per MB" if self.read_cpu_ms_per_mb else ""
+        return f"disk {self.gbps:g} GB/s, {self.read_us:g} us a request{cpu}"
 
     def token_ms(self, host_gbps: float, compute_bytes: float, read_bytes: float, waits: int, tokens: int) -> float:
         """Modelled milliseconds per token of stock mmap's page cache (module docstring)."""
@@ -72,11 +90,13 @@ class Disk:
     def tier_token_ms(self, host_gbps: float, work: "WorkTally", tokens: int) -> float:
         """Modelled milliseconds per token of the RAM tier's layer passes (module docstring)."""
         host, disk = host_gbps * 1e6, self.gbps * 1e6  # bytes per ms
-        total = work.boundary_upload_bytes / disk
+        read_cpu = self.read_cpu_ms_per_mb / 1e6  # ms per byte
+        total = work.boundary_upload_bytes * (1 / disk + read_cpu)
         for (layer, hits, lane, cpu), passes in work.passes.items():
             size, misses = work.expert_bytes[layer], lane + cpu
             read = self.read_us / 1e3 + misses * size / disk if misses else 0.0
-            total += passes * (work.dense_bytes[layer] / host + max(hits * size / host, read) + misses * size / host)
+            total += passes * (work.dense_bytes[layer] / host + max(hits * size / host, read)
+                               + misses * size * (1 / host + read_cpu))
         return total / tokens
 
 

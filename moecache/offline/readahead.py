@@ -17,6 +17,11 @@ every prediction that token's layers made (so a prediction never sees its own an
   (heat's) estimate, of the experts it did not keep.
 - oracle: the dst layer's actual selection, read from the future: an upper BOUND, not a
   predictor.
+- router: what ships (patch series 18): the next layer's router applied to this layer's input,
+  stood for by the dst layer's actual selection, each of its misses found with probability
+  ROUTER_RECALL and in its place an expert the layer did not select (seeded; read, and wasted,
+  when not kept); nothing for the next token's layer 0 (the next router runs inside one token's
+  graph).
 - none: reads nothing ahead (the tier as it runs, on this timeline).
 Each reads ahead the R best-scored experts of the dst layer that are not kept in RAM (score > 0);
 R "w" (window): as many as the disk can read before the dst layer's observer if the CPU's
@@ -32,7 +37,9 @@ misses (a layer that needs nothing from the disk does not wait: optimistic, the 
 read-ahead thread is joined anyway) and computes the misses (bytes / host); the next layer's
 read-ahead is queued behind the layer's reads (latency + bytes / disk, the next layer's expert
 size). The last layer reads ahead the next decode token's layer 0 (none before a prompt or at
-the end). Uploads issued at a boundary are read after the token, the CPU waiting, as
+the end; `router` never). The CPU's work on what a layer read and queued (Disk.read_cpu_ms_per_mb,
+CALIBRATED: moecache.offline.calibration) follows the layer's experts, beside no compute.
+Uploads issued at a boundary are read after the token, the CPU waiting, as
 moecache.offline.cost.Disk has it; without read-ahead the timeline is Disk.tier_token_ms
 exactly (tested). A read-ahead holds at most R experts of one layer in RAM beyond the tier's K
 until its layer runs.
@@ -46,6 +53,10 @@ from ..util import IntegerError, parse_int
 from .cost import Disk
 
 HALF_LIFE = 16.0  # tokens; the default policy's (Heat) half-life
+# MEASURED, the live tier's (its traces in traces/, "the RAM tier's reads"): of layers 1..L-1's
+# decode misses, the share it had read ahead, 94.4% on the Qwen3-30B-A3B shape and 96.5% on the
+# gpt-oss-20b shape (tests/test_ram_model.py holds it to both)
+ROUTER_RECALL = 0.95
 
 
 class Predictor:
@@ -58,7 +69,9 @@ class Predictor:
     def bind(self, n_layers: int, n_expert: int) -> None:
         self.n_layers, self.n_expert = n_layers, n_expert
 
-    def scores(self, src: int, selection: np.ndarray, dst: int, future: np.ndarray | None = None) -> np.ndarray:
+    def scores(self, src: int, selection: np.ndarray, dst: int, future: np.ndarray | None = None,
+               kept: np.ndarray | None = None) -> np.ndarray:
+        """future, kept: the dst layer's selection and its experts kept, for a predictor that reads the future."""
         raise NotImplementedError
 
     def learn(self, rows) -> None:
@@ -149,12 +162,31 @@ class Oracle(Predictor):
     name = "oracle"
     reads_future = True
 
-    def scores(self, src, selection, dst, future=None):
+    def scores(self, src, selection, dst, future=None, kept=None):
         return _ranked(future, self.n_expert)
 
 
+class Router(Predictor):
+    name = "router"
+    reads_future = True
+
+    def bind(self, n_layers, n_expert):
+        super().bind(n_layers, n_expert)
+        self.rng = np.random.default_rng(0)
+
+    def scores(self, src, selection, dst, future=None, kept=None):
+        if dst <= src:  # the next token's layer 0: no router of it has run
+            return np.zeros(self.n_expert)
+        lost = ~kept[future] & (self.rng.random(future.size) >= ROUTER_RECALL)  # misses not found
+        predicted = future.copy()
+        predicted[lost] = self.rng.choice(np.setdiff1d(np.arange(self.n_expert), future), size=int(lost.sum()),
+                                          replace=False)
+        return _ranked(predicted, self.n_expert)
+
+
 PREDICTORS = {"none": Nothing, "temporal": Temporal, "cooccur": Cooccur,
-              "cooccur-decayed": lambda: Cooccur(HALF_LIFE), "frequency": Frequency, "oracle": Oracle}
+              "cooccur-decayed": lambda: Cooccur(HALF_LIFE), "frequency": Frequency, "oracle": Oracle,
+              "router": Router}
 
 
 WINDOW = "w"  # R: what fits the compute window
@@ -189,6 +221,7 @@ class ReadAhead:
         self.tokens = 0
         self.read_ahead = self.useful = self.misses = 0  # experts
         self.read_bytes = 0  # everything the decode read: misses not read ahead, read-ahead, boundary uploads
+        self.waited = 0.0    # seconds the CPU waited for the disk
         self._held = None    # the last decode token, processed once the next step shows what follows it
         self._disk_free = 0.0  # when the disk has read everything queued
         self._pending = None   # (experts, when read) read ahead for the next layer to run
@@ -204,6 +237,10 @@ class ReadAhead:
     @property
     def ms_per_token(self) -> float | None:
         return 1e3 * self.seconds / self.tokens if self.tokens else None
+
+    @property
+    def wait_ms_per_token(self) -> float | None:
+        return 1e3 * self.waited / self.tokens if self.tokens else None
 
     @property
     def precision(self) -> float | None:
@@ -247,7 +284,7 @@ class ReadAhead:
         rows, missed, kept, boundary = self._held
         self._held = None
         L, host, disk = len(rows), self.host_gbps * 1e9, self.disk.gbps * 1e9
-        latency = self.disk.read_us / 1e6
+        latency, read_cpu = self.disk.read_us / 1e6, self.disk.read_cpu_s_per_byte
         clock, disk_free, pending = self.seconds, self._disk_free, self._pending
         for layer in range(L):
             size = self.expert_bytes[layer]
@@ -262,37 +299,47 @@ class ReadAhead:
                 disk_free = max(disk_free, clock) + latency + demand * size / disk
                 self.read_bytes += demand * size
                 ready = max(ready, disk_free)
-            kept_compute = (rows[layer].size - missed[layer].size) * size / host
-            end = max(clock + kept_compute, ready) + missed[layer].size * size / host
-            pending = None
+            computed = clock + (rows[layer].size - missed[layer].size) * size / host  # the kept experts
+            self.waited += max(0.0, ready - computed)
+            end = max(computed, ready) + missed[layer].size * size / host
             if layer + 1 < L:
                 target, dst_kept, future = layer + 1, kept[layer + 1], rows[layer + 1]
             else:
                 self.predictor.learn(rows)
                 target = 0
                 dst_kept, future = (None, None) if following is None else (following[2][0], following[0][0])
-            if dst_kept is not None:
-                next_size = self.expert_bytes[target]
-                width = self.width
-                if width == WINDOW:  # until the next observer, after what the disk has queued
-                    room = end + self.dense_bytes[target] / host - max(disk_free, clock) - latency
-                    width = min(self.n_used, max(0, int(room * disk / next_size + 1e-9)))  # not lost to rounding
-                scores = self.predictor.scores(layer, rows[layer], target,
-                                               future if self.predictor.reads_future else None)
-                chosen = choose_reads(scores, dst_kept, width)
-                if chosen.size:
-                    disk_free = max(disk_free, clock) + latency + chosen.size * next_size / disk
-                    self.read_ahead += chosen.size
-                    self.read_bytes += chosen.size * next_size
-                    pending = (chosen, disk_free)
-            clock = end
+            pending, disk_free, ahead_bytes = self._queue_ahead(layer, rows[layer], target, dst_kept, future,
+                                                                end, clock, disk_free)
+            clock = end + (demand * size + ahead_bytes) * read_cpu  # the CPU's work on what was read
         upload_bytes = sum(int(n) * b for n, b in zip(boundary.tolist(), self.expert_bytes))
         if upload_bytes:
             disk_free = max(disk_free, clock) + upload_bytes / disk
             self.read_bytes += upload_bytes
-            clock = disk_free
+            self.waited += disk_free - clock
+            clock = disk_free + upload_bytes * read_cpu
         self.seconds, self._disk_free, self._pending = clock, disk_free, pending
         self.tokens += 1
+
+    def _queue_ahead(self, layer, selection, target, dst_kept, future, end, clock, disk_free):
+        """The read-ahead layer `layer` queues for `target` (dst_kept None: none), behind what the
+        disk has queued: (pending (experts, when read) or None, disk_free, bytes queued)."""
+        if dst_kept is None:
+            return None, disk_free, 0
+        host, disk, latency = self.host_gbps * 1e9, self.disk.gbps * 1e9, self.disk.read_us / 1e6
+        next_size = self.expert_bytes[target]
+        width = self.width
+        if width == WINDOW:  # until the next observer, after what the disk has queued
+            room = end + self.dense_bytes[target] / host - max(disk_free, clock) - latency
+            width = min(self.n_used, max(0, int(room * disk / next_size + 1e-9)))  # not lost to rounding
+        scores = (self.predictor.scores(layer, selection, target, future, dst_kept) if self.predictor.reads_future
+                  else self.predictor.scores(layer, selection, target))
+        chosen = choose_reads(scores, dst_kept, width)
+        if not chosen.size:
+            return None, disk_free, 0
+        disk_free = max(disk_free, clock) + latency + chosen.size * next_size / disk
+        self.read_ahead += chosen.size
+        self.read_bytes += chosen.size * next_size
+        return (chosen, disk_free), disk_free, chosen.size * next_size
 
 
 def _rows(ids, mask=None) -> list[np.ndarray]:

@@ -466,6 +466,14 @@ def ram_tier_slots(trace: RouteTrace, ram_mib: float) -> int:
     return k
 
 
+def ram_tier_replay(policy: str, slots: int, admission: str, read_ahead: ReadAhead | None = None,
+                    seed: int = 0) -> PerLayerReplay:
+    """The RAM tier as the live one runs: K kept per layer, INSERTS = K, every prompt ubatch
+    looked up (its misses read)."""
+    return PerLayerReplay(policy, slots, inserts=slots, admission=admission, prefill="lookup", seed=seed,
+                          read_ahead=read_ahead)
+
+
 def per_layer_slots(trace: RouteTrace, budget_mib: float) -> int:
     """The per-layer model's K at a budget: the largest whose device bytes (equal_bytes) fit it."""
     k = slots_for_budget(lambda k: equal_bytes(trace.expert_bytes, k), int(budget_mib * MIB), trace.n_expert)
