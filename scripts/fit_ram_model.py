@@ -1,32 +1,39 @@
 """The RAM tier's modelled decode against the benchmark's measurements (issue 38): fits the CPU's
-work per MB the tier reads (python -m moecache.replay --read-cpu-ms-per-mb) and prints, per
-measured configuration (both shapes, read-ahead on and off), the modelled and measured decode,
-the residual, the wait for the disk and the bytes read, at the best disk rate each run measured
-and at its O_DIRECT rate. The inputs and the fit: moecache.offline.calibration.
+work on what the tier reads, per request and per MB (python -m moecache.replay
+--read-cpu-ms-per-request, --read-cpu-ms-per-mb), and prints, per measured configuration (both
+shapes, read-ahead on and off), the modelled and measured decode and the residual without the
+reads' CPU, with the per-MB constant alone (the model before) and with both, the wait for the disk
+and the bytes read, at the best disk rate each run measured and at its O_DIRECT rate. The inputs
+and the fit: moecache.offline.calibration.
 
     python scripts/fit_ram_model.py        (a few seconds; imports moecache as found)
 """
 
 from moecache.formats.traces import TRACES_DIR, read_trace
-from moecache.offline.calibration import MEASURED, at_o_direct_rate, fit, host_gbps, recorded_read_ahead
+from moecache.offline.calibration import MEASURED, ONE_TERM, at_o_direct_rate, fit, host_gbps, recorded_read_ahead
+from moecache.offline.pagecache import PARTS
 from moecache.offline.replay import ram_tier_slots
 
 
 def table(title, configs) -> None:
-    c, rows = fit(configs)
-    uncharged = {(r.measured.shape, r.mode): r for r in fit(configs, iterations=0)[1]}  # no CPU on a read
-    print(f"\n{title}: the CPU's work on a read CALIBRATED at {c:.3f} ms per MB read")
-    print("| configuration | read-ahead | measured ms/tok (tok/s) | modelled, no read CPU | residual | modelled, "
-          "calibrated | residual | wait ms/tok modelled / measured | MB read/tok modelled / measured | "
-          "precision % modelled / measured |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        m, bare = r.measured, uncharged[(r.measured.shape, r.mode)]
+    (costs, rows), (one, one_rows) = fit(configs), fit(configs, terms=ONE_TERM)
+    fits = {"no read CPU": fit(configs, terms=())[1], "per MB alone": one_rows, "both": rows}
+    print(f"\n{title}: the CPU's work on a read CALIBRATED at {costs['read_cpu_ms_per_request']:.3f} ms per request "
+          f"({PARTS} an expert) + {costs['read_cpu_ms_per_mb']:.3f} ms per MB read (per MB alone: "
+          f"{one['read_cpu_ms_per_mb']:.3f})")
+    print("| configuration | read-ahead | measured ms/tok (tok/s) | "
+          + " | ".join(f"modelled, {name} | residual" for name in fits)
+          + " | wait ms/tok modelled / measured | MB read/tok modelled / measured | precision % modelled / measured |")
+    print("|---|---|---:|" + "---:|---:|" * len(fits) + "---:|---:|---:|")
+    for i, r in enumerate(rows):
+        m = r.measured
         live = recorded_read_ahead(read_trace(str(TRACES_DIR / m.trace)))[1] if r.mode == "on" else None
-        print(f"| {m.shape} | {r.mode} | {r.measured_ms:.2f} ({m.tok_s[r.mode]:.2f}) | {bare.ms:.2f} | "
-              f"{100 * bare.residual:+.1f}% | {r.ms:.2f} | {100 * r.residual:+.1f}% | {r.wait_ms:.1f} / "
-              f"{m.wait_ms[r.mode]:.1f} | {r.read_mb:.1f} / {m.read_mb[r.mode]:.1f} | "
+        modelled = " | ".join(f"{f[i].ms:.2f} | {100 * f[i].residual:+.1f}%" for f in fits.values())
+        print(f"| {m.shape} | {r.mode} | {r.measured_ms:.2f} ({m.tok_s[r.mode]:.2f}) | {modelled} | "
+              f"{r.wait_ms:.1f} / {m.wait_ms[r.mode]:.1f} | {r.read_mb:.1f} / {m.read_mb[r.mode]:.1f} | "
               f"{_pct(r.precision)} / {_pct(live)} |")
+    print("sum of the squared residuals: " + ", ".join(f"{name} {sum(r.residual ** 2 for r in f):.4f}"
+                                                      for name, f in fits.items()))
 
 
 def _pct(value):

@@ -156,15 +156,15 @@ def test_the_kept_experts_are_computed_while_the_misses_are_read():
     assert (run(1.0), run(0.5), run(0.25)) == pytest.approx((2e-3, 3e-3, 5e-3))
 
 
-@pytest.mark.parametrize("read_cpu", [0.0, 0.358])
-def test_without_read_ahead_the_timeline_is_the_disk_formula(monkeypatch, read_cpu):
+@pytest.mark.parametrize("per_mb, per_request", [(0.0, 0.0), (0.358, 0.0), (0.106, 0.428)])
+def test_without_read_ahead_the_timeline_is_the_disk_formula(monkeypatch, per_mb, per_request):
     """On the live tier's trace, a read-ahead that reads nothing times the decode as
     ReplayResult.disk_ms (moecache.offline.cost.Disk.tier_token_ms) does, the CPU's work on the
-    reads (ms per MB) included; every `kept` it is handed is what the graph found (a selection
-    is a hit iff kept)."""
+    reads (ms per MB, ms per request) included; every `kept` it is handed is what the graph found
+    (a selection is a hit iff kept)."""
     trace = read_trace(str(SYNTH))
     k = ram_tier_slots(trace, 932)
-    disk = Disk(0.95, 40, read_cpu)
+    disk = Disk(0.95, 40, per_mb, per_request)
     ra = ReadAhead("temporal", 1, disk, 5.26)
     ra.predictor = Fixed([])
     decode = ra.decode
@@ -187,10 +187,10 @@ def test_without_read_ahead_the_timeline_is_the_disk_formula(monkeypatch, read_c
 
 def test_the_read_cpu_is_charged_after_the_layer_beside_no_compute():
     """One layer, expert 0 kept, expert 1 missed, 1 MB each at 1 GB/s both ways: 2 ms, plus the
-    CPU's work on the 1 MB read (0.5 ms per MB), which no compute hides; the wait is the read's
-    time beyond the kept expert's compute (none here)."""
-    def run(read_cpu, gbps=1.0):
-        ra = ReadAhead("none", 1, Disk(gbps, 0.0, read_cpu), 1.0)
+    CPU's work on the 1 MB read (0.5 ms per MB; 0.1 ms per request, an expert's 3 tensors), which
+    no compute hides; the wait is the read's time beyond the kept expert's compute (none here)."""
+    def run(read_cpu, gbps=1.0, per_request=0.0):
+        ra = ReadAhead("none", 1, Disk(gbps, 0.0, read_cpu, per_request), 1.0)
         ra.bind([MB], [0], 4, 2)
         kept = np.array([[True, False, False, False]])
         ra.decode(np.array([[0, 1]]), np.array([[True, False]]), kept, np.zeros(1, dtype=np.int64))
@@ -198,7 +198,27 @@ def test_the_read_cpu_is_charged_after_the_layer_beside_no_compute():
         return ra.seconds, ra.wait_ms_per_token
     assert run(0.0) == pytest.approx((2e-3, 0.0))
     assert run(0.5) == pytest.approx((2.5e-3, 0.0))
+    assert run(0.0, per_request=0.1) == pytest.approx((2.3e-3, 0.0))
+    assert run(0.5, per_request=0.1) == pytest.approx((2.8e-3, 0.0))
     assert run(0.5, gbps=0.5) == pytest.approx((3.5e-3, 1.0))  # read 2 ms, kept 1 ms: 1 ms waited
+
+
+def test_an_expert_read_ahead_costs_the_cpu_its_requests_as_a_demand_read_does():
+    """Two layers, nothing kept, a disk fast enough that no read is waited for: layer 0's miss is
+    read on demand, layer 1's ahead (the oracle); each is an expert's 3 tensors, 3 requests, so
+    0.1 ms per request adds 0.6 ms to the token and 0.5 ms per MB 1 ms."""
+    def run(per_mb, per_request):
+        ra = ReadAhead("oracle", 1, Disk(1000.0, 0.0, per_mb, per_request), 1.0)
+        ra.bind([MB, MB], [0, 0], 4, 1)
+        ra.decode(np.array([[0], [1]]), np.array([[False], [False]]), np.zeros((2, 4), dtype=bool),
+                  np.zeros(2, dtype=np.int64))
+        ra.finish()
+        assert (ra.read_ahead, ra.useful) == (1, 1)
+        return ra.seconds
+    bare = run(0.0, 0.0)
+    assert run(0.0, 0.1) - bare == pytest.approx(0.6e-3)
+    assert run(0.5, 0.0) - bare == pytest.approx(1e-3)
+    assert run(0.5, 0.1) - bare == pytest.approx(1.6e-3)
 
 
 def test_the_router_finds_its_recall_of_the_next_layers_misses_and_never_layer_0(monkeypatch):

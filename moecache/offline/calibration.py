@@ -1,8 +1,9 @@
 """The RAM tier's modelled decode (moecache.offline.readahead's timeline; without read-ahead it is
-Disk.tier_token_ms) against the benchmark's measurements, and the one constant CALIBRATED to them:
-the CPU's work per MB the tier reads (Disk.read_cpu_ms_per_mb: the page-cache insert, the mapping,
-the unmap and the release of what it read, on the cores the compute uses), which the timeline
-leaves out otherwise.
+Disk.tier_token_ms) against the benchmark's measurements, and the two constants CALIBRATED to
+them: the CPU's work on what the tier reads (the page-cache insert, the mapping, the unmap and the
+release, on the cores the compute uses), which the timeline leaves out otherwise, per request
+(Disk.read_cpu_ms_per_request: one expert tensor's range, read, mapped and released on its own)
+and per MB (Disk.read_cpu_ms_per_mb).
 
 MEASURED inputs (MEASURED; docs/notes/ram-read-ahead.md, "On a quieter machine, the default
 threads ...": scripts/bench_larger_than_ram.py -r 5 --read-ahead both, 2 cores), per shape: the
@@ -13,14 +14,18 @@ trace's computed bytes per decode token over that time), the best disk rate the 
 with read-ahead (modelled by the `router` predictor, what ships, reading up to top-k) and without
 (`none`).
 
-fit() takes the constant that minimises the sum of the squared relative residuals of the modelled
-ms per decode token over every configuration (Gauss-Newton on the timeline, which is linear in it
-without read-ahead and close to linear with it), and returns each configuration's residual.
+fit() takes the constants >= 0 that minimise the sum of the squared relative residuals of the
+modelled ms per decode token over every configuration (Gauss-Newton on the timeline, which is
+linear in them without read-ahead and close to linear with it), and returns each configuration's
+residual; fit(terms=ONE_TERM) fits the per-MB constant alone, as the model did before.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, replace
+
+import numpy as np
 
 from ..core.policies import DEFAULT_POLICY
 from ..formats.traces import DECODE, READS, TRACES_DIR, RouteTrace, read_trace
@@ -29,6 +34,9 @@ from .readahead import ReadAhead
 from .replay import ram_tier_replay, ram_tier_slots, simulate
 
 MODES = {"on": "router", "off": "none"}  # read-ahead: the predictor standing for it
+# the CPU's work on the tier's reads, Disk's fields: per request (one expert tensor's range) and per MB
+TERMS = ("read_cpu_ms_per_request", "read_cpu_ms_per_mb")
+ONE_TERM = ("read_cpu_ms_per_mb",)  # the model before the per-request term
 
 
 @dataclass(frozen=True)
@@ -82,37 +90,57 @@ def host_gbps(trace: RouteTrace, measured: Measured) -> float:
     return run.work.compute_bytes() / run.decode_tokens * measured.in_ram_tok_s / 1e9
 
 
-def model(trace: RouteTrace, measured: Measured, host: float, mode: str, read_cpu_ms_per_mb: float) -> Modelled:
-    """The limited tier's decode at the benchmark's K, one read-ahead mode, this CPU cost."""
-    disk = Disk(measured.disk_gbps, DISK_READ_US, read_cpu_ms_per_mb)
+def model(trace: RouteTrace, measured: Measured, host: float, mode: str, read_cpu: dict) -> Modelled:
+    """The limited tier's decode at the benchmark's K, one read-ahead mode, these CPU costs of the
+    reads (Disk's fields named in TERMS; one left out is 0)."""
+    disk = Disk(measured.disk_gbps, DISK_READ_US, **read_cpu)
     timeline = ReadAhead(MODES[mode], trace.n_expert_used, disk, host)
     simulate(trace, ram_tier_replay(DEFAULT_POLICY, ram_tier_slots(trace, measured.ram_mib), "eager", timeline))
     return Modelled(measured, mode, timeline.ms_per_token, timeline.wait_ms_per_token,
                     timeline.read_bytes / timeline.tokens / 1e6, timeline.precision)
 
 
-def fit(configs=MEASURED, iterations: int = 8) -> tuple[float, list[Modelled]]:
-    """(the calibrated ms of CPU per MB read, every configuration modelled with it); iterations=0:
-    (0, the model without it)."""
+def fit(configs=MEASURED, terms=TERMS, iterations: int = 8) -> tuple[dict, list[Modelled]]:
+    """({term: its calibrated value}, every configuration modelled with them); terms=(): ({}, the
+    model without the reads' CPU)."""
     inputs = [(m, trace, host_gbps(trace, m)) for m in configs for trace in [read_trace(str(TRACES_DIR / m.trace))]]
 
-    def run(c):
-        return [model(trace, m, host, mode, c) for m, trace, host in inputs for mode in MODES]
+    def run(costs):
+        return [model(trace, m, host, mode, costs) for m, trace, host in inputs for mode in MODES]
 
-    c, rows = 0.0, run(0.0)
-    step = 1.0  # ms/MB: the first secant's other end
-    for _ in range(iterations):
-        moved = run(c + step)
-        slopes = [(b.ms - a.ms) / step for a, b in zip(rows, moved)]
-        # Gauss-Newton on the relative residuals r_i = ms_i / measured_i - 1
-        gradient = sum(s / r.measured_ms * r.residual for s, r in zip(slopes, rows))
-        curvature = sum((s / r.measured_ms) ** 2 for s, r in zip(slopes, rows))
-        new = max(0.0, c - gradient / curvature)
-        if abs(new - c) < 1e-6:
+    costs = dict.fromkeys(terms, 0.0)
+    rows = run(costs)
+    steps = dict.fromkeys(terms, 1.0)  # the first secants' other ends
+    for _ in range(iterations if terms else 0):
+        # Gauss-Newton on the relative residuals r_i = ms_i / measured_i - 1, each term's slopes a secant
+        jacobian = np.column_stack([_slopes(rows, run(costs | {t: costs[t] + steps[t]}), steps[t]) for t in terms])
+        target = jacobian @ np.array(list(costs.values())) - np.array([r.residual for r in rows])
+        new = dict(zip(terms, map(float, nonnegative_least_squares(jacobian, target))))
+        moved = {t: abs(new[t] - costs[t]) for t in terms}
+        if max(moved.values()) < 1e-6:
             break
-        step, c = max(abs(new - c), 1e-3), new
-        rows = run(c)
-    return c, rows
+        steps, costs = {t: max(moved[t], 1e-3) for t in terms}, new
+        rows = run(costs)
+    return costs, rows
+
+
+def _slopes(rows: list[Modelled], moved: list[Modelled], step: float) -> np.ndarray:
+    """Each configuration's relative residual per unit of the term moved by step."""
+    return np.array([(b.ms - a.ms) / step / a.measured_ms for a, b in zip(rows, moved)])
+
+
+def nonnegative_least_squares(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The x >= 0 minimising |a x - b|: the best of the least-squares solutions over each subset
+    of the columns, the others 0, that have no negative value (exact for the few terms here)."""
+    n = a.shape[1]
+    best, best_loss = np.zeros(n), float(b @ b)
+    for free in itertools.chain.from_iterable(itertools.combinations(range(n), k) for k in range(1, n + 1)):
+        x = np.zeros(n)
+        x[list(free)] = np.linalg.lstsq(a[:, free], b, rcond=None)[0]
+        loss = float(np.sum((a @ x - b) ** 2))
+        if (x >= 0).all() and loss < best_loss:
+            best, best_loss = x, loss
+    return best
 
 
 def at_o_direct_rate(configs=MEASURED) -> tuple[Measured, ...]:

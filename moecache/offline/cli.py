@@ -8,7 +8,8 @@ through moecache.offline.replay.simulate (the models are described there).
                               [--dram-gbps G] [--device-gbps G] [--ids-trip-us U] [--join-us U]
                               [--planner] [--cpu-share 0,0.9|tuned] [--csv FILE] [--plot PNG]
     python -m moecache.replay TRACE --ram-mib 932[,1351] --disk-gbps G [--disk-read-us U]
-                              [--read-cpu-ms-per-mb C] [--read-ahead-kb KB] [--host-gbps G] [--policies default]
+                              [--read-cpu-ms-per-mb C] [--read-cpu-ms-per-request R] [--read-ahead-kb KB]
+                              [--host-gbps G] [--policies default]
                               [--expert-read-ahead none,cooccur:1,oracle:2]
     python -m moecache.replay TRACE --convert OUT
 
@@ -201,6 +202,10 @@ def _add_ram_flags(ap) -> None:
                     help="with --ram-mib: the CPU's work per MB the RAM tier reads (page-cache insert, mapping, "
                          "unmapping, release), ms, beside no compute (default 0; CALIBRATED on the benchmarks' "
                          "2-core machine: moecache.offline.calibration)")
+    ap.add_argument("--read-cpu-ms-per-request", type=_nonnegative_arg("a CPU cost", "ms per request"),
+                    help="with --ram-mib: the CPU's work per request the RAM tier reads (one expert tensor's range: "
+                         "its syscalls, mapping and release), ms, beside --read-cpu-ms-per-mb's (default 0; "
+                         "CALIBRATED with it: moecache.offline.calibration)")
     ap.add_argument("--read-ahead-kb", type=int_arg(minimum=0),
                     help=f"with --ram-mib: the disk's read_ahead_kb (/sys/block/DEV/queue/read_ahead_kb; default "
                          f"{READ_AHEAD_KB}, the kernel's), which llama.cpp's mapping doubles")
@@ -275,6 +280,7 @@ def _check_ram_args(args):
     """--ram-mib and the disk's flags go together."""
     disk_flags = [flag for flag, value in (("--disk-gbps", args.disk_gbps), ("--disk-read-us", args.disk_read_us),
                                            ("--read-cpu-ms-per-mb", args.read_cpu_ms_per_mb),
+                                           ("--read-cpu-ms-per-request", args.read_cpu_ms_per_request),
                                            ("--read-ahead-kb", args.read_ahead_kb),
                                            ("--expert-read-ahead", args.expert_read_ahead or None))
                   if value is not None]
@@ -285,7 +291,7 @@ def _check_ram_args(args):
     if args.disk_gbps is None:
         raise ValueError("--ram-mib needs --disk-gbps, the disk's read rate (GB/s) its reads are timed at")
     args.disk = Disk(args.disk_gbps, DISK_READ_US if args.disk_read_us is None else args.disk_read_us,
-                     args.read_cpu_ms_per_mb or 0.0)
+                     args.read_cpu_ms_per_mb or 0.0, args.read_cpu_ms_per_request or 0.0)
     if args.read_ahead_kb is None:
         args.read_ahead_kb = READ_AHEAD_KB
 

@@ -31,14 +31,21 @@ computes the layer's experts kept in memory, then computes the misses: per layer
     dense / host  +  max(kept / host, read_us + misses / disk)  +  misses / host
 
 (no read, no wait, where the layer missed nothing), and the uploads issued at a boundary read
-after the token at the disk's rate, the CPU waiting. Each byte the tier reads also costs the CPU
-`read_cpu_ms_per_mb` (CALIBRATED, not derived: the page-cache insert, the mapping, the unmap and
-the release of what it read, work on the cores the compute uses), added to its layer pass after
-the layer's experts, beside no compute:
+after the token at the disk's rate, the CPU waiting. Each read also costs the CPU (CALIBRATED, not
+derived: the page-cache insert, the mapping, the unmap and the release of what it read, work on
+the cores the compute uses) `read_cpu_ms_per_request` per request and `read_cpu_ms_per_mb` per MB,
+added to its layer pass after the layer's experts, beside no compute:
 
-    ...  +  read_cpu x (misses + boundary uploads)
+    ...  +  read_cpu_per_request x PARTS x (misses + boundary uploads)
+         +  read_cpu_per_mb x bytes of (misses + boundary uploads)
 
-(moecache.offline.calibration fits it to the benchmark's measurements; 0 leaves it out.)
+A request is one expert tensor's range, which the tier reads, maps and releases on its own
+(readahead(2), MADV_POPULATE_READ, MADV_DONTNEED, POSIX_FADV_DONTNEED: llama-moe-file.cpp); it
+reads an expert's weight tensors, not its biases. A trace does not record how many there are: an
+expert is PARTS of them, the page-cache model's layout (gate, up, down: both calibration shapes';
+a model with fused gate_up has 2, and is charged one request too many).
+(moecache.offline.calibration fits both constants to the benchmark's measurements; 0 leaves
+them out.)
 
 The rates are a hardware class's (moecache.core.hardware.HARDWARE), whose figures and
 assumptions are stated there.
@@ -53,6 +60,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..core.missplan import STOCK_LAYOUT, Layout, Rates
+from .pagecache import PARTS
 
 
 DISK_READ_US = 40.0  # ASSUMED: a 4 KiB read at queue depth 1 (measured 40 us on the benchmarks' virtual disk)
@@ -62,25 +70,32 @@ DISK_READ_US = 40.0  # ASSUMED: a 4 KiB read at queue depth 1 (measured 40 us on
 class Disk:
     """The disk a model larger than RAM is read from: its rate for large requests (GB/s), the
     latency of one request (us; a 4 KiB read at queue depth 1 takes about that) and the CPU's
-    work per MB (10^6 bytes) the RAM tier reads, ms (module docstring)."""
+    work on what the RAM tier reads, ms per MB (10^6 bytes) and ms per request (module
+    docstring)."""
 
     gbps: float
     read_us: float
     read_cpu_ms_per_mb: float = 0.0
+    read_cpu_ms_per_request: float = 0.0
 
     def __post_init__(self):
+        costs = (self.read_cpu_ms_per_mb, self.read_cpu_ms_per_request)
         if not (math.isfinite(self.gbps) and self.gbps > 0 and math.isfinite(self.read_us) and self.read_us >= 0
-                and math.isfinite(self.read_cpu_ms_per_mb) and self.read_cpu_ms_per_mb >= 0):
-            raise ValueError(f"a disk needs a finite rate > 0, a latency >= 0 and a CPU cost >= 0, got "
-                             f"{self.gbps} GB/s, {self.read_us} us, {self.read_cpu_ms_per_mb} ms/MB")
+                and all(math.isfinite(c) and c >= 0 for c in costs)):
+            raise ValueError(f"a disk needs a finite rate > 0, a latency >= 0 and CPU costs >= 0, got "
+                             f"{self.gbps} GB/s, {self.read_us} us, {self.read_cpu_ms_per_mb} ms/MB, "
+                             f"{self.read_cpu_ms_per_request} ms/request")
 
-    @property
-    def read_cpu_s_per_byte(self) -> float:
-        return self.read_cpu_ms_per_mb / 1e9
+    def read_cpu_ms(self, n_bytes: float, n_experts: float) -> float:
+        """The CPU's work on reading n_experts experts of n_bytes in all, ms (module docstring)."""
+        return n_bytes * self.read_cpu_ms_per_mb / 1e6 + n_experts * PARTS * self.read_cpu_ms_per_request
 
     def describe(self) -> str:
-        cpu = f", the tier's reads {self.read_cpu_ms_per_mb:g} ms of CPU per MB" if self.read_cpu_ms_per_mb else ""
-        return f"disk {self.gbps:g} GB/s, {self.read_us:g} us a request{cpu}"
+        cpu = [f"{c:g} ms {unit}" for c, unit in ((self.read_cpu_ms_per_mb, "per MB"),
+                                                  (self.read_cpu_ms_per_request, f"per request ({PARTS} an expert)"))
+               if c]
+        return f"disk {self.gbps:g} GB/s, {self.read_us:g} us a request" + (
+            f", the tier's reads cost the CPU {' + '.join(cpu)}" if cpu else "")
 
     def token_ms(self, host_gbps: float, compute_bytes: float, read_bytes: float, waits: int, tokens: int) -> float:
         """Modelled milliseconds per token of stock mmap's page cache (module docstring)."""
@@ -90,13 +105,13 @@ class Disk:
     def tier_token_ms(self, host_gbps: float, work: "WorkTally", tokens: int) -> float:
         """Modelled milliseconds per token of the RAM tier's layer passes (module docstring)."""
         host, disk = host_gbps * 1e6, self.gbps * 1e6  # bytes per ms
-        read_cpu = self.read_cpu_ms_per_mb / 1e6  # ms per byte
-        total = work.boundary_upload_bytes * (1 / disk + read_cpu)
+        uploads = work.boundary_upload_bytes
+        total = uploads / disk + self.read_cpu_ms(uploads, int(work.boundary_uploads.sum()))
         for (layer, hits, lane, cpu), passes in work.passes.items():
             size, misses = work.expert_bytes[layer], lane + cpu
             read = self.read_us / 1e3 + misses * size / disk if misses else 0.0
             total += passes * (work.dense_bytes[layer] / host + max(hits * size / host, read)
-                               + misses * size * (1 / host + read_cpu))
+                               + misses * size / host + self.read_cpu_ms(misses * size, misses))
         return total / tokens
 
 

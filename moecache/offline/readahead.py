@@ -37,8 +37,9 @@ misses (a layer that needs nothing from the disk does not wait: optimistic, the 
 read-ahead thread is joined anyway) and computes the misses (bytes / host); the next layer's
 read-ahead is queued behind the layer's reads (latency + bytes / disk, the next layer's expert
 size). The last layer reads ahead the next decode token's layer 0 (none before a prompt or at
-the end; `router` never). The CPU's work on what a layer read and queued (Disk.read_cpu_ms_per_mb,
-CALIBRATED: moecache.offline.calibration) follows the layer's experts, beside no compute.
+the end; `router` never). The CPU's work on what a layer read and queued (Disk.read_cpu_ms: per
+MB and per request, CALIBRATED: moecache.offline.calibration) follows the layer's experts, beside
+no compute.
 Uploads issued at a boundary are read after the token, the CPU waiting, as
 moecache.offline.cost.Disk has it; without read-ahead the timeline is Disk.tier_token_ms
 exactly (tested). A read-ahead holds at most R experts of one layer in RAM beyond the tier's K
@@ -284,7 +285,7 @@ class ReadAhead:
         rows, missed, kept, boundary = self._held
         self._held = None
         L, host, disk = len(rows), self.host_gbps * 1e9, self.disk.gbps * 1e9
-        latency, read_cpu = self.disk.read_us / 1e6, self.disk.read_cpu_s_per_byte
+        latency = self.disk.read_us / 1e6
         clock, disk_free, pending = self.seconds, self._disk_free, self._pending
         for layer in range(L):
             size = self.expert_bytes[layer]
@@ -308,21 +309,23 @@ class ReadAhead:
                 self.predictor.learn(rows)
                 target = 0
                 dst_kept, future = (None, None) if following is None else (following[2][0], following[0][0])
-            pending, disk_free, ahead_bytes = self._queue_ahead(layer, rows[layer], target, dst_kept, future,
-                                                                end, clock, disk_free)
-            clock = end + (demand * size + ahead_bytes) * read_cpu  # the CPU's work on what was read
+            pending, disk_free, n_ahead = self._queue_ahead(layer, rows[layer], target, dst_kept, future,
+                                                            end, clock, disk_free)
+            # the CPU's work on what was read and queued
+            clock = end + self.disk.read_cpu_ms(demand * size + n_ahead * self.expert_bytes[target],
+                                                demand + n_ahead) / 1e3
         upload_bytes = sum(int(n) * b for n, b in zip(boundary.tolist(), self.expert_bytes))
         if upload_bytes:
             disk_free = max(disk_free, clock) + upload_bytes / disk
             self.read_bytes += upload_bytes
             self.waited += disk_free - clock
-            clock = disk_free + upload_bytes * read_cpu
+            clock = disk_free + self.disk.read_cpu_ms(upload_bytes, int(boundary.sum())) / 1e3
         self.seconds, self._disk_free, self._pending = clock, disk_free, pending
         self.tokens += 1
 
     def _queue_ahead(self, layer, selection, target, dst_kept, future, end, clock, disk_free):
         """The read-ahead layer `layer` queues for `target` (dst_kept None: none), behind what the
-        disk has queued: (pending (experts, when read) or None, disk_free, bytes queued)."""
+        disk has queued: (pending (experts, when read) or None, disk_free, experts queued)."""
         if dst_kept is None:
             return None, disk_free, 0
         host, disk, latency = self.host_gbps * 1e9, self.disk.gbps * 1e9, self.disk.read_us / 1e6
@@ -339,7 +342,7 @@ class ReadAhead:
         disk_free = max(disk_free, clock) + latency + chosen.size * next_size / disk
         self.read_ahead += chosen.size
         self.read_bytes += chosen.size * next_size
-        return (chosen, disk_free), disk_free, chosen.size * next_size
+        return (chosen, disk_free), disk_free, chosen.size
 
 
 def _rows(ids, mask=None) -> list[np.ndarray]:
