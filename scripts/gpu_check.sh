@@ -38,7 +38,7 @@
 #               same placement without a cache over 128 tokens; prints max |logit difference|
 #   bench 180   scripts/bench_decode.py: stock (repacked, as --cpu-moe), K=64,32,16, all-device (its table
 #               and JSON are rewritten after every configuration: a timeout keeps what ran)
-#   planner 150 the miss planner (issue 22), NEVER RUN ON A GPU YET: scripts/bench_decode.py
+#   planner 150 the miss planner (issue 22; first run on an H200 in docs/benchmarks.md): scripts/bench_decode.py
 #               --planner-off at K=32: stock, K=32 (the default: the planner on) and "planner off
 #               K=32" (LLAMA_MOE_CACHE_PLANNER=0); prints the link rate (timed copies of one expert's bytes to the GPU) and the host
 #               read rate it measured at attach, which calibrate the model's (docs/cost-model.md)

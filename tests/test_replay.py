@@ -89,6 +89,19 @@ def test_cli_table_and_csv(tmp_path):
         pytest.approx(float(global_lru["hit_rate"]), abs=1e-6)
 
 
+@pytest.mark.parametrize("slots, hit_pct, ms", [(16, 56.3, 7.37), (32, 71.3, 5.18)])
+def test_h200_traces_replay_to_the_modelled_figures_docs_set_against_the_gpu(tmp_path, slots, hit_pct, ms):
+    # docs/benchmarks.md, "On a GPU: one H200, the first GPU check": the model against the runs
+    out = tmp_path / "r.csv"
+    proc = run_cli(TRACES / f"synth-qwen3-30b-a3b.h200-k{slots}.route.csv", "--slots", slots,
+                   "--policies", "default", "--planner", "--hardware", "pcie4-x16", "--link-gbps", "10.5",
+                   "--host-gbps", "69", "--dram-gbps", "71.7", "--ids-trip-us", "14", "--csv", out)
+    assert proc.returncode == 0, proc.stderr
+    assert "stock --cpu-moe 15.68" in proc.stdout
+    (row,) = list(csv.DictReader(out.open()))
+    assert (round(100 * float(row["hit_rate"]), 1), float(row["modelled_ms_per_token"])) == (hit_pct, ms)
+
+
 @pytest.mark.parametrize("args, message", [
     (["--policies", "lru,lur"], "unknown policy lur for --slots; valid --slots: default, lru"),
     (["--budget-mib", "3000", "--policies", "lur"], "unknown policy lur for --budget-mib; valid --budget-mib: default,"),
