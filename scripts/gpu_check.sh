@@ -19,7 +19,7 @@
 #
 # With the CUDA wheel built beforehand (scripts/gpu_bundle.sh --cuda-wheel), one run:
 #   scripts/gpu_check.sh --bundle gpu-bundle --wheel gpu-bundle/dist/*.whl
-#   (the phases after the build take 675 s at most with the default limits)
+#   (the phases after the build take 975 s at most with the default limits)
 # or, should that wheel not load there, building there first:
 #   scripts/gpu_check.sh --bundle gpu-bundle --build-only
 #   scripts/gpu_check.sh --bundle gpu-bundle --wheel gpu-out/dist/*.whl
@@ -42,8 +42,13 @@
 #               --planner-off at K=32: stock, K=32 (the default: the planner on) and "planner off
 #               K=32" (LLAMA_MOE_CACHE_PLANNER=0); prints the link rate (timed copies of one expert's bytes to the GPU) and the host
 #               read rate it measured at attach, which calibrate the model's (docs/cost-model.md)
+#   margin 300  the planner's payback margin (the first GPU check: each upload cost the decode
+#               about 0.5 ms, twice its copy's time, while the planner counts only the link's busy
+#               time): scripts/bench_decode.py -n 128 --slots 0,8,32 as shipped, then the same
+#               planned as though the link ran at 2.5 GB/s (LLAMA_MOE_CACHE_LINK_GBPS=2.5: a larger
+#               margin, fewer uploads)
 # Output: machine.txt (CPU, memory, GPU, driver, nvcc), phases.tsv (phase, exit status, seconds),
-# <phase>.log, exact.json, bench.{md,json,png}, planner.{md,json}.
+# <phase>.log, exact.json, bench.{md,json,png}, planner.{md,json}, margin-{default,2.5}.{md,json}.
 # Exit status: 0 when every phase passed, 1 otherwise, 2 for bad arguments.
 set -uo pipefail
 
@@ -54,7 +59,7 @@ bundle=""
 results=""
 build_only=0
 rehearsal=0
-declare -A limit=([build]=540 [install]=45 [model]=210 [exact]=90 [bench]=180 [planner]=150)
+declare -A limit=([build]=540 [install]=45 [model]=210 [exact]=90 [bench]=180 [planner]=150 [margin]=300)
 
 usage() { sed -n '2,/^[^#]/s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"; }
 bad() { echo "gpu_check: error: $*" >&2; exit 2; }
@@ -68,7 +73,7 @@ while [ $# -gt 0 ]; do
         --out) [ $# -gt 1 ] || bad "--out needs a directory"; out=$2; shift ;;
         --results) [ $# -gt 1 ] || bad "--results needs a directory"; results=$2; shift ;;
         --limit) [ $# -gt 1 ] && [[ $2 =~ ^([a-z]+)=([0-9]+)$ ]] && [ -n "${limit[${BASH_REMATCH[1]}]:-}" ] \
-                     || bad "--limit needs PHASE=SECONDS, PHASE one of build, install, model, exact, bench, planner"
+                     || bad "--limit needs PHASE=SECONDS, PHASE one of build, install, model, exact, bench, planner, margin"
                  limit[${BASH_REMATCH[1]}]=${BASH_REMATCH[2]}; shift ;;
         --cpu-rehearsal) rehearsal=1 ;;
         -h|--help) usage; exit 0 ;;
@@ -193,6 +198,14 @@ phase bench python3 "$repo/scripts/bench_decode.py" -m "$model" "${bench_args[@]
 phase planner python3 "$repo/scripts/bench_decode.py" -m "$model" "${bench_args[@]}" -t "$threads" \
     --slots 0,32 --planner-off --md "$out/planner.md" --json "$out/planner.json"
 [ -f "$out/planner.md" ] && cat "$out/planner.md" >&2
+
+# the planner's margin: the default rows and the same planned at a slower link, in one phase so
+# that both run on the same warm machine
+phase margin bash -c 'for link in default 2.5; do
+        [ "$link" = default ] && unset LLAMA_MOE_CACHE_LINK_GBPS || export LLAMA_MOE_CACHE_LINK_GBPS=$link
+        python3 "$1" -m "$2" -n "$3" -r 3 -t "$4" --slots 0,8,32 --md "$5/margin-$link.md" --json "$5/margin-$link.json" || exit
+    done' _ "$repo/scripts/bench_decode.py" "$model" "$([ "$rehearsal" = 1 ] && echo 4 || echo 128)" "$threads" "$out"
+for link in default 2.5; do [ -f "$out/margin-$link.md" ] && cat "$out/margin-$link.md" >&2; done
 
 echo "gpu_check: $([ "$status" = 0 ] && echo passed || echo FAILED); phases in $out/phases.tsv" >&2
 exit "$status"

@@ -137,8 +137,8 @@ def test_gpu_check_help():
     (["--bogus"], "unknown argument '--bogus' (see --help)"),
     (["--wheel"], "--wheel needs a path"),
     (["--wheel", "/nonexistent.whl"], "wheel not found: /nonexistent.whl"),
-    (["--limit", "fast=3"], "--limit needs PHASE=SECONDS, PHASE one of build, install, model, exact, bench, planner"),
-    (["--limit", "model=1.5"], "--limit needs PHASE=SECONDS, PHASE one of build, install, model, exact, bench, planner"),
+    (["--limit", "fast=3"], "--limit needs PHASE=SECONDS, PHASE one of build, install, model, exact, bench, planner, margin"),
+    (["--limit", "model=1.5"], "--limit needs PHASE=SECONDS, PHASE one of build, install, model, exact, bench, planner, margin"),
     (["--results"], "--results needs a directory"),
 ])
 def test_gpu_check_bad_flags_exit_2(argv, message):
