@@ -21,7 +21,8 @@ Configurations, each in a freshly loaded model (the previous one freed first):
   all-device    (--all-device) n_gpu_layers=-1 without overrides, everything on the device;
                 "did not fit" when loading fails
 --plain loads the host experts of stock and cache rows alike in plain buffers
-(LLAMA_MOE_CACHE_REPACK=0, the bit-identical mode). The device is the GPU when ggml has one, else a loopback RPC device (a CPU backend in a
+(LLAMA_MOE_CACHE_REPACK=0, the bit-identical mode); --link-gbps G has every cache row's planner
+price uploads at G GB/s instead of the rate it measures (LLAMA_MOE_CACHE_LINK_GBPS). The device is the GPU when ggml has one, else a loopback RPC device (a CPU backend in a
 subprocess: it checks the mechanism and costs, it is no faster than the CPU).
 
 Per configuration: one untimed warm-up run, then -r timed runs; each run evaluates the prompt
@@ -44,7 +45,7 @@ import shlex
 import statistics
 import sys
 
-from moecache.util import OneLineParser, Progress, atomic_write, int_arg, int_list_arg, write_json
+from moecache.util import OneLineParser, Progress, atomic_write, gbps_arg, int_arg, int_list_arg, write_json
 
 PROG = "bench_decode.py"
 DEFAULT_PROMPT = "Explain how a mixture-of-experts model decides which experts handle each token."
@@ -77,6 +78,9 @@ def parser() -> OneLineParser:
     p.add_argument("--all-device", action="store_true", help="also measure everything on the device")
     p.add_argument("--planner-off", action="store_true",
                    help="after each K=k, the same cache with the miss planner off (LLAMA_MOE_CACHE_PLANNER=0)")
+    p.add_argument("--link-gbps", type=gbps_arg, default=None,
+                   help="the cache rows' planner prices uploads at this host-to-device rate, GB/s "
+                        "(LLAMA_MOE_CACHE_LINK_GBPS; default: measured at attach)")
     p.add_argument("--md", metavar="FILE", help="write the markdown table here")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON here")
     p.add_argument("--png", metavar="FILE", help="plot tok/s and hit rate against K (needs matplotlib)")
@@ -239,7 +243,7 @@ def measure(args, name, slots, progress, mib=None, planner_off=False):
         if slots or mib:
             try:
                 cache = attach(llm, **({"mib": mib} if mib else {"slots": slots}), inserts=args.inserts,
-                               policy=args.policy, **({"planner": 0} if planner_off else {}))
+                               policy=args.policy, link_gbps=args.link_gbps, **({"planner": 0} if planner_off else {}))
             except (CacheUnavailable, ConfigError) as e:  # ConfigError: a budget below one slot per layer
                 row["status"] = f"no cache: {e}"
                 progress.advance(f"{name} no cache", 1 + args.repetitions)

@@ -45,7 +45,7 @@
 #   margin 300  the planner's payback margin (the first GPU check: each upload cost the decode
 #               about 0.5 ms, twice its copy's time, while the planner counts only the link's busy
 #               time): scripts/bench_decode.py -n 128 --slots 0,8,32 as shipped, then the same
-#               planned as though the link ran at 2.5 GB/s (LLAMA_MOE_CACHE_LINK_GBPS=2.5: a larger
+#               planned as though the link ran at 2.5 GB/s (--link-gbps 2.5: a larger
 #               margin, fewer uploads)
 # Output: machine.txt (CPU, memory, GPU, driver, nvcc), phases.tsv (phase, exit status, seconds),
 # <phase>.log, exact.json, bench.{md,json,png}, planner.{md,json}, margin-{default,2.5}.{md,json}.
@@ -202,8 +202,8 @@ phase planner python3 "$repo/scripts/bench_decode.py" -m "$model" "${bench_args[
 # the planner's margin: the default rows and the same planned at a slower link, in one phase so
 # that both run on the same warm machine
 phase margin bash -c 'for link in default 2.5; do
-        [ "$link" = default ] && unset LLAMA_MOE_CACHE_LINK_GBPS || export LLAMA_MOE_CACHE_LINK_GBPS=$link
-        python3 "$1" -m "$2" -n "$3" -r 3 -t "$4" --slots 0,8,32 --md "$5/margin-$link.md" --json "$5/margin-$link.json" || exit
+        python3 "$1" -m "$2" -n "$3" -r 3 -t "$4" --slots 0,8,32 $([ "$link" = default ] || echo --link-gbps "$link") \
+            --md "$5/margin-$link.md" --json "$5/margin-$link.json" || exit
     done' _ "$repo/scripts/bench_decode.py" "$model" "$([ "$rehearsal" = 1 ] && echo 4 || echo 128)" "$threads" "$out"
 for link in default 2.5; do [ -f "$out/margin-$link.md" ] && cat "$out/margin-$link.md" >&2; done
 

@@ -370,3 +370,18 @@ def test_a_router_near_tie_gives_the_largest_differences(rpc_device, q4_tiny_wid
           f"max {diff[~flipped].max():.2g}")
     assert flipped[int(diff.argmax())]  # the largest difference is at a flip
     assert np.median(diff[flipped]) > diff[~flipped].max()  # measured 0.136 against 0.053
+
+
+def test_the_planner_times_uploads_as_the_worker_makes_them_read_from_the_model_file(rpc_device, q4_synth):
+    """Repacked experts are uploaded from the model file: the planner's link rate is those
+    uploads' (read, then copied), and the copies alone are printed beside it, not planned with."""
+    llm = load(q4_synth, repack=True)
+    cache = attach(llm, slots=4, planner=1)
+    assert cache.layers[0].from_file
+    planner = cache.stats()["planner"]
+    assert planner["link_source"].startswith("measured: median of 5 uploads of ")
+    assert planner["link_source"].endswith(", each read from the model file, then copied")
+    assert 0 < planner["link_gbps"] and planner["link_copy_gbps"] > 0
+    assert any("copies alone " in line for line in cache.lines())
+    plain = attach(load(q4_synth), slots=4, planner=1).stats()["planner"]  # uploads copied from host memory
+    assert plain["link_source"].startswith("measured: median of 5 copies ") and plain["link_copy_gbps"] is None

@@ -102,6 +102,18 @@ def test_h200_traces_replay_to_the_modelled_figures_docs_set_against_the_gpu(tmp
     assert (round(100 * float(row["hit_rate"]), 1), float(row["modelled_ms_per_token"])) == (hit_pct, ms)
 
 
+def test_the_h200_rows_fit_one_line_and_a_slower_planned_link_uploads_less():
+    from moecache.offline.gpu_calibration import fit, planned_at
+
+    line, residuals = fit()
+    assert (round(line.fixed_ms, 2), round(line.host_ms, 2), round(line.per_upload_ms, 3)) == (10.51, 15.73, 0.499)
+    assert max(abs(r) for r in residuals) < 0.03
+    trace = read_trace(str(TRACES / "synth-qwen3-30b-a3b.h200-k16.route.csv"))
+    measured, slower = planned_at(trace, 8, 10.5), planned_at(trace, 8, 5.3)
+    assert (round(100 * measured[0], 1), round(measured[1], 1)) == (38.7, 18.0)
+    assert slower[1] < measured[1] and line.ms(*slower) < line.ms(*measured)
+
+
 @pytest.mark.parametrize("args, message", [
     (["--policies", "lru,lur"], "unknown policy lur for --slots; valid --slots: default, lru"),
     (["--budget-mib", "3000", "--policies", "lur"], "unknown policy lur for --budget-mib; valid --budget-mib: default,"),

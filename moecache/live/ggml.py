@@ -169,20 +169,23 @@ GGML_TYPE_I8 = 24
 class LinkTimings:
     """Seconds of each timed transfer between host memory and a device buffer (link_timings)."""
 
-    pageable: list[float]        # the expert's bytes from pageable host memory (libllama's uploads)
+    pageable: list[float]        # the expert's bytes from pageable host memory
     pinned: list[float] | None   # the same from the device's host buffer type (pinned), None: it has none
     ids_trip: list[float]        # IDS_BYTES back from the device: a layer's router ids reaching the host
+    upload: list[float] | None   # read_into's read into the staging memory, then the copy from it
 
 
 IDS_BYTES = 8 * 4  # a decode token's top-8 expert ids, int32
 
 
-def link_timings(dev: int, buft: int, data, copies: int) -> LinkTimings:
+def link_timings(dev: int, buft: int, data, copies: int, read_into=None) -> LinkTimings:
     """`copies` timed ggml_backend_tensor_set calls (libllama's upload call, synchronous) of the
     bytes of `data` (a contiguous numpy array in host memory) into a buffer of type buft on
     device dev, made for them and freed after; as many from a copy of data in the device's host
-    buffer type when it has one (pinned memory on CUDA); and as many ggml_backend_tensor_get
-    calls of IDS_BYTES from that buffer."""
+    buffer type when it has one (pinned memory on CUDA); as many ggml_backend_tensor_get calls of
+    IDS_BYTES from that buffer; and with read_into(address, size), as many uploads as libllama's
+    worker makes them for experts it reads from a model file: read_into fills its staging memory
+    (the device's host buffer type where it has one, else pageable memory), then the copy."""
     import time
 
     import numpy as np
@@ -221,17 +224,20 @@ def link_timings(dev: int, buft: int, data, copies: int) -> LinkTimings:
         if api.ggml_backend_tensor_alloc(buffers[-1], tensor, api.ggml_backend_buffer_get_base(buffers[-1])) != 0:
             raise MemoryError(f"cannot place a tensor of {size} bytes in {buffer_type_name(buft)}")
         pageable = timed(lambda: api.ggml_backend_tensor_set(tensor, data.ctypes.data, 0, size))
-        pinned = None
+        pinned, staging = None, data.ctypes.data
         host_buft = api.ggml_backend_dev_host_buffer_type(dev)
         if host_buft:
             buffers.append(api.ggml_backend_buft_alloc_buffer(host_buft, size))
             if buffers[-1]:
-                source = api.ggml_backend_buffer_get_base(buffers[-1])
+                staging = source = api.ggml_backend_buffer_get_base(buffers[-1])
                 ctypes.memmove(source, data.ctypes.data, size)
                 pinned = timed(lambda: api.ggml_backend_tensor_set(tensor, source, 0, size))
         ids = np.empty(IDS_BYTES, dtype=np.uint8)
         ids_trip = timed(lambda: api.ggml_backend_tensor_get(tensor, ids.ctypes.data, 0, IDS_BYTES))
-        return LinkTimings(pageable, pinned, ids_trip)
+        upload = None
+        if read_into is not None:
+            upload = timed(lambda: (read_into(staging, size), api.ggml_backend_tensor_set(tensor, staging, 0, size)))
+        return LinkTimings(pageable, pinned, ids_trip, upload)
     finally:
         for buffer in buffers:
             if buffer:

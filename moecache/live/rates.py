@@ -8,13 +8,16 @@ other eager uploads must pay back: a worth above the victim's by PAYBACK = min(h
 dram) / min(link, dram) uses (moecache.core.missplan.Rates.payback_uses).
 
 What is measured, and its limits:
-- link: COPIES timed copies of one cached expert's bytes (the first cached layer's, read from the
-  model file) from pageable host memory into a buffer made on the slots' device, by
-  ggml_backend_tensor_set: the call libllama's upload worker makes, from one thread as it does.
-  The median copy. Not in it: a repacked model's upload also reads the expert from the file
-  (page cache) first; uploads running beside the CPU's reads (the model's dram term). With it,
-  printed for calibration and not planned with: the same copies from the device's pinned host
-  memory (where it has any) and a layer's ids' trip (IDS_BYTES read back from the device).
+- link: COPIES timed uploads of one cached expert's bytes (the first cached layer's) into a buffer
+  made on the slots' device, from one thread, as libllama's upload worker makes them: where the
+  layer's slots are read from the model file (repacked experts), the expert read from the file
+  into the staging memory (the device's pinned host memory where it has any) and copied from
+  there by ggml_backend_tensor_set; else copied from pageable host memory. The median upload.
+  On one H200 each upload cost the decode about what the whole upload takes, not the copy alone
+  (docs/benchmarks.md, "On a GPU: one H200, the first GPU check"). Not in it: uploads running
+  beside the CPU's reads (the model's dram term). With it, printed for calibration and not
+  planned with: the copies alone from pageable memory and from the device's pinned host memory
+  (where it has any), and a layer's ids' trip (IDS_BYTES read back from the device).
 - host: a timed read, by every core at once, of up to HOST_READ_BYTES of the first cached
   layer's expert bytes, copied from the model file into memory: host memory's read rate as the
   CPU's expert kernels could see it at best (they also dequantize and multiply: an upper bound
@@ -28,10 +31,12 @@ stats' rates reproduces them).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 
 import numpy as np
@@ -60,6 +65,7 @@ class PlannerRates:
     # and a layer's ids' trip back to the host (the class's ids_trip_us is what the plan uses)
     link_pinned_gbps: float | None = None
     ids_trip_measured_us: float | None = None
+    link_copy_gbps: float | None = None  # the copies alone from pageable memory, where link is the uploads'
 
     @property
     def payback_uses(self) -> float:
@@ -71,13 +77,16 @@ class PlannerRates:
                 f"{r.host_gbps:.3g} GB/s ({self.host_source}), dram {r.dram_gbps:.3g} GB/s ({self.hardware}'s, "
                 f"the class nearest the link); an eager upload must pay back {r.payback_uses:.2f} uses"
                 + ("" if self.ids_trip_measured_us is None else
-                   f"; measured, not planned with: pinned copies {_shown(self.link_pinned_gbps)} GB/s, ids trip "
+                   "; measured, not planned with: "
+                   + ("" if self.link_copy_gbps is None else f"copies alone {self.link_copy_gbps:.3g} GB/s, ")
+                   + f"pinned copies {_shown(self.link_pinned_gbps)} GB/s, ids trip "
                    f"{self.ids_trip_measured_us:.0f} us (the class's {r.ids_trip_us:.0f} us)"))
 
     def to_json(self) -> dict:
         return {**asdict(self.rates), "payback_uses": self.payback_uses, "hardware": self.hardware,
                 "link_source": self.link_source, "host_source": self.host_source,
-                "link_pinned_gbps": self.link_pinned_gbps, "ids_trip_measured_us": self.ids_trip_measured_us}
+                "link_pinned_gbps": self.link_pinned_gbps, "ids_trip_measured_us": self.ids_trip_measured_us,
+                "link_copy_gbps": self.link_copy_gbps}
 
 
 def _shown(gbps: float | None) -> str:
@@ -96,8 +105,11 @@ def planner_rates(config: CacheConfig, layers: list[CachedLayer], model_path: st
     if config.link_gbps:
         link, link_source = config.link_gbps, f"{ENV_PREFIX}LINK_GBPS"
     else:
-        link, measured = _link_gbps(layer, np.resize(data, layer.expert_bytes))
-        link_source = f"measured: median of {COPIES} copies of {layer.expert_bytes} bytes ({what}) to {layer.device}"
+        with _expert_reader(model_path if layer.from_file else None, layer) as read_into:
+            link, measured = _link_gbps(layer, np.resize(data, layer.expert_bytes), read_into)
+        link_source = (f"measured: median of {COPIES} "
+                       + ("uploads" if read_into else "copies") + f" of {layer.expert_bytes} bytes ({what}) to {layer.device}"
+                       + (", each read from the model file, then copied" if read_into else ""))
     if config.host_gbps:
         host, host_source = config.host_gbps, f"{ENV_PREFIX}HOST_GBPS"
     else:
@@ -109,42 +121,76 @@ def planner_rates(config: CacheConfig, layers: list[CachedLayer], model_path: st
     return PlannerRates(rates, nearest.name, link_source, host_source, **measured)
 
 
+def _banked_tensors(path: str, layer: CachedLayer):
+    """(file, offset, bytes) of each of the layer's banked expert tensors in the model's files."""
+    import gguf
+
+    names = {f"blk.{layer.il}.{name}" for name in BANKED_TENSORS}
+    for part in split_files(path):
+        for tensor in gguf.GGUFReader(part).tensors:
+            if tensor.name in names:
+                yield part, int(tensor.data_offset), int(tensor.n_bytes)
+
+
 def _layer_bytes(path: str | None, layer: CachedLayer, limit: int) -> np.ndarray | None:
     """Up to `limit` bytes of the layer's banked expert tensors, copied from the model file into
     memory; None without a readable file."""
     if not path:
         return None
-    import gguf
-
-    names = {f"blk.{layer.il}.{name}" for name in BANKED_TENSORS}
     chunks, total = [], 0
     try:
-        for part in split_files(path):
-            for tensor in gguf.GGUFReader(part).tensors:
-                if tensor.name in names and total < limit:
-                    mapped = np.memmap(part, dtype=np.uint8, mode="r", offset=int(tensor.data_offset),
-                                       shape=(min(int(tensor.n_bytes), limit - total),))
-                    chunks.append(np.array(mapped))
-                    total += chunks[-1].size
+        for part, offset, n_bytes in _banked_tensors(path, layer):
+            if total < limit:
+                chunks.append(np.array(np.memmap(part, dtype=np.uint8, mode="r", offset=offset,
+                                                 shape=(min(n_bytes, limit - total),))))
+                total += chunks[-1].size
     except Exception:  # noqa: BLE001 - gguf-py may not read what llama.cpp did (a newer type)
         return None
     return np.concatenate(chunks) if chunks else None
 
 
-def _link_gbps(layer: CachedLayer, expert: np.ndarray) -> tuple[float, dict]:
-    """The link's rate from pageable memory, and what else the timings measured (PlannerRates'
-    link_pinned_gbps, ids_trip_measured_us). Each median leaves the first (warming) transfer out."""
+@contextmanager
+def _expert_reader(path: str | None, layer: CachedLayer):
+    """read_into(address, size) for ggml.link_timings: size bytes of the layer's first expert
+    tensor in the model file, from its first expert on, read into memory at address, as the
+    upload worker reads them (one pread; libllama reads each part's share); None without a file."""
+    try:
+        part, offset, _ = next(_banked_tensors(path, layer)) if path else (None, 0, 0)
+        fd = os.open(part, os.O_RDONLY) if part else None
+    except Exception:  # noqa: BLE001 - as _layer_bytes (StopIteration: none found): then the copies alone
+        fd = None
+    if fd is None:
+        yield None
+        return
+
+    def read_into(address: int, size: int) -> None:
+        os.preadv(fd, [memoryview((ctypes.c_char * size).from_address(address)).cast("B")], offset)
+
+    try:
+        yield read_into
+    finally:
+        os.close(fd)
+
+
+def _link_gbps(layer: CachedLayer, expert: np.ndarray, read_into=None) -> tuple[float, dict]:
+    """The uploads' rate (with read_into: each read from the model file, then copied; else the
+    copies from pageable memory), and what else the timings measured (PlannerRates'
+    link_pinned_gbps, ids_trip_measured_us, link_copy_gbps). Each median leaves the first
+    (warming) transfer out."""
     devices = Devices()
     if layer.device not in devices.by_buffer:
         raise ConfigError(f"the miss planner cannot time a copy to {layer.device} (not a ggml device): "
                           f"give {ENV_PREFIX}LINK_GBPS")
-    timings = ggml.link_timings(*devices.by_buffer[layer.device], expert, COPIES + 1)
+    timings = ggml.link_timings(*devices.by_buffer[layer.device], expert, COPIES + 1, read_into)
 
     def gbps(seconds):
         return expert.nbytes / max(statistics.median(seconds[1:]), 1e-9) / 1e9
 
-    return gbps(timings.pageable), {"link_pinned_gbps": gbps(timings.pinned) if timings.pinned else None,
-                                    "ids_trip_measured_us": statistics.median(timings.ids_trip[1:]) * 1e6}
+    measured = {"link_pinned_gbps": gbps(timings.pinned) if timings.pinned else None,
+                "ids_trip_measured_us": statistics.median(timings.ids_trip[1:]) * 1e6}
+    if timings.upload is None:
+        return gbps(timings.pageable), measured
+    return gbps(timings.upload), {**measured, "link_copy_gbps": gbps(timings.pageable)}
 
 
 def _read_gbps(data: np.ndarray, threads: int) -> float:
