@@ -66,7 +66,7 @@ private:
     std::atomic<bool>       lane_failed{false}; // in the last graph
 
     llama_moe_model_files   files;       // read by the upload worker only
-    std::vector<uint8_t>    staging;     // the worker's buffer for reads from a file
+    ggml_backend_buffer_ptr staging;     // the worker's buffer for reads from a file (moe_staging_buffer)
     std::atomic<int64_t>    upload_delay_us{0}; // see llama_moe_cache_set_upload_delay_us
 
     // last: its thread stops before the members it uses go

@@ -148,18 +148,17 @@ bool llama_moe_model_files::unchanged() const {
     return std::all_of(files.begin(), files.end(), [](const model_file & f) { return f.unchanged(); });
 }
 
-const void * llama_moe_model_files::read(int32_t file, size_t offset, size_t size, std::vector<uint8_t> & buf) {
+const void * llama_moe_model_files::read(int32_t file, size_t offset, size_t size, void * dst) {
     auto & f = files[file];
-    buf.resize(std::max(buf.size(), size));
     if (!f.unchanged()) {
         return nullptr;
     }
     f.file->seek(offset, SEEK_SET);
-    f.file->read_raw(buf.data(), size);
+    f.file->read_raw(dst, size);
     if (!f.unchanged()) {
         return nullptr;
     }
-    return buf.data();
+    return dst;
 }
 
 size_t llama_moe_model_files::missing(const llama_moe_file_range & range) const {

@@ -63,9 +63,9 @@ public:
     // every file is still the one opened, unchanged
     bool unchanged() const;
 
-    // size bytes at offset of file, into buf (one reader at a time: the upload worker); nullptr when
+    // size bytes at offset of file, into dst (one reader at a time: the upload worker); nullptr when
     // the file changed around the read; throws when the read fails
-    const void * read(int32_t file, size_t offset, size_t size, std::vector<uint8_t> & buf);
+    const void * read(int32_t file, size_t offset, size_t size, void * dst);
 
     // the bytes of range not in the page cache
     size_t missing(const llama_moe_file_range & range) const;
