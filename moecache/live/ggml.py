@@ -178,18 +178,8 @@ class LinkTimings:
 IDS_BYTES = 8 * 4  # a decode token's top-8 expert ids, int32
 
 
-def link_timings(dev: int, buft: int, data, copies: int, read_into=None) -> LinkTimings:
-    """`copies` timed ggml_backend_tensor_set calls (libllama's upload call, synchronous) of the
-    bytes of `data` (a contiguous numpy array in host memory) into a buffer of type buft on
-    device dev, made for them and freed after; as many from a copy of data in the device's host
-    buffer type when it has one (pinned memory on CUDA); as many ggml_backend_tensor_get calls of
-    IDS_BYTES from that buffer; and with read_into(address, size), as many uploads as libllama's
-    worker makes them for experts it reads from a model file: read_into fills its staging memory
-    (the device's host buffer type where it has one, else pageable memory), then the copy."""
-    import time
-
-    import numpy as np
-
+def _buffer_api():
+    """ggml with the buffer and tensor calls link_timings makes declared."""
     api = _api()
     for name, restype, argtypes in (
             ("ggml_backend_buft_alloc_buffer", ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t]),
@@ -202,6 +192,22 @@ def link_timings(dev: int, buft: int, data, copies: int, read_into=None) -> Link
             ("ggml_backend_tensor_get", None, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t])):
         function = getattr(api, name)
         function.restype, function.argtypes = restype, argtypes
+    return api
+
+
+def link_timings(dev: int, buft: int, data, copies: int, read_into=None) -> LinkTimings:
+    """`copies` timed ggml_backend_tensor_set calls (libllama's upload call, synchronous) of the
+    bytes of `data` (a contiguous numpy array in host memory) into a buffer of type buft on
+    device dev, made for them and freed after; as many from a copy of data in the device's host
+    buffer type when it has one (pinned memory on CUDA); as many ggml_backend_tensor_get calls of
+    IDS_BYTES from that buffer; and with read_into(address, size), as many uploads as libllama's
+    worker makes them for experts it reads from a model file: read_into fills its staging memory
+    (the device's host buffer type where it has one, else pageable memory), then the copy."""
+    import time
+
+    import numpy as np
+
+    api = _buffer_api()
     size = data.nbytes
     ctx = api.ggml_init(_InitParams(api.ggml_tensor_overhead(), None, True))
     if not ctx:
