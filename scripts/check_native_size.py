@@ -23,6 +23,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from moecache.util import OneLineParser
+
 REPO = Path(__file__).resolve().parent.parent
 MAX_FUNCTION_LINES = 80
 MAX_DATA_MEMBERS = 20
@@ -249,9 +251,15 @@ def figures() -> dict:
     }
 
 
-def main(argv: list[str]) -> int:
+def main(argv=None) -> int:
+    p = OneLineParser(prog="check_native_size.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--all", action="store_true", help="also print every function and class, and each patch's lines")
+    return p.run(report, argv)
+
+
+def report(args) -> int:
     f = figures()
-    if "--all" in argv:
+    if args.all:
         for d in sorted(f["functions"] + f["classes"], key=lambda d: (d.kind, -d.size)):
             print(f"{d.kind:8} {d.size:4}  {d.name}  ({d.where}:{d.line})")
         for n, name in f["patches"]:
@@ -264,4 +272,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

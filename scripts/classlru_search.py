@@ -11,11 +11,14 @@ its best settings by their smallest margin (decode hit% points over ClassLRU), w
 the cells behind and every cell's margin.
 """
 
+import sys
+
 import numpy as np
 
 from moecache.formats.traces import SHIPPED_TRACES, read_trace
 from moecache.offline.experiments import CLASSLRU_SEARCH
 from moecache.offline.replay import PerLayerReplay, simulate
+from moecache.util import OneLineParser
 
 from compare_upstream import equal_bytes_cells, upstream
 
@@ -41,4 +44,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(OneLineParser(prog="classlru_search.py", description=__doc__.split("\n\n")[0]).run(lambda _: main()))

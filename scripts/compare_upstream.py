@@ -39,11 +39,11 @@ from pathlib import Path
 import numpy as np
 
 from moecache.core.banks import equal_bytes
+from moecache.core.hardware import HARDWARE
 from moecache.core.missplan import planner_by_default
 from moecache.core.model import hit_rate
 from moecache.core.policies import make_policy
 from moecache.formats.traces import DECODE, SHIPPED_TRACES, RouteTrace, read_trace
-from moecache.core.hardware import HARDWARE
 from moecache.offline.experiments import (CLASSLRU_CANDIDATES, HeatMargin, HeatOracleAdmission, HeatSeenBefore,
                                           synthetic_routings, synthetic_traces)
 from moecache.offline.pooled import POOLED_RUNS, pooled_replay
@@ -51,6 +51,7 @@ from moecache.offline.replay import (MIB, PER_LAYER, GlobalReplay, PerLayerRepla
                                      tuned_upstream, zero_configuration)
 from moecache.offline.steps import future
 from moecache.offline.upstream import UPSTREAM_TAGS
+from moecache.util import OneLineParser
 
 LINKS = [(name, HARDWARE[name]) for name in ("pcie4-x16", "pcie5-x16")]
 ROWS = [  # (label, policy, admission, prefill)
@@ -351,8 +352,13 @@ def candidate_grid(traces, shares):
               f"{max(ratios):.2f} |", flush=True)
 
 
-def main():
-    traces = [read_trace(p) for p in (sys.argv[1:] or [str(p) for p in SHIPPED_TRACES])]
+def main(argv=None) -> int:
+    p = OneLineParser(prog="compare_upstream.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("traces", nargs="*", metavar="TRACE", help="route traces (default: the shipped ones)")
+    return p.run(lambda args: compare([read_trace(t) for t in args.traces or map(str, SHIPPED_TRACES)]), argv)
+
+
+def compare(traces):
     print(f"upstream: llama.cpp tag {UPSTREAM_TAGS['upstream']} (ClassLRU, PR 31233; --moe-cache-cpu-share) "
           f"as moecache.offline.upstream models it; upstream-b11480: its LRU of tag "
           f"{UPSTREAM_TAGS['upstream-b11480']}")
@@ -370,4 +376,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -7,8 +7,11 @@ and the fit: moecache.offline.gpu_calibration.
     python scripts/fit_gpu_decode.py        (a few seconds; imports moecache as found)
 """
 
+import sys
+
 from moecache.formats.traces import TRACES_DIR, read_trace
 from moecache.offline.gpu_calibration import H200_RATES, H200_ROWS, H200_STOCK_TOK_S, fit, planned_at
+from moecache.util import OneLineParser
 
 LINKS_GBPS = (H200_RATES.link_gbps, 5.3, 2.5, 1.3)
 SLOTS = (8, 16, 32, 64)
@@ -37,4 +40,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(OneLineParser(prog="fit_gpu_decode.py", description=__doc__.split("\n\n")[0]).run(lambda _: main()))

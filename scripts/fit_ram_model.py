@@ -9,10 +9,13 @@ and the fit: moecache.offline.calibration.
     python scripts/fit_ram_model.py        (a few seconds; imports moecache as found)
 """
 
+import sys
+
 from moecache.formats.traces import TRACES_DIR, read_trace
 from moecache.offline.calibration import MEASURED, ONE_TERM, at_o_direct_rate, fit, host_gbps, recorded_read_ahead
 from moecache.offline.pagecache import PARTS
 from moecache.offline.replay import ram_tier_slots
+from moecache.util import OneLineParser
 
 
 def table(title, configs) -> None:
@@ -54,4 +57,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(OneLineParser(prog="fit_ram_model.py", description=__doc__.split("\n\n")[0]).run(lambda _: main()))

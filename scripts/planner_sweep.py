@@ -13,15 +13,16 @@ cells the threshold would turn off.
 
 import itertools
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
 
+from moecache.core.hardware import HARDWARE, Hardware
 from moecache.core.missplan import OUR_LAYOUT, Rates
 from moecache.formats.traces import SHIPPED_TRACES, read_trace
-from moecache.core.hardware import HARDWARE, Hardware
 from moecache.offline.replay import PerLayerReplay, simulate
-from moecache.util import Progress
+from moecache.util import OneLineParser, Progress
 
 SIZES = (8, 16, 32)
 SWEEP = [Rates(host_gbps=host, link_gbps=link, dram_gbps=1.2 * host, device_gbps=device, ids_trip_us=trip,
@@ -72,4 +73,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(OneLineParser(prog="planner_sweep.py", description=__doc__.split("\n\n")[0]).run(lambda _: main()))

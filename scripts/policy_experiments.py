@@ -18,6 +18,7 @@ import numpy as np
 from moecache.formats.traces import SHIPPED_TRACES, RouteTrace, read_trace
 from moecache.offline.experiments import DEFAULT_CANDIDATES, SKEWED, SYNTHETIC, synthetic_routings
 from moecache.offline.replay import PerLayerReplay, simulate
+from moecache.util import OneLineParser
 
 
 def run(trace, slots, policy):
@@ -53,8 +54,13 @@ def first_use_bound(path):
           f"without prefetch {100 - 100 * lost / used.sum():.1f}")
 
 
-def main():
-    paths = sys.argv[1:] or [str(p) for p in SHIPPED_TRACES]
+def main(argv=None) -> int:
+    p = OneLineParser(prog="policy_experiments.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("traces", nargs="*", metavar="TRACE", help="route traces (default: the shipped ones)")
+    return p.run(lambda args: experiments(args.traces or [str(t) for t in SHIPPED_TRACES]), argv)
+
+
+def experiments(paths):
     for path in paths:
         first_use_bound(path)
     print("\ndecode hit% at K = n_expert/8, INSERTS=2 (gap closed[, uploads per layer per step])\n")
@@ -67,4 +73,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

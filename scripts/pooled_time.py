@@ -34,6 +34,7 @@ from moecache.core.policies import make_policy
 from moecache.formats.traces import SHIPPED_TRACES, read_trace
 from moecache.offline.pooltime import POOLED_DEFAULT, TIMED_VARIANTS, timed_pooled_replay
 from moecache.offline.replay import fastest, zero_configuration
+from moecache.util import OneLineParser
 
 from compare_upstream import SIZES, equal_bytes_cells, geomean_line, tuned_shares, upstream
 
@@ -134,7 +135,19 @@ def hits(traces):
             print(f"| {v} | {'on' if planner else 'off'} | " + " | ".join(row) + " |", flush=True)
 
 
-def main(parts):
+PARTS = ("grid", "hits")
+
+
+def main(argv=None) -> int:
+    p = OneLineParser(prog="pooled_time.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("parts", nargs="*", metavar="PART", help="grid, hits or both (default: both, in that order)")
+    return p.run(lambda args: run(args.parts or list(PARTS)), argv)
+
+
+def run(parts):
+    unknown = [part for part in parts if part not in PARTS]
+    if unknown:
+        raise ValueError(f"unknown part {unknown[0]!r} (grid, hits)")
     traces = [read_trace(str(p)) for p in SHIPPED_TRACES]
     if "grid" in parts:
         grid(traces)
@@ -143,4 +156,4 @@ def main(parts):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["grid", "hits"])
+    sys.exit(main())

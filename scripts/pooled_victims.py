@@ -17,15 +17,15 @@ ClassLRU and two pooled candidates with defer (BYTES_ROWS).
 """
 
 import sys
+from pathlib import Path
 
 import numpy as np
-
-from pathlib import Path
 
 from moecache.formats.traces import SHIPPED_TRACES, read_trace
 from moecache.offline.experiments import HeatSum, HeatSumAdmission
 from moecache.offline.pooled import DEFER_SWEEP, VICTIM_SEARCH, Victims, pooled_replay
 from moecache.offline.replay import MIB
+from moecache.util import OneLineParser
 
 from compare_upstream import SIZES, equal_bytes_cells, live_default, upstream
 
@@ -75,9 +75,19 @@ def bytes_table(traces):
                 f"{100 * r.hit_rate:.1f}, {r.upload_bytes_per_token / MIB:.0f}" for r in runs) + " |", flush=True)
 
 
-if __name__ == "__main__":
-    if sys.argv[1:] == ["--sweep"]:
+def cli(argv=None) -> int:
+    p = OneLineParser(prog="pooled_victims.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--sweep", action="store_true", help="the defer sweep only (DEFER_SWEEP)")
+    return p.run(tables, argv)
+
+
+def tables(args) -> None:
+    if args.sweep:
         main(DEFER_SWEEP)
     else:
         main(VICTIM_SEARCH)
         bytes_table([read_trace(str(p)) for p in SHIPPED_TRACES])
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -20,6 +20,7 @@ from moecache.formats.profile import UsageProfile
 from moecache.formats.traces import DECODE, SHIPPED_TRACES, RouteTrace, read_trace
 from moecache.offline.experiments import PopularityOracle, preloaded_only, synthetic_routings
 from moecache.offline.replay import PerLayerReplay, simulate
+from moecache.util import OneLineParser
 
 
 def hit_pct(trace, policy, slots, inserts=2, **options):
@@ -133,8 +134,13 @@ def synthetic_warm_start_table():
                   + " | ".join(f"{h:.1f}" for h in hit) + " |")
 
 
-def main():
-    paths = [Path(p) for p in sys.argv[1:]] or list(SHIPPED_TRACES)
+def main(argv=None) -> int:
+    p = OneLineParser(prog="replay_table.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("traces", nargs="*", metavar="TRACE", help="route traces (default: the shipped ones)")
+    return p.run(lambda args: tables([Path(t) for t in args.traces] or list(SHIPPED_TRACES)), argv)
+
+
+def tables(paths):
     traces = [read_trace(str(p)) for p in paths]
     for trace in traces:
         policy_table(trace, trace.n_expert // 8)
@@ -147,4 +153,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -81,3 +81,24 @@ def test_run_py_without_a_device_warns_once_and_runs_stock(tiny_path):
     # the decode speed counts llama.cpp's token evaluations, not the streamed text pieces
     decoded = re.search(r"^run\.py: (\d+) tokens decoded, decode (\d+\.\d) tok/s$", stock.stderr, re.MULTILINE)
     assert decoded and 0 < int(decoded[1]) < 8 and float(decoded[2]) > 0, stock.stderr
+
+
+SCRIPTS = sorted(name for name in os.listdir(os.path.join(REPO, "scripts")) if name.endswith(".py"))
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_script_answers_help_and_refuses_an_unknown_flag_in_one_line(script):
+    path = os.path.join(REPO, "scripts", script)
+    helped = subprocess.run([sys.executable, path, "--help"], capture_output=True, text=True, timeout=120)
+    assert helped.returncode == 0 and helped.stdout.startswith(f"usage: {script}"), helped.stderr
+    refused = subprocess.run([sys.executable, path, "--no-such-flag"], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2
+    (line,) = refused.stderr.splitlines()  # the flag, or first a required argument it lacks
+    assert line.startswith(f"{script}: error: ") and ("--no-such-flag" in line or "required" in line)
+
+
+def test_a_script_given_a_missing_trace_says_so_in_one_line():
+    out = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "compare_upstream.py"), "/nonexistent.csv"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.splitlines() == ["compare_upstream.py: error: /nonexistent.csv: No such file or directory"]
