@@ -22,8 +22,9 @@ What is measured, and its limits:
   layer's expert bytes, copied from the model file into memory: host memory's read rate as the
   CPU's expert kernels could see it at best (they also dequantize and multiply: an upper bound
   of their rate); bytes that fit the CPU's caches (a small model) measure the caches.
-- dram (host memory's rate shared by the CPU and the DMA engine) is the nearest class's, at
-  least the measured host rate; device, ids trip and join are the class's.
+- dram (host memory's rate shared by the CPU and the DMA engine) is the class's whose link is
+  nearest the copies' rate (the copies alone where link is the uploads read from a file), at
+  least the measured host rate; device, ids trip and join are that class's.
 Not refreshed from the live step's timings: the engine's model of libllama's admissions must
 not depend on timing noise (LLAMA_MOE_CACHE_WAIT=1 checks them equal, and a replay at the
 stats' rates reproduces them).
@@ -116,7 +117,8 @@ def planner_rates(config: CacheConfig, layers: list[CachedLayer], model_path: st
         threads = os.cpu_count() or 1
         host = _read_gbps(data, threads)
         host_source = f"measured: {data.nbytes} bytes ({what}) read by {threads} threads"
-    nearest = nearest_link(link)
+    # the class of the machine's link: the copies' rate (uploads read from a file are slower than the link)
+    nearest = nearest_link(measured.get("link_copy_gbps") or link)
     rates = replace(nearest.rates, link_gbps=link, host_gbps=host, dram_gbps=max(nearest.rates.dram_gbps, host))
     return PlannerRates(rates, nearest.name, link_source, host_source, **measured)
 
