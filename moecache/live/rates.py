@@ -97,20 +97,21 @@ def _shown(gbps: float | None) -> str:
 def planner_rates(config: CacheConfig, layers: list[CachedLayer], model_path: str | None) -> PlannerRates:
     """The planner's rates for a cache of these layers: config's, or measured (module docstring)."""
     layer = layers[0]
-    data, what = None, f"layer {layer.il}'s experts"
+    data, what, tensors = None, f"layer {layer.il}'s experts", []
     if not (config.link_gbps and config.host_gbps):
-        data = _layer_bytes(model_path, layer, HOST_READ_BYTES)
+        tensors = _banked_tensors(model_path, layer)
+        data = _layer_bytes(tensors, HOST_READ_BYTES)
         if data is None:
             data, what = np.zeros(layer.expert_bytes, dtype=np.uint8), "no model file: a buffer of one expert's size"
     measured = {}
     if config.link_gbps:
         link, link_source = config.link_gbps, f"{ENV_PREFIX}LINK_GBPS"
     else:
-        with _expert_reader(model_path if layer.from_file else None, layer) as read_into:
+        with _expert_reader(tensors[0] if layer.from_file and tensors else None) as read_into:
             link, measured = _link_gbps(layer, np.resize(data, layer.expert_bytes), read_into)
-        link_source = (f"measured: median of {COPIES} "
-                       + ("uploads" if read_into else "copies") + f" of {layer.expert_bytes} bytes ({what}) to {layer.device}"
-                       + (", each read from the model file, then copied" if read_into else ""))
+        how = (f"uploads of {layer.expert_bytes} bytes ({what}) to {layer.device}, each read from the model file, "
+               "then copied") if read_into else f"copies of {layer.expert_bytes} bytes ({what}) to {layer.device}"
+        link_source = f"measured: median of {COPIES} {how}"
     if config.host_gbps:
         host, host_source = config.host_gbps, f"{ENV_PREFIX}HOST_GBPS"
     else:
@@ -123,47 +124,49 @@ def planner_rates(config: CacheConfig, layers: list[CachedLayer], model_path: st
     return PlannerRates(rates, nearest.name, link_source, host_source, **measured)
 
 
-def _banked_tensors(path: str, layer: CachedLayer):
-    """(file, offset, bytes) of each of the layer's banked expert tensors in the model's files."""
-    import gguf
-
-    names = {f"blk.{layer.il}.{name}" for name in BANKED_TENSORS}
-    for part in split_files(path):
-        for tensor in gguf.GGUFReader(part).tensors:
-            if tensor.name in names:
-                yield part, int(tensor.data_offset), int(tensor.n_bytes)
-
-
-def _layer_bytes(path: str | None, layer: CachedLayer, limit: int) -> np.ndarray | None:
-    """Up to `limit` bytes of the layer's banked expert tensors, copied from the model file into
-    memory; None without a readable file."""
+def _banked_tensors(path: str | None, layer: CachedLayer) -> list[tuple[str, int, int]]:
+    """(file, offset, bytes) of each of the layer's banked expert tensors in the model's files;
+    none without a readable file."""
     if not path:
-        return None
+        return []
+    try:
+        import gguf
+
+        names = {f"blk.{layer.il}.{name}" for name in BANKED_TENSORS}
+        return [(part, int(t.data_offset), int(t.n_bytes))
+                for part in split_files(path) for t in gguf.GGUFReader(part).tensors if t.name in names]
+    except Exception:  # noqa: BLE001 - gguf-py may not read what llama.cpp did (a newer type)
+        return []
+
+
+def _layer_bytes(tensors: list[tuple[str, int, int]], limit: int) -> np.ndarray | None:
+    """Up to `limit` bytes of those tensors, copied from the model file into memory; None
+    without any."""
     chunks, total = [], 0
     try:
-        for part, offset, n_bytes in _banked_tensors(path, layer):
+        for part, offset, n_bytes in tensors:
             if total < limit:
                 chunks.append(np.array(np.memmap(part, dtype=np.uint8, mode="r", offset=offset,
                                                  shape=(min(n_bytes, limit - total),))))
                 total += chunks[-1].size
-    except Exception:  # noqa: BLE001 - gguf-py may not read what llama.cpp did (a newer type)
+    except (OSError, ValueError):  # a file cut short since it was read
         return None
     return np.concatenate(chunks) if chunks else None
 
 
 @contextmanager
-def _expert_reader(path: str | None, layer: CachedLayer):
-    """read_into(address, size) for ggml.link_timings: size bytes of the layer's first expert
-    tensor in the model file, from its first expert on, read into memory at address, as the
-    upload worker reads them (one pread; libllama reads each part's share); None without a file."""
+def _expert_reader(tensor: tuple[str, int, int] | None):
+    """read_into(address, size) for ggml.link_timings: size bytes of the tensor, from its first
+    expert on, read from the model file into memory at address, as the upload worker reads them
+    (one pread; libllama reads each part's share); None without a tensor or a readable file."""
     try:
-        part, offset, _ = next(_banked_tensors(path, layer)) if path else (None, 0, 0)
-        fd = os.open(part, os.O_RDONLY) if part else None
-    except Exception:  # noqa: BLE001 - as _layer_bytes (StopIteration: none found): then the copies alone
+        fd = os.open(tensor[0], os.O_RDONLY) if tensor else None
+    except OSError:
         fd = None
     if fd is None:
         yield None
         return
+    offset = tensor[1]
 
     def read_into(address: int, size: int) -> None:
         os.preadv(fd, [memoryview((ctypes.c_char * size).from_address(address)).cast("B")], offset)
