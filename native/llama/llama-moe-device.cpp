@@ -13,7 +13,7 @@
 // the upload worker's buffer for the experts it reads from the model files: in the device's host
 // buffer type where it has one (pinned memory on CUDA, from which the copy to the device is one DMA;
 // from pageable memory the driver first copies through a pinned buffer of its own on a CPU core:
-// 10-12 GB/s against 42-45 on one H200), else in host memory
+// 9.9-12.5 GB/s against 42-45 on one H200), else in host memory
 static ggml_backend_buffer_t moe_staging_buffer(ggml_backend_buffer_type_t device_buft, const std::vector<llama_moe_cache_layer> & layers) {
     size_t size = 0;
     for (const auto & cl : layers) {
