@@ -18,6 +18,7 @@ from moecache.offline.cost import Disk, WorkTally
 from moecache.offline.readahead import ROUTER_RECALL
 from moecache.offline.pagecache import PAGE, ExpertLayout, LruPageCache, TwoListPageCache
 from moecache.offline.replay import MIB, PageCacheReplay, PerLayerReplay, ram_tier_slots, simulate
+from moecache.offline.spares import Spares
 
 SYNTH = TRACES / "synth-qwen3-30b-a3b-L8.ram-tier.route.csv"
 PROG = "python -m moecache.replay"
@@ -26,9 +27,10 @@ PROG = "python -m moecache.replay"
 
 
 def ram_tier_replay(trace, ram_mib, policy="default"):
-    """The RAM tier as --ram-mib replays it: RAM_MIB's K, eager admission, INSERTS = K, prompts looked up."""
+    """The RAM tier as --ram-mib replays it: RAM_MIB's K, eager admission, INSERTS = K, prompts
+    looked up, its spares."""
     k = ram_tier_slots(trace, ram_mib)
-    return simulate(trace, PerLayerReplay(policy, k, inserts=k, admission="eager", prefill="lookup"))
+    return simulate(trace, PerLayerReplay(policy, k, inserts=k, admission="eager", prefill="lookup", spares=True))
 
 
 LIVE_COUNTS = ("hits", "misses", "uploads", "evictions")
@@ -194,12 +196,49 @@ def test_disk_time_is_compute_waits_and_bytes():
     assert charged.tier_token_ms(2.0, work, 2) == pytest.approx((2.5 + 3.55 + 2.5 + 1 + 2 + 1.2) / 2)
     run = ram_tier_replay(read_trace(str(SYNTH)), 932)
     read, waits = run.disk_reads()
-    assert read == run.totals["misses"] * 2654208  # eager, no prefetch: every read is a miss
+    # eager, no prefetch: every read is a miss not found among the spares
+    assert read == run.totals["misses"] * 2654208 - run.totals["spare_miss_bytes"] > 0
     assert run.disk_ms(5.26, Disk(0.95, 40)) == Disk(0.95, 40).tier_token_ms(5.26, run.work, run.decode_tokens)
     # never slower than reading, then computing
     assert run.disk_ms(5.26, Disk(0.95, 40)) < (
         (run.totals["lookup_bytes"] / 5.26e6 + waits * 0.04 + read / 0.95e6) / run.decode_tokens)
 
+
+
+def test_spares_keep_what_a_step_read_and_kept_in_no_slot_oldest_dropped_first():
+    """Hand-worked: 2 layers of 8 experts, top-2, 1-byte experts, a ubatch of 2 tokens: the room is
+    min(8, 2 x 2) = 4 experts, of which a decode token's reads hold one top-k (2): 2 spares."""
+    spares = Spares([1, 1], n_expert=8, n_used=2, n_ubatch=2)
+    assert (spares.room, spares.capacity()) == (4, 2)
+    none = np.zeros((0, 3), dtype=np.int32)
+    slotted = np.zeros((2, 8), dtype=bool)
+    ids, hits = np.array([[1, 2], [3, 4]]), np.array([[False, True], [False, False]])
+    assert not spares.found(ids, hits).any()  # nothing spare yet
+    # misses 1 (layer 0), 3 and 4 (layer 1); 4 took a slot, whose victim was 5: 1, 3, 5 in that
+    # order, the oldest (1) dropped beyond 2
+    spares.retire(ids, hits, np.array([[1, 4, 0]]), np.array([[1, 5, 0]]), slotted)
+    assert list(spares.held) == [(1, 3), (1, 5)] and spares.bytes == 2
+    # layer 1 selects 5 again: found (its layer uses it: off the list), read nothing; layer 0's 1 is read
+    found = spares.found(np.array([[1, 0], [5, 6]]), np.zeros((2, 2), dtype=bool))
+    assert found.tolist() == [[False, False], [True, False]] and list(spares.held) == [(1, 3)]
+    # a boundary upload of a spare reads nothing either
+    assert spares.found_uploads(np.array([[1, 3, 1]])).tolist() == [0, 1] and not spares.held
+    # a prompt (at least E ids a layer) read layer 1 whole ahead: its experts not in slots are spares
+    slotted[1, :6] = True
+    spares.retire(np.tile(np.arange(8), (2, 1)), np.zeros((2, 8), dtype=bool), none, none, slotted)
+    assert list(spares.held) == [(1, 6), (1, 7)]
+
+
+def test_the_ram_tier_replay_reads_less_with_its_spares_and_the_same_hits():
+    trace = read_trace(str(SYNTH))
+    k = ram_tier_slots(trace, 932)
+    plain = simulate(trace, PerLayerReplay("default", k, inserts=k, admission="eager", prefill="lookup"))
+    tier = simulate(trace, PerLayerReplay("default", k, inserts=k, admission="eager", prefill="lookup", spares=True))
+    assert tier.totals["hits"] == plain.totals["hits"] and tier.totals["misses"] == plain.totals["misses"]
+    read, plain_read = tier.disk_reads()[0], plain.disk_reads()[0]
+    assert 0 < tier.totals["spare_miss_bytes"] and read == plain_read - tier.totals["spare_miss_bytes"]
+    assert read < 0.8 * plain_read
+    assert tier.disk_ms(5.26, Disk(0.95, 40)) < plain.disk_ms(5.26, Disk(0.95, 40))
 
 
 @pytest.mark.parametrize("costs", [{"read_cpu_ms_per_request": -0.1}, {"read_cpu_ms_per_request": float("nan")},
@@ -224,7 +263,7 @@ def test_cli_prints_the_tier_beside_stock_mmap(capsys):
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if line.startswith(("RAM tier", "mmap"))]
     assert [row[:2] for row in rows] == [["RAM", "tier"], ["mmap", "lru"], ["mmap", "two-list"]]
-    assert rows[0][-6:] == ["46", "83.4", "28.1", "6.3", "44.77", "22.34"]
+    assert rows[0][-6:] == ["46", "83.4", "18.6", "4.7", "38.61", "25.90"]
     assert "per-layer cache" not in out  # --ram-mib alone runs no device model
 
 
@@ -269,16 +308,17 @@ def test_cli_bad_ram_flags_are_one_line(capsys, args, message):
 
 
 # --- the model against the benchmark's measurements ---------------------------------------------
-# docs/notes/ram-read-ahead.md, "The --ram-mib model against the measurements", states the fitted
-# CPU costs and each configuration's residual (modelled / measured - 1, %), at the best disk rate
-# each run measured, with both terms and with the per-MB one alone (the model before); a change to
-# the timeline, the traces or the inputs moves them.
+# docs/notes/ram-read-ahead.md, "Spares: the room between decode tokens", states the fitted CPU
+# costs and each configuration's residual (modelled / measured - 1, %), at the best disk rate each
+# run measured, with both terms and with the per-MB one alone; a change to the timeline, the
+# spares' model, the traces or the inputs moves them.
 QWEN3, GPT_OSS = "Qwen3-30B-A3B shape, 1600 MB", "gpt-oss-20b shape, 2100 MB"
-STATED_READ_CPU = {"read_cpu_ms_per_request": 0.428, "read_cpu_ms_per_mb": 0.106}
-STATED_RESIDUAL_PCT = {(QWEN3, "on"): -1.0, (QWEN3, "off"): 1.1, (GPT_OSS, "on"): 11.7, (GPT_OSS, "off"): -5.3}
-STATED_ONE_TERM_READ_CPU_MS_PER_MB = 0.358
-STATED_ONE_TERM_RESIDUAL_PCT = {(QWEN3, "on"): -13.2, (QWEN3, "off"): -9.9, (GPT_OSS, "on"): 17.6,
-                                (GPT_OSS, "off"): 4.8}
+STATED_READ_CPU = {"read_cpu_ms_per_request": 0.237, "read_cpu_ms_per_mb": 0.098}
+STATED_RESIDUAL_PCT = {(QWEN3, "on"): 3.1, (QWEN3, "off"): -3.6, (GPT_OSS, "on"): -4.3, (GPT_OSS, "off"): 2.9}
+STATED_ONE_TERM_READ_CPU_MS_PER_MB = 0.229
+STATED_ONE_TERM_RESIDUAL_PCT = {(QWEN3, "on"): -4.1, (QWEN3, "off"): -9.9, (GPT_OSS, "on"): -0.2,
+                                (GPT_OSS, "off"): 9.0}
+READ_MB_RESIDUAL = 0.05  # the spares' model reads 17.5 / 17.2 MB a token where the live tier read 18.2 / 18.0
 
 
 def residuals_pct(rows):
@@ -293,12 +333,12 @@ def test_the_calibrated_tier_model_reproduces_the_measurements_within_its_stated
     read_cpu, rows = fit()
     assert read_cpu == pytest.approx(STATED_READ_CPU, abs=5e-4)
     assert residuals_pct(rows) == STATED_RESIDUAL_PCT
-    for r in rows:  # the bytes each configuration reads are the live tier's (its stats), within 2%
-        assert r.read_mb == pytest.approx(r.measured.read_mb[r.mode], rel=0.02), (r.measured.shape, r.mode)
+    for r in rows:  # the bytes each configuration reads are the live tier's (its stats), within 5%
+        assert r.read_mb == pytest.approx(r.measured.read_mb[r.mode], rel=READ_MB_RESIDUAL), (r.measured.shape, r.mode)
     one_term, one_term_rows = fit(terms=ONE_TERM)  # the model before: one constant, per MB
     assert one_term == pytest.approx({"read_cpu_ms_per_mb": STATED_ONE_TERM_READ_CPU_MS_PER_MB}, abs=5e-4)
     assert residuals_pct(one_term_rows) == STATED_ONE_TERM_RESIDUAL_PCT
-    uncharged = fit(terms=())[1]  # no CPU on a read: 27% under on the Qwen3 shape
+    uncharged = fit(terms=())[1]  # no CPU on a read: 20% under on the Qwen3 shape
     assert squares(rows) < squares(one_term_rows) / 3 < squares(uncharged) / 6
 
 

@@ -1,5 +1,5 @@
 """The RAM tier (LLAMA_MOE_CACHE_RAM_MIB): K experts per layer kept in memory, the others read from
-the model file when selected, dropped after use.
+the model file when selected, and dropped when the room beyond the slots needs their memory.
 
 Both runs compute on the CPU with the same plain kernels over the same bytes (the tier changes
 where the bytes come from, not which ones), so the logits must be bit-identical to stock mmap's;
@@ -207,6 +207,44 @@ def test_ram_tier_reads_ahead_of_a_prompts_layer_within_one_layers_reads(tier_pa
     read_ahead = [c["read_ahead"] for c in counters]
     assert read_ahead[0] == 0 and min(read_ahead[1:]) > 0 and min(held[:-1]) > 0, (read_ahead, held)  # (the last layer runs the outputs only)
     assert all(read_ahead[i] <= n_expert - held[i - 1] for i in range(1, n_layers)), (read_ahead, held)
+
+
+def test_ram_tier_keeps_experts_it_read_without_a_slot_while_its_room_has_space(tmp_path):
+    """An expert read without a slot (or a slot's victim) stays in memory while the room beyond the
+    slots (one layer's reads for a full ubatch) has space, oldest dropped first: a decode token that
+    selects it again reads nothing. Few layers of many experts: the room holds most of what decode
+    reads again, so decode reads a fraction of its misses' bytes (each of them read anew before),
+    the mapping stays within the slots and the room, and the logits are stock's."""
+    from moecache.models import synth
+
+    source = synth.synth_moe("qwen3-30b-a3b", n_layer=2, n_expert=64, n_expert_used=4, n_embd=512,
+                             n_ff_exp=512, n_head=2, n_head_kv=1)
+    path = str(tmp_path / "spares.gguf")  # (a file of its own: no other mapping holds its pages)
+    shutil.copyfile(source, path)
+    with default_params("llama_model_default_params", use_extra_bufts=False):
+        stock = llama_cpp.Llama(path, n_gpu_layers=0, n_ctx=512, n_threads=N_THREADS, n_threads_batch=N_THREADS,
+                                verbose=False)
+    stock_tokens, stock_logits = greedy(stock, PROMPT, N_TOKENS)
+    stock.close()
+    llm = load_from_file(path)
+    cache = attach(llm, ram_mib=4, policy="lru", wait=1, trace=str(tmp_path / "spares.route.csv"))
+    layers = cache.layers
+    assert cache.slots == 4 and layers[0].n_expert == 64
+    tokens, logits = greedy(llm, PROMPT, N_TOKENS)
+    llm.eval(tokens[-1:])  # (the trace has the last decode step once the next one starts)
+    assert tokens == stock_tokens
+    assert np.array_equal(logits, stock_logits), f"max |diff| {np.abs(logits - stock_logits).max()}"
+    reads = cache.stats()["reads"]["decode"]
+    resident = mapped_rss(path)
+    llm.close()
+    trace = read_trace(str(tmp_path / "spares.route.csv"))
+    decode = trace.phase == DECODE
+    misses = int(((trace.ids[decode] >= 0) & (trace.residency[decode] == 0)).sum())
+    expert = layers[0].expert_bytes
+    assert misses > 200, misses  # of 64 x 2 x 4 lookups
+    assert 0 < reads["read_bytes"] < misses * expert / 3, (reads["read_bytes"] / expert, misses)
+    room = min(64, 512 * 4) * expert  # n_ubatch 512
+    assert resident <= (cache.slots * len(layers)) * expert + room + 4 * MIB, resident / expert
 
 
 def test_ram_tier_keeps_every_expert_that_fits(tier_path, smol_stock, expert_bytes):

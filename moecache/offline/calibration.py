@@ -5,13 +5,13 @@ release, on the cores the compute uses), which the timeline leaves out otherwise
 (Disk.read_cpu_ms_per_request: one expert tensor's range, read, mapped and released on its own)
 and per MB (Disk.read_cpu_ms_per_mb).
 
-MEASURED inputs (MEASURED; docs/notes/ram-read-ahead.md, "On a quieter machine, the default
-threads ...": scripts/bench_larger_than_ram.py -r 5 --read-ahead both, 2 cores), per shape: the
+MEASURED inputs (MEASURED; docs/notes/ram-read-ahead.md, "Spares: the room between decode
+tokens": scripts/bench_larger_than_ram.py -r 5 --read-ahead both, 2 cores), per shape: the
 live tier's trace of the benchmark's model and prompt at the K its auto sizing took inside the
 limit (traces/), the in-RAM tier's decode tok/s (the host rate is the one that reproduces it: the
 trace's computed bytes per decode token over that time), the best disk rate the run measured
-(the roofline's), and the limited tier's decode tok/s and the layers' wait per token (its stats)
-with read-ahead (modelled by the `router` predictor, what ships, reading up to top-k) and without
+(the roofline's), and the limited tier's decode tok/s, the layers' wait and the MB read per token
+(its stats) with read-ahead (modelled by the `router` predictor, what ships, reading up to top-k) and without
 (`none`).
 
 fit() takes the constants >= 0 that minimise the sum of the squared relative residuals of the
@@ -56,9 +56,9 @@ class Measured:
 
 MEASURED = (
     Measured("Qwen3-30B-A3B shape, 1600 MB", "synth-qwen3-30b-a3b-L8.ram-tier-1600mb.route.csv", 972,
-             32.49, 1.13, 0.94, {"on": 20.82, "off": 18.62}, {"on": 5.9, "off": 12.7}, {"on": 26.4, "off": 25.6}),
+             37.44, 1.38, 1.05, {"on": 30.43, "off": 26.58}, {"on": 2.1, "off": 8.9}, {"on": 18.2, "off": 18.0}),
     Measured("gpt-oss-20b shape, 2100 MB", "synth-gpt-oss-20b-L8.ram-tier-2100mb.route.csv", 1282,
-             16.57, 1.08, 1.01, {"on": 9.82, "off": 6.65}, {"on": 21.5, "off": 59.6}, {"on": 98.8, "off": 94.2}),
+             19.30, 1.54, 1.25, {"on": 13.28, "off": 11.77}, {"on": 9.9, "off": 22.4}, {"on": 64.3, "off": 63.4}),
 )
 
 

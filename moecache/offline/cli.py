@@ -452,12 +452,13 @@ def print_ram_table(args, trace, results) -> None:
         return
     host = args.hardware.rates.host_gbps
     print(f"\nlarger than RAM, CPU only: the RAM tier (LLAMA_MOE_CACHE_RAM_MIB: K experts per layer kept, eager "
-          f"admission, INSERTS = K, prompts looked up) and stock mmap's page cache (4 KiB pages, read_ahead_kb "
+          f"admission, INSERTS = K, prompts looked up, what it read and kept in no slot spare within one layer's reads "
+          f"for a full ubatch) and stock mmap's page cache (4 KiB pages, read_ahead_kb "
           f"{args.read_ahead_kb}, doubled by llama.cpp's mapping, a window at most half the budget)\n"
           f"ms/tok: MODELLED per decode token (moecache.offline.cost.Disk): mmap (computed bytes / host + waits x read "
           f"latency + bytes read / disk), the tier per layer (dense / host + max(kept / host, read latency + misses / "
-          f"disk) + misses / host): host {host:.2f} GB/s, {args.disk.describe()}; hit%: decode lookups whose "
-          f"expert was in memory (mmap: read without a page fault)")
+          f"disk) + misses / host, a miss found among the spares as kept): host {host:.2f} GB/s, "
+          f"{args.disk.describe()}; hit%: decode lookups whose expert was in a slot (mmap: read without a page fault)")
     print(f"{'model':<12}{'policy':<16}{'admission':>10}{'RAM MiB':>9}{'K':>5}{'hit% dec':>10}{'MB read/tok':>13}"
           f"{'waits/tok':>11}{'ms/tok':>10}{'tok/s':>8}")
     for r in rows:

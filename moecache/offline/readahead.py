@@ -265,12 +265,15 @@ class ReadAhead:
         for start in range(0, ids.shape[1], self.n_used):
             self.predictor.learn(_rows(ids[:, start:start + self.n_used]))
 
-    def decode(self, ids, hit_mask, kept, boundary_uploads) -> None:
+    def decode(self, ids, hit_mask, kept, boundary_uploads, spares=None) -> None:
         """One decode token: its (n_layers, n_used) ids, the engine's hit mask, which experts
         were kept in RAM while it ran ((n_layers, n_expert) bool) and the uploads its
-        boundary issued per layer."""
-        token = (_rows(ids), _rows(ids, ~np.asarray(hit_mask)), np.array(kept, dtype=bool),
-                 np.asarray(boundary_uploads))
+        boundary issued per layer (those to read). spares: (n_layers, n_expert) bool, the
+        experts in memory without a slot (moecache.offline.spares): a miss or a read-ahead of
+        one reads nothing, and the read-ahead still picks it (the live tier's does)."""
+        kept = np.array(kept, dtype=bool)
+        token = (_rows(ids), _rows(ids, ~np.asarray(hit_mask)), kept, np.asarray(boundary_uploads),
+                 np.zeros_like(kept) if spares is None else np.array(spares, dtype=bool))
         self._flush(token)
         self._held = token
 
@@ -282,7 +285,7 @@ class ReadAhead:
         last layer's read-ahead target and the oracle's answer for it."""
         if self._held is None:
             return
-        rows, missed, kept, boundary = self._held
+        rows, missed, kept, boundary, spares = self._held
         self._held = None
         L, host, disk = len(rows), self.host_gbps * 1e9, self.disk.gbps * 1e9
         latency = self.disk.read_us / 1e6
@@ -294,22 +297,24 @@ class ReadAhead:
             covered = np.isin(missed[layer], ahead)
             self.useful += int(covered.sum())
             self.misses += missed[layer].size
-            ready = done if covered.any() else clock
-            demand = int((~covered).sum())
+            in_memory = spares[layer][missed[layer]]
+            ready = done if (covered & ~in_memory).any() else clock
+            demand = int((~covered & ~in_memory).sum())
             if demand:
                 disk_free = max(disk_free, clock) + latency + demand * size / disk
                 self.read_bytes += demand * size
                 ready = max(ready, disk_free)
-            computed = clock + (rows[layer].size - missed[layer].size) * size / host  # the kept experts
+            n_memory = rows[layer].size - missed[layer].size + int(in_memory.sum())  # kept, and spares
+            computed = clock + n_memory * size / host
             self.waited += max(0.0, ready - computed)
-            end = max(computed, ready) + missed[layer].size * size / host
+            end = max(computed, ready) + (rows[layer].size - n_memory) * size / host
             if layer + 1 < L:
-                target, dst_kept, future = layer + 1, kept[layer + 1], rows[layer + 1]
+                target, dst, future = layer + 1, (kept[layer + 1], spares[layer + 1]), rows[layer + 1]
             else:
                 self.predictor.learn(rows)
                 target = 0
-                dst_kept, future = (None, None) if following is None else (following[2][0], following[0][0])
-            pending, disk_free, n_ahead = self._queue_ahead(layer, rows[layer], target, dst_kept, future,
+                dst, future = (None, None) if following is None else ((following[2][0], following[4][0]), following[0][0])
+            pending, disk_free, n_ahead = self._queue_ahead(layer, rows[layer], target, dst, future,
                                                             end, clock, disk_free)
             # the CPU's work on what was read and queued
             clock = end + self.disk.read_cpu_ms(demand * size + n_ahead * self.expert_bytes[target],
@@ -323,11 +328,13 @@ class ReadAhead:
         self.seconds, self._disk_free, self._pending = clock, disk_free, pending
         self.tokens += 1
 
-    def _queue_ahead(self, layer, selection, target, dst_kept, future, end, clock, disk_free):
-        """The read-ahead layer `layer` queues for `target` (dst_kept None: none), behind what the
-        disk has queued: (pending (experts, when read) or None, disk_free, experts queued)."""
-        if dst_kept is None:
+    def _queue_ahead(self, layer, selection, target, dst, future, end, clock, disk_free):
+        """The read-ahead layer `layer` queues for `target` (dst: its (kept, spares); None: none),
+        behind what the disk has queued: (pending (experts, when read) or None, disk_free, experts
+        read)."""
+        if dst is None:
             return None, disk_free, 0
+        dst_kept, dst_spares = dst
         host, disk, latency = self.host_gbps * 1e9, self.disk.gbps * 1e9, self.disk.read_us / 1e6
         next_size = self.expert_bytes[target]
         width = self.width
@@ -339,10 +346,12 @@ class ReadAhead:
         chosen = choose_reads(scores, dst_kept, width)
         if not chosen.size:
             return None, disk_free, 0
-        disk_free = max(disk_free, clock) + latency + chosen.size * next_size / disk
         self.read_ahead += chosen.size
-        self.read_bytes += chosen.size * next_size
-        return (chosen, disk_free), disk_free, chosen.size
+        n_read = int((~dst_spares[chosen]).sum())
+        if n_read:
+            disk_free = max(disk_free, clock) + latency + n_read * next_size / disk
+            self.read_bytes += n_read * next_size
+        return (chosen, disk_free), disk_free, n_read
 
 
 def _rows(ids, mask=None) -> list[np.ndarray]:

@@ -72,6 +72,7 @@ from .budget import BUDGET_POLICIES, BudgetPolicy, ByteBudgetCache, make_budget_
 from .cost import Disk, WorkTally
 from .pagecache import PAGE, PAGE_POLICIES, PAGE_TABLE_BYTES, ExpertLayout
 from .readahead import ReadAhead
+from .spares import Spares
 from .steps import GLOBAL, PAGE_CACHE, PER_LAYER, PREFILL_MODES, UPSTREAM
 from .upstream import TUNER_SHARES, UPSTREAM_POLICIES, UpstreamCache
 
@@ -155,7 +156,8 @@ class ReplayResult:
         if self.model != PER_LAYER:
             raise ValueError(f"the {self.model} model reads nothing from a disk")
         waits = sum(passes for (_, _, lane, cpu), passes in self.work.passes.items() if lane + cpu)
-        return self.totals["miss_bytes"] + self.work.boundary_upload_bytes, waits
+        read = self.totals["miss_bytes"] - self.totals.get("spare_miss_bytes", 0)
+        return read + self.work.boundary_upload_bytes, waits
 
     def disk_ms(self, host_gbps: float, disk: Disk) -> float | None:
         """MODELLED milliseconds per decode token of a RAM tier or page-cache run, every expert
@@ -210,6 +212,7 @@ class PerLayerReplay:
     miss_plan: Rates | None = None
     lane: bool = True
     read_ahead: ReadAhead | None = None
+    spares: bool = False
     seed: int = 0
 
     def start(self, trace: RouteTrace) -> _Run:
@@ -218,23 +221,46 @@ class PerLayerReplay:
         engine, label = self._engine(trace)
         work = WorkTally(OUR_LAYOUT, trace.expert_bytes, trace.dense_bytes)
         read_ahead = self.read_ahead
+        spares = Spares(trace.expert_bytes, trace.n_expert, trace.n_expert_used) if self.spares else None
+        spare_reads = {"spare_miss_bytes": 0}  # the misses' bytes found among the spares, not read
+        sizes = np.asarray(trace.expert_bytes, dtype=np.int64)
+
+        def step_with_spares(ids, **flags):
+            """engine.step, and the misses and boundary uploads that found their expert among the
+            spares: (plan, (like ids) bool, (L,) counts)."""
+            plan = engine.step(ids, **flags)
+            if spares is None or plan.hit_mask is None:
+                return plan, None, None
+            found = spares.found(ids, plan.hit_mask)
+            spare_reads["spare_miss_bytes"] += int(found.sum(axis=1) @ sizes)
+            ids = np.asarray(ids)
+            spares.retire(ids, plan.hit_mask, np.concatenate([plan.admitted, plan.upload]), plan.evict,
+                          engine.expert_slot >= 0)
+            return plan, found, spares.found_uploads(plan.upload)
 
         def decode_step(ids):
             kept = None if read_ahead is None else engine.expert_slot >= 0  # what this graph finds in memory
-            plan = engine.step(ids)
-            _tally_plan(work, plan)
+            in_memory = None if read_ahead is None or spares is None else spares.in_memory()
+            plan, found, found_uploads = step_with_spares(ids)
+            _tally_plan(work, plan, found, found_uploads)
             if read_ahead is not None:
-                read_ahead.decode(ids, plan.hit_mask, kept, np.bincount(plan.upload[:, 0], minlength=len(kept)))
+                uploads = np.bincount(plan.upload[:, 0], minlength=len(kept))
+                read_ahead.decode(ids, plan.hit_mask, kept, uploads if found_uploads is None else uploads - found_uploads,
+                                  in_memory)
 
         # a warm prompt is a prefill step, a plain one an observation
-        prompt_step = functools.partial(engine.step, prefill=True) if self.prefill == "warm" else engine.step
+        if self.prefill == "warm":
+            prompt_step = functools.partial(engine.step, prefill=True)
+        else:
+            def prompt_step(ids):
+                return step_with_spares(ids)[0]
         if read_ahead is not None:
             read_ahead.bind(trace.expert_bytes, trace.dense_bytes, trace.n_expert, trace.n_expert_used)
             prompt_step = _reading_prompts(read_ahead, prompt_step)
         settings = {"slots": engine.n_slots, "inserts": engine.inserts, "admission": engine.admission,
                     "prefill": self.prefill, "read_ahead": read_ahead}
         return _Run(label, (prompt_step, decode_step), steps.segments(trace, PER_LAYER, self.prefill),
-                    lambda: engine.stats(trace.expert_bytes)["totals"], work, settings,
+                    lambda: engine.stats(trace.expert_bytes)["totals"] | spare_reads, work, settings,
                     read_ahead.finish if read_ahead is not None else lambda: None)
 
     def _engine(self, trace):
@@ -387,16 +413,18 @@ def zero_configuration(trace: RouteTrace, slots: int, rates: Rates) -> ReplayRes
                                           miss_plan=rates if planner_by_default(policy, admission) else None))
 
 
-def _tally_plan(work: WorkTally, plan) -> None:
+def _tally_plan(work: WorkTally, plan, found=None, found_uploads=None) -> None:
     """A decode boundary's StepPlan as the observed graph's layer passes: hits on the device,
     the lane's misses, the others on the CPU; every upload but the lane's copies is
-    asynchronous."""
+    asynchronous. The RAM tier's spares (found, found_uploads: Spares'): a miss found in memory
+    runs as a hit does, and a boundary upload found there reads nothing."""
     L = len(plan.hits)
     lane = np.zeros(L, dtype=np.int64) if plan.lane is None else plan.lane
-    work.add_layers(plan.hits, lane, plan.misses - lane)
+    in_memory = 0 if found is None else found.sum(axis=1)
+    work.add_layers(plan.hits + in_memory, lane, plan.misses - lane - in_memory)
     uploads = np.bincount(plan.admitted[:, 0], minlength=L) + np.bincount(plan.upload[:, 0], minlength=L)
     work.add_async(uploads - lane)
-    work.add_boundary_uploads(np.bincount(plan.upload[:, 0], minlength=L))
+    work.add_boundary_uploads(np.bincount(plan.upload[:, 0], minlength=L) - (0 if found_uploads is None else found_uploads))
 
 
 def _drive(step_of, totals, segments, step_times, before_step):
@@ -469,9 +497,10 @@ def ram_tier_slots(trace: RouteTrace, ram_mib: float) -> int:
 def ram_tier_replay(policy: str, slots: int, admission: str, read_ahead: ReadAhead | None = None,
                     seed: int = 0) -> PerLayerReplay:
     """The RAM tier as the live one runs: K kept per layer, INSERTS = K, every prompt ubatch
-    looked up (its misses read)."""
+    looked up (its misses read), the experts it read and did not keep spares while its room
+    allows (moecache.offline.spares)."""
     return PerLayerReplay(policy, slots, inserts=slots, admission=admission, prefill="lookup", seed=seed,
-                          read_ahead=read_ahead)
+                          read_ahead=read_ahead, spares=True)
 
 
 def per_layer_slots(trace: RouteTrace, budget_mib: float) -> int:

@@ -178,7 +178,7 @@ void llama_moe_ram::record(const llama_moe_cache_layer & cl, const ggml_tensor *
     if (routing.recorded(cl.i)) {
         return; // another matmul of the layer ran first
     }
-    drop_transient(/*all =*/ false); // those of the layers before whose reads are done
+    retire_transient(/*all =*/ false); // those of the layers before whose reads are done
     if (!changed && !files.unchanged()) {
         fail_reads();
     }
@@ -189,7 +189,7 @@ void llama_moe_ram::record(const llama_moe_cache_layer & cl, const ggml_tensor *
     const std::vector<llama_moe_upload> started = admit(cl);
     for (const auto & job : started) {
         if (job.replaced >= 0) {
-            drop(cl.i, job.replaced);
+            retire(cl.i, job.replaced);
         }
     }
     // over its own tables the graph runs the layer's experts twice (the passes' order is the graph's)
@@ -208,7 +208,7 @@ void llama_moe_ram::record(const llama_moe_cache_layer & cl, const ggml_tensor *
 
 // before the CPU computes layer cl: every selected expert that is neither resident nor read ahead is
 // queued for the reader, then the experts predicted for the next layer; those admitted keep their
-// slot, the others are dropped once the layer has run. A graph that runs the layer's experts twice
+// slot, the others become spares once the layer has run. A graph that runs the layer's experts twice
 // (later: the table of the pass after this one): this pass (now) computes the experts kept while the
 // reader reads, and the pass over skip_late waits for the reads and computes those experts
 // (finish_late_reads); otherwise the CPU waits here and this pass computes them all
@@ -230,7 +230,7 @@ void llama_moe_ram::read_misses(const llama_moe_cache_layer & cl, const std::vec
         read_ahead_of(cl.i + 1); // behind this layer's reads
     }
     if (later && later == cl.skip_late && p.ticket > 0 && !changed) { // (a layer kept whole has one pass: no skip_late)
-        write_passes(cl, (int32_t *) now->data, (int32_t *) later->data);
+        write_passes(cl, demand, (int32_t *) now->data, (int32_t *) later->data);
         late = p;
         return;
     }
@@ -275,7 +275,7 @@ std::vector<int32_t> llama_moe_ram::misses(const llama_moe_cache_layer & cl, uin
     return out;
 }
 
-// the experts read for layer cl that no slot keeps are dropped once the layer has run (after their
+// the experts read for layer cl that no slot keeps become spares once the layer has run (after their
 // batch is done)
 void llama_moe_ram::note_transient(const llama_moe_cache_layer & cl, const reads & demand, const std::vector<llama_moe_upload> & admitted) {
     std::vector<uint8_t> kept(cl.n_expert, 0);
@@ -330,10 +330,7 @@ std::vector<int32_t> llama_moe_ram::predicted_experts(int32_t i) const {
             out.push_back(e);
         }
     }
-    size_t held = 0;
-    for (const auto & t : transient) {
-        held += layers[t.i].expert_bytes();
-    }
+    const size_t held = transient_bytes(); // (spares give way)
     const size_t fit = (room - std::min(room, held)) / next.expert_bytes();
     if (out.size() > fit) {
         std::stable_sort(out.begin(), out.end(), [&](int32_t a, int32_t b) { return votes[a] > votes[b]; });
@@ -350,8 +347,9 @@ bool llama_moe_ram::whole_layer_ahead(int32_t i) const {
     return (int64_t) rows*next.n_expert_used >= next.n_expert && next.n_slots < next.n_expert;
 }
 
-// the first pass computes the experts kept, the second the others the layer selected (read now)
-void llama_moe_ram::write_passes(const llama_moe_cache_layer & cl, int32_t * first, int32_t * second) const {
+// the first pass computes the experts in memory (kept, or demanded and found there: spares), the
+// second the others the layer selected (read now, or read ahead)
+void llama_moe_ram::write_passes(const llama_moe_cache_layer & cl, const reads & demand, int32_t * first, int32_t * second) const {
     std::fill(first, first + cl.n_expert, 0);
     std::fill(second, second + cl.n_expert, 1);
     const int32_t * ids = routing.row(cl.i);
@@ -360,6 +358,12 @@ void llama_moe_ram::write_passes(const llama_moe_cache_layer & cl, int32_t * fir
         if (e >= 0 && !slots[cl.i].cached(e)) {
             first[e]  = 1;
             second[e] = 0;
+        }
+    }
+    for (size_t j = 0; j < demand.experts.size(); ++j) {
+        if (demand.bytes[j] == 0) {
+            first[demand.experts[j]]  = 0;
+            second[demand.experts[j]] = 1;
         }
     }
 }
@@ -399,6 +403,11 @@ void llama_moe_ram::finish_late_reads() {
 // the experts of layer i queued for the reader, with the bytes each needs from the file (an expert
 // whose pages are all in the page cache needs none: the matmul maps them)
 llama_moe_ram::reads llama_moe_ram::queue_reads(int32_t i, std::vector<int32_t> experts) {
+    size_t n_new = 0;
+    for (int32_t e : experts) {
+        n_new += !unretire(i, e); // a spare is read now from memory: no room taken
+    }
+    reclaim(n_new*layers[i].expert_bytes());
     reads r;
     std::vector<llama_moe_file_range> ranges;
     for (int32_t e : experts) {
@@ -438,6 +447,7 @@ bool llama_moe_ram::read_in(const std::vector<llama_moe_upload> & jobs, size_t &
 void llama_moe_ram::read_staged() {
     auto t0 = std::chrono::steady_clock::now();
     for (const auto & job : staged) {
+        unretire(job.i, job.expert);
         size_t n_bytes = 0;
         const bool ok = read_in({ job }, n_bytes);
         auto & c = layer_counters[job.i];
@@ -478,19 +488,65 @@ void llama_moe_ram::release_unkept() {
         }
     }
     files.release_all();
+    spares.clear();
+    spare_bytes = 0;
+}
+
+// an expert no slot keeps and no read uses any more: spare while room allows
+void llama_moe_ram::retire(int32_t i, int32_t expert) {
+    if (layers[i].n_slots >= layers[i].n_expert || slots[i].cached(expert)) {
+        return;
+    }
+    unretire(i, expert); // (the newest again)
+    spares.emplace_back(i, expert);
+    spare_bytes += layers[i].expert_bytes();
+    reclaim(0);
+}
+
+// the expert is read (or kept) again: no longer spare; false when it was not one
+bool llama_moe_ram::unretire(int32_t i, int32_t expert) {
+    const auto it = std::find(spares.begin(), spares.end(), std::make_pair(i, expert));
+    if (it == spares.end()) {
+        return false;
+    }
+    spares.erase(it);
+    spare_bytes -= layers[i].expert_bytes();
+    return true;
+}
+
+// drop spares, oldest first, until they, the reads held and need bytes more fit in room
+void llama_moe_ram::reclaim(size_t need) {
+    const size_t held = transient_bytes() + need;
+    while (!spares.empty() && spare_bytes + held > room) {
+        const auto [i, e] = spares.front();
+        spares.pop_front();
+        spare_bytes -= layers[i].expert_bytes();
+        if (!slots[i].cached(e)) { // (a boundary's upload may have given it a slot since)
+            drop(i, e);
+        }
+    }
+}
+
+// the bytes of the experts read without a slot that are not dropped yet
+size_t llama_moe_ram::transient_bytes() const {
+    size_t held = 0;
+    for (const auto & t : transient) {
+        held += layers[t.i].expert_bytes();
+    }
+    return held;
 }
 
 // all: every one (the reader idle); else those whose batch is done
-void llama_moe_ram::drop_transient(bool all) {
+void llama_moe_ram::retire_transient(bool all) {
     std::vector<transient_read> later;
+    std::vector<transient_read> done;
     for (const auto & t : transient) {
-        if (all || reader->done(t.ticket)) {
-            drop(t.i, t.expert);
-        } else {
-            later.push_back(t);
-        }
+        (all || reader->done(t.ticket) ? done : later).push_back(t);
     }
     transient.swap(later);
+    for (const auto & t : done) {
+        retire(t.i, t.expert);
+    }
 }
 
 //
@@ -509,14 +565,12 @@ void llama_moe_ram::boundary_end(uint32_t n_tokens, uint32_t n_outputs) {
     }
     for (int32_t i = 0; i < n_layers(); ++i) {
         for (int32_t e : ahead[i].experts) {
-            if (!slots[i].cached(e)) {
-                drop(i, e); // read ahead for a layer the last ubatch did not reach
-            }
+            retire(i, e); // read ahead for a layer the last ubatch did not reach
         }
         ahead[i] = reads();
         predictions[i].clear();
     }
-    drop_transient(/*all =*/ true);
+    retire_transient(/*all =*/ true);
     ubatch_rows = n_tokens;
     ubatch_outs = n_outputs;
     if (!staged.empty() && !changed) {

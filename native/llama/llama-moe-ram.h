@@ -7,6 +7,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <vector>
 
@@ -16,7 +17,9 @@
 // for reading from the model file, then the experts the next layer's router, applied early to this
 // layer's input, predicts (read_ahead); a reader thread reads them into the page cache and maps them
 // while the CPU computes the experts kept. An expert that loses its slot, or was read for one layer
-// without one, is dropped (its pages unmapped, then released from the page cache). The CPU computes
+// without one, is spare: it stays in memory while the room beyond the slots has space (a decode
+// token that selects it again reads nothing), and is dropped (its pages unmapped, then released from
+// the page cache) when a read needs the space, oldest first. The CPU computes
 // every expert through the mapping with stock's kernels; no device, no upload worker
 class llama_moe_ram : public llama_moe_cache {
 public:
@@ -43,7 +46,7 @@ protected:
     void boundary_begin() override;
     void boundary_end(uint32_t n_tokens, uint32_t n_outputs) override;
     bool file_changed() const override { return changed; }
-    void evicted(int32_t i, int32_t expert) override { drop(i, expert); }
+    void evicted(int32_t i, int32_t expert) override { retire(i, expert); }
 
 private:
     using time_point = std::chrono::steady_clock::time_point;
@@ -82,7 +85,7 @@ private:
     void read_ahead_of(int32_t i);
     std::vector<int32_t> predicted_experts(int32_t i) const;
     bool whole_layer_ahead(int32_t i) const;
-    void write_passes(const llama_moe_cache_layer & cl, int32_t * first, int32_t * second) const;
+    void write_passes(const llama_moe_cache_layer & cl, const reads & demand, int32_t * first, int32_t * second) const;
     void finish_reads(const pending & p);
     void finish_late_reads();
 
@@ -92,16 +95,25 @@ private:
     void read_staged();
     void fail_reads();
     void drop(int32_t i, int32_t expert);
-    void drop_transient(bool all);
+    void retire(int32_t i, int32_t expert);
+    bool unretire(int32_t i, int32_t expert);
+    void reclaim(size_t need);
+    size_t transient_bytes() const;
+    void retire_transient(bool all);
     void release_unkept();
 
     llama_moe_model_files files;
     std::atomic<bool>     changed{false}; // a model file changed or could not be read: the tier stops
     const bool            ahead_on;       // llama_moe_cache_params.read_ahead
 
-    // experts read for one layer of one ubatch without a slot, each dropped once its layer has run and
+    // experts read for one layer of one ubatch without a slot, each a spare once its layer has run and
     // its batch is done
     std::vector<transient_read> transient;
+
+    // experts in memory that no slot keeps and no read of this ubatch uses (a slot's victim, or read
+    // for a layer without a slot), oldest first, within room beside the reads in flight
+    std::deque<std::pair<int32_t, int32_t>> spares;
+    size_t                                  spare_bytes = 0;
 
     bool     released    = false; // release_unkept ran
     int32_t  last_il     = -1;    // the model's last layer, which runs only the outputs
