@@ -7,8 +7,13 @@
 #include "ggml-backend.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <map>
 #include <stdexcept>
+
+#if defined(__linux__)
+#include <unistd.h>
+#endif
 
 // the uploads' reads and the drops go through the mapping's own bytes: every part of a file must
 // be mapped at the same base
@@ -64,6 +69,7 @@ llama_moe_ram::llama_moe_ram(const llama_model & model, const llama_moe_cache_pa
     for (const auto & cl : layers) {
         room = std::max(room, std::min<size_t>(cl.n_expert, (size_t) n_ubatch*cl.n_expert_used)*cl.expert_bytes());
     }
+    spare_room = room;
     reader = std::make_unique<llama_moe_reader>(files);
 
     if (layers[0].n_slots >= layers[0].n_expert) {
@@ -403,11 +409,10 @@ void llama_moe_ram::finish_late_reads() {
 // the experts of layer i queued for the reader, with the bytes each needs from the file (an expert
 // whose pages are all in the page cache needs none: the matmul maps them)
 llama_moe_ram::reads llama_moe_ram::queue_reads(int32_t i, std::vector<int32_t> experts) {
-    size_t n_new = 0;
     for (int32_t e : experts) {
-        n_new += !unretire(i, e); // a spare is read now from memory: no room taken
+        unretire(i, e); // (a spare is read from memory: its bytes are held still, as the others')
     }
-    reclaim(n_new*layers[i].expert_bytes());
+    reclaim(experts.size()*layers[i].expert_bytes());
     reads r;
     std::vector<llama_moe_file_range> ranges;
     for (int32_t e : experts) {
@@ -503,21 +508,20 @@ void llama_moe_ram::retire(int32_t i, int32_t expert) {
     reclaim(0);
 }
 
-// the expert is read (or kept) again: no longer spare; false when it was not one
-bool llama_moe_ram::unretire(int32_t i, int32_t expert) {
+// the expert is read (or kept) again: no longer spare
+void llama_moe_ram::unretire(int32_t i, int32_t expert) {
     const auto it = std::find(spares.begin(), spares.end(), std::make_pair(i, expert));
-    if (it == spares.end()) {
-        return false;
+    if (it != spares.end()) {
+        spares.erase(it);
+        spare_bytes -= layers[i].expert_bytes();
     }
-    spares.erase(it);
-    spare_bytes -= layers[i].expert_bytes();
-    return true;
 }
 
-// drop spares, oldest first, until they, the reads held and need bytes more fit in room
+// drop spares, oldest first, until they, the reads held and need bytes more fit in room, and they
+// in spare_room
 void llama_moe_ram::reclaim(size_t need) {
     const size_t held = transient_bytes() + need;
-    while (!spares.empty() && spare_bytes + held > room) {
+    while (!spares.empty() && (spare_bytes + held > room || spare_bytes > spare_room)) {
         const auto [i, e] = spares.front();
         spares.pop_front();
         spare_bytes -= layers[i].expert_bytes();
@@ -525,6 +529,34 @@ void llama_moe_ram::reclaim(size_t need) {
             drop(i, e);
         }
     }
+}
+
+// the process's resident anonymous memory (Linux; 0 elsewhere: the spares keep the whole room)
+static size_t moe_anon_bytes() {
+#if defined(__linux__)
+    static const size_t page = (size_t) sysconf(_SC_PAGESIZE);
+    size_t size = 0, resident = 0, shared = 0;
+    FILE * f = fopen("/proc/self/statm", "r");
+    const bool ok = f && fscanf(f, "%zu %zu %zu", &size, &resident, &shared) == 3;
+    if (f) {
+        fclose(f);
+    }
+    return ok && resident > shared ? (resident - shared)*page : 0;
+#else
+    return 0;
+#endif
+}
+
+// at a boundary: the spares keep the room less what the process's anonymous memory grew by since
+// the first boundary (the sizing counted the memory the process held then)
+void llama_moe_ram::follow_growth() {
+    const size_t anon = moe_anon_bytes();
+    if (!released) {
+        anon_at_sizing = anon;
+    }
+    const size_t grown = anon > anon_at_sizing ? anon - anon_at_sizing : 0;
+    spare_room = room > grown ? room - grown : 0;
+    reclaim(0);
 }
 
 // the bytes of the experts read without a slot that are not dropped yet
@@ -559,6 +591,7 @@ void llama_moe_ram::boundary_begin() {
 }
 
 void llama_moe_ram::boundary_end(uint32_t n_tokens, uint32_t n_outputs) {
+    follow_growth();
     if (!released) {
         release_unkept();
         released = true;

@@ -96,9 +96,10 @@ private:
     void fail_reads();
     void drop(int32_t i, int32_t expert);
     void retire(int32_t i, int32_t expert);
-    bool unretire(int32_t i, int32_t expert);
+    void unretire(int32_t i, int32_t expert);
     void reclaim(size_t need);
     size_t transient_bytes() const;
+    void   follow_growth();
     void retire_transient(bool all);
     void release_unkept();
 
@@ -114,6 +115,11 @@ private:
     // for a layer without a slot), oldest first, within room beside the reads in flight
     std::deque<std::pair<int32_t, int32_t>> spares;
     size_t                                  spare_bytes = 0;
+
+    // what the spares may hold: the room, less what the process's anonymous memory grew by since the
+    // first boundary (a context's outputs, a chat's logits): follow_growth
+    size_t spare_room     = 0;
+    size_t anon_at_sizing = 0;
 
     bool     released    = false; // release_unkept ran
     int32_t  last_il     = -1;    // the model's last layer, which runs only the outputs
