@@ -606,6 +606,12 @@ void llama_moe_ram::boundary_end(uint32_t n_tokens, uint32_t n_outputs) {
     retire_transient(/*all =*/ true);
     ubatch_rows = n_tokens;
     ubatch_outs = n_outputs;
+    if (whole_layer_ahead(0)) {
+        // a prompt: its reads take the room, and its activations grow the process first (a larger
+        // ubatch than any before touches more of the compute buffers); spares wait for its end
+        spare_room = 0;
+        reclaim(0);
+    }
     if (!staged.empty() && !changed) {
         read_staged();
     }
