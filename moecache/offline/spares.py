@@ -3,10 +3,11 @@ tier read without a slot, and a slot's victim, stays in memory while the room be
 (one layer's reads for a full ubatch) has space beside the reads in flight, the oldest dropped
 first; a layer that selects it again, or a boundary that uploads it, reads nothing.
 
-The room is the live tier's, min(E, n_ubatch x top-k) experts of the largest layer. The reads in
-flight beside the spares are taken as two layers' selections of the step (a layer's own reads and
-the next layer's read-ahead, at most E each): live, the tier drops spares as each read is queued,
-so what it holds at once moves within a layer; here the capacity is fixed per step.
+The room is the live tier's, min(E, n_ubatch x top-k) experts of the largest layer, less a decode
+token's reads held beside the spares (IN_FLIGHT top-k's of the largest layer): live, the tier drops
+spares as each read is queued, so what it holds at once moves within a layer; here the capacity is
+fixed. Left out: the live tier's drop of every spare before a prompt (a prompt reads its layers
+whole, so what it leaves behind is the same) and the room it gives back as the process grows.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@
 // while the CPU computes the experts kept. An expert that loses its slot, or was read for one layer
 // without one, is spare: it stays in memory while the room beyond the slots has space (a decode
 // token that selects it again reads nothing), and is dropped (its pages unmapped, then released from
-// the page cache) when a read needs the space, oldest first. The CPU computes
+// the page cache) when a read needs the space, oldest first, or before a prompt. The CPU computes
 // every expert through the mapping with stock's kernels; no device, no upload worker
 class llama_moe_ram : public llama_moe_cache {
 public:
