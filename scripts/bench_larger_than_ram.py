@@ -520,12 +520,13 @@ def child(spec_json: str) -> int:
     run = greedy(llm, prompt, spec["n_predict"])
     read_done = _io_read_bytes()
     memory = _proc_status()
+    huge = _file_huge_bytes()
     result = {"tokens": run.tokens, "prompt_tokens": len(prompt), "load_s": load_seconds,
               "prompt_tok_s": len(prompt) / run.prompt_seconds, "decode_tok_s": spec["n_predict"] / run.seconds,
               "read_bytes_load": read_loaded - read_before, "read_bytes_prompt": tokens.first_read - read_loaded,
               "decode_read_bytes_per_token": (read_done - tokens.first_read) / spec["n_predict"],
               "peak_rss_bytes": memory["VmHWM"], "anon_bytes": memory["RssAnon"], "file_rss_bytes": memory["RssFile"],
-              **token_time_fit(tokens.ms, tokens.read_bytes)}
+              "file_huge_bytes": huge, **token_time_fit(tokens.ms, tokens.read_bytes)}
     llm.close()
     write_json(spec["result"], result)
     return 0
@@ -575,6 +576,13 @@ def _proc_status() -> dict:
                 if key in ("VmHWM", "RssAnon", "RssFile")}
 
 
+def _file_huge_bytes() -> int:
+    """Bytes of files this process maps in whole huge pages (FilePmdMapped: the RAM tier's reads of
+    the huge pages inside its experts, where the kernel maps large folios so)."""
+    with open("/proc/self/smaps_rollup") as f:
+        return next((int(line.split()[1]) * 1024 for line in f if line.startswith("FilePmdMapped:")), 0)
+
+
 def summarize(args, runs: dict) -> list[dict]:
     """A row per configuration: medians over its successful runs; tokens against the first
     successful in-RAM stock run's."""
@@ -586,7 +594,8 @@ def summarize(args, runs: dict) -> list[dict]:
                "kind": kind, "placement": placement, "runs": config_runs, "ok_runs": len(ok),
                "failures": sorted({r["status"] for r in config_runs if r["status"] != "ok"})}
         for key in ("decode_tok_s", "prompt_tok_s", "cached_at_start", "page_cache_bytes", "peak_rss_bytes",
-                    "anon_bytes", "decode_read_bytes_per_token", "load_s", "load_average", *READ_KEYS, *FIT_KEYS):
+                    "anon_bytes", "file_huge_bytes", "decode_read_bytes_per_token", "load_s", "load_average", *READ_KEYS,
+                    *FIT_KEYS):
             values = [r[key] for r in ok if r.get(key) is not None]
             row[key] = statistics.median(values) if values else None
             if key in ("decode_tok_s", "prompt_tok_s"):
@@ -929,7 +938,8 @@ def _reads_lines(rows: list[dict]) -> list[str]:
         out.append(f"Reads of {r['config']}, per decode token (the tier's stats): {r['read_bytes_per_token'] / MB:.1f} MB "
                    f"read, of it {(r.get('wasted_bytes_per_token') or 0) / MB:.1f} MB read ahead and not selected; "
                    f"the layers waited {r.get('wait_ms_per_token') or 0:.1f} ms for their reads; "
-                   f"{'no read-ahead' if precision is None else f'{precision:.0%} of the experts read ahead selected'}")
+                   f"{'no read-ahead' if precision is None else f'{precision:.0%} of the experts read ahead selected'}; "
+                   f"at the end, {(r.get('file_huge_bytes') or 0) / MB:.0f} MB of the model mapped in huge pages")
         if r.get("decode_ms_per_read_mb") is not None:
             out.append(f"Decode of {r['config']}, token by token (least squares, median of the runs): "
                        f"{r['decode_ms_per_read_mb']:.2f} ms per MB read, {r['decode_ms_at_no_read']:.1f} ms at no read")

@@ -14,7 +14,7 @@ from moecache.offline.cli import main
 from moecache.core.missplan import OUR_LAYOUT
 from moecache.offline.calibration import (MEASURED, MODES, ONE_TERM, fit, host_gbps, model, nonnegative_least_squares,
                                           recorded_read_ahead)
-from moecache.offline.cost import Disk, WorkTally
+from moecache.offline.cost import HUGE_PAGE, Disk, WorkTally
 from moecache.offline.readahead import ROUTER_RECALL
 from moecache.offline.pagecache import PAGE, ExpertLayout, LruPageCache, TwoListPageCache
 from moecache.offline.replay import MIB, PageCacheReplay, PerLayerReplay, ram_tier_slots, simulate
@@ -194,6 +194,10 @@ def test_disk_time_is_compute_waits_and_bytes():
     # (3 tensors an expert) at 0.1 ms each
     charged = Disk(gbps=1.0, read_us=50, read_cpu_ms_per_mb=0.5, read_cpu_ms_per_request=0.1)
     assert charged.tier_token_ms(2.0, work, 2) == pytest.approx((2.5 + 3.55 + 2.5 + 1 + 2 + 1.2) / 2)
+    # parts that hold whole huge pages: about one huge page of each (its head and tail) is read in
+    # small pages, and only those bytes cost the CPU per MB
+    assert charged.read_cpu_ms(24e6, 1) == pytest.approx(3 * HUGE_PAGE / 1e6 * 0.5 + 3 * 0.1)
+    assert charged.read_cpu_ms(3e6, 1) == pytest.approx(3 * 0.5 + 3 * 0.1)
     run = ram_tier_replay(read_trace(str(SYNTH)), 932)
     read, waits = run.disk_reads()
     # eager, no prefetch: every read is a miss not found among the spares
@@ -280,7 +284,8 @@ def test_cli_charges_the_reads_cpu_per_request_and_per_mb(capsys):
     per_token = (run.disk_ms(5.26, charged) - run.disk_ms(5.26, bare)) * run.decode_tokens
     read = run.disk_reads()[0]
     assert per_token == pytest.approx(read / 2654208 * 3 * 0.428 + read / 1e6 * 0.106)
-    assert "the tier's reads cost the CPU 0.106 ms per MB + 0.428 ms per request (3 an expert)" in out
+    assert ("the tier's reads cost the CPU 0.106 ms per MB in small pages (a huge page's 2 MiB: none) + 0.428 ms "
+            "per request (3 an expert)") in out
 
 
 @pytest.mark.parametrize("args, message", [

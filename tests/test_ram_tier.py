@@ -37,10 +37,11 @@ def load_from_file(path):
                                verbose=False)
 
 
-def bytes_read() -> int:
-    """Bytes this process has passed through read calls (rchar of /proc/self/io)."""
+def bytes_read(counter: str = "rchar") -> int:
+    """Bytes this process has passed through read calls (rchar of /proc/self/io), or had read from
+    the disk (read_bytes)."""
     with open("/proc/self/io") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+        return next(int(line.split()[1]) for line in f if line.startswith(counter + ":"))
 
 
 def mapped_rss(path: str) -> int:
@@ -245,6 +246,42 @@ def test_ram_tier_keeps_experts_it_read_without_a_slot_while_its_room_has_space(
     assert 0 < reads["read_bytes"] < misses * expert / 3, (reads["read_bytes"] / expert, misses)
     room = min(64, 512 * 4) * expert  # n_ubatch 512
     assert resident <= (cache.slots * len(layers)) * expert + room + 4 * MIB, resident / expert
+
+
+def test_ram_tier_reads_the_huge_pages_inside_large_experts_as_it_counts_them(tmp_path):
+    """Experts whose parts hold whole huge pages (4 MiB parts; 2 MiB pages on x86-64): the tier
+    leaves those pages to its mapping's faults, one large folio each (MADV_HUGEPAGE), and reads the
+    rest of each part as before. The logits are stock's; the disk reads no more than the tier counts
+    (a fault in a huge page reads no neighbour's bytes: every huge page read lies inside one part);
+    and the drops release them (the mapping stays within the slots and the room)."""
+    source = tiny_moe(n_layer=2, n_expert=8, n_expert_used=2, n_embd=512, n_ff_exp=2048)
+    path = tmp_path / "large.gguf"
+    with open(source, "rb") as src, open(path, "wb") as dst:
+        shutil.copyfileobj(src, dst, 1 << 24)
+        dst.flush()
+        os.fsync(dst.fileno())  # clean pages: the tier's init can release them
+    path = str(path)
+    with default_params("llama_model_default_params", use_extra_bufts=False):
+        stock = llama_cpp.Llama(path, n_gpu_layers=0, n_ctx=512, n_threads=N_THREADS, n_threads_batch=N_THREADS,
+                                verbose=False)
+    stock_tokens, stock_logits = greedy(stock, PROMPT, 24)
+    stock.close()
+    llm = load_from_file(path)
+    disk_before = bytes_read("read_bytes")
+    cache = attach(llm, ram_mib=2 * 2 * 12 + 1, policy="lru", wait=1)  # 2 of 8 experts of 12 MiB per layer
+    layers = cache.layers
+    assert cache.slots == 2 and layers[0].expert_bytes == 3 * 4 * MIB
+    tokens, logits = greedy(llm, PROMPT, 24)
+    disk = bytes_read("read_bytes") - disk_before
+    assert tokens == stock_tokens
+    assert np.array_equal(logits, stock_logits), f"max |diff| {np.abs(logits - stock_logits).max()}"
+    counted = sum(c["upload_bytes"] for c in cache.native_counters())  # (the stats have the last step's next step)
+    resident = mapped_rss(path)
+    llm.close()
+    assert counted > 4 * layers[0].expert_bytes, counted
+    assert disk <= counted + 2 * MIB, (disk / MIB, counted / MIB)  # (0 where the file is not on a disk)
+    room = 8 * layers[0].expert_bytes  # a full ubatch selects every expert of a layer
+    assert resident <= cache.slots * len(layers) * layers[0].expert_bytes + room + 4 * MIB, resident / MIB
 
 
 def test_ram_tier_keeps_every_expert_that_fits(tier_path, smol_stock, expert_bytes):

@@ -52,6 +52,7 @@ class Measured:
     tok_s: dict           # "on"/"off" -> the limited tier's decode tok/s (median of 5)
     wait_ms: dict         # "on"/"off" -> the layers' wait for their reads per decode token (its stats)
     read_mb: dict         # "on"/"off" -> MB it read per decode token (its stats)
+    huge_page: int = 0    # Disk.huge_page of the build measured (0: before the tier read huge pages)
 
 
 MEASURED = (
@@ -93,7 +94,7 @@ def host_gbps(trace: RouteTrace, measured: Measured) -> float:
 def model(trace: RouteTrace, measured: Measured, host: float, mode: str, read_cpu: dict) -> Modelled:
     """The limited tier's decode at the benchmark's K, one read-ahead mode, these CPU costs of the
     reads (Disk's fields named in TERMS; one left out is 0)."""
-    disk = Disk(measured.disk_gbps, DISK_READ_US, **read_cpu)
+    disk = Disk(measured.disk_gbps, DISK_READ_US, huge_page=measured.huge_page, **read_cpu)
     timeline = ReadAhead(MODES[mode], trace.n_expert_used, disk, host)
     simulate(trace, ram_tier_replay(DEFAULT_POLICY, ram_tier_slots(trace, measured.ram_mib), "eager", timeline))
     return Modelled(measured, mode, timeline.ms_per_token, timeline.wait_ms_per_token,

@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <string>
 #include <stdexcept>
+#include <tuple>
 
 #if !defined(_WIN32)
 #include <sys/stat.h>
@@ -93,6 +94,18 @@ static size_t moe_readahead_max(int fd) {
     }
     return best;
 }
+
+// the huge page the faults of a mapping advised MADV_HUGEPAGE read as one folio; 0: none
+static size_t moe_huge_page() {
+    size_t n = 0;
+    if (FILE * f = fopen("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size", "r")) {
+        if (fscanf(f, "%zu", &n) != 1 || (n & (n - 1)) != 0) {
+            n = 0;
+        }
+        fclose(f);
+    }
+    return n;
+}
 #endif
 
 llama_moe_model_files::llama_moe_model_files() = default;
@@ -134,6 +147,7 @@ std::map<std::string, llama_moe_file_offset> llama_moe_model_files::open(const s
 #else
         ra_max.push_back(0);
 #endif
+        huge.push_back(0);
         files.push_back(std::move(mf));
     }
     return where;
@@ -142,6 +156,7 @@ std::map<std::string, llama_moe_file_offset> llama_moe_model_files::open(const s
 void llama_moe_model_files::clear() {
     files.clear();
     ra_max.clear();
+    huge.clear();
 }
 
 bool llama_moe_model_files::unchanged() const {
@@ -159,6 +174,47 @@ const void * llama_moe_model_files::read(int32_t file, size_t offset, size_t siz
         return nullptr;
     }
     return dst;
+}
+
+void llama_moe_model_files::advise_huge(const std::vector<llama_moe_file_range> & tensors) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    const size_t page = moe_huge_page();
+    if (page == 0) {
+        return;
+    }
+    std::vector<bool> ok(files.size(), true);
+    for (const auto & t : tensors) {
+        const uintptr_t beg = (uintptr_t) t.mapped;
+        const uintptr_t first = (beg + page - 1) & ~(page - 1), last = (beg + t.size) & ~(page - 1);
+        ok[t.file] = ok[t.file] && (beg - t.offset) % page == 0 &&
+                     (last <= first || madvise((void *) first, last - first, MADV_HUGEPAGE) == 0);
+    }
+    for (size_t f = 0; f < files.size(); ++f) {
+        huge[f] = ok[f] ? page : 0;
+    }
+#else
+    GGML_UNUSED(tensors);
+#endif
+}
+
+void llama_moe_model_files::split_huge(std::vector<llama_moe_file_range> & ranges) const {
+    std::vector<llama_moe_file_range> pieces;
+    pieces.reserve(ranges.size());
+    for (const auto & r : ranges) {
+        const size_t page = huge[r.file];
+        const size_t end  = r.offset + r.size;
+        const size_t lo   = page ? (r.offset + page - 1)/page*page : 0, hi = page ? end/page*page : 0;
+        if (r.huge || hi <= lo) {
+            pieces.push_back(r);
+            continue;
+        }
+        for (auto [beg, to, is_huge] : { std::make_tuple(r.offset, lo, false), std::make_tuple(lo, hi, true), std::make_tuple(hi, end, false) }) {
+            if (to > beg) {
+                pieces.push_back({ r.file, beg, to - beg, (const char *) r.mapped + (beg - r.offset), is_huge });
+            }
+        }
+    }
+    ranges.swap(pieces);
 }
 
 size_t llama_moe_model_files::missing(const llama_moe_file_range & range) const {
@@ -179,6 +235,9 @@ size_t llama_moe_model_files::missing(const llama_moe_file_range & range) const 
 
 void llama_moe_model_files::start(const llama_moe_file_range & range) const {
 #if defined(__linux__)
+    if (range.huge) {
+        return; // (readahead(2) would add small folios)
+    }
     const int    fd   = files[range.file].file->file_id();
     const size_t step = ra_max[range.file];
     for (size_t done = 0; done < range.size; done += step) {
@@ -199,18 +258,21 @@ bool llama_moe_model_files::read_in(const std::vector<llama_moe_file_range> & ra
     GGML_UNUSED(n_bytes);
     return false;
 #else
-    std::vector<const llama_moe_file_range *> todo;
+    std::vector<llama_moe_file_range> todo;
     for (const auto & range : ranges) {
         const size_t n = missing(range);
         if (n > 0) { // else in the page cache already (e.g. the whole file is)
-            todo.push_back(&range);
+            todo.push_back(range);
             n_bytes += n;
-            start(range);
         }
     }
+    split_huge(todo);
+    for (const auto & range : todo) {
+        start(range);
+    }
     bool ok = true;
-    for (const auto * range : todo) {
-        ok = map(*range) && ok;
+    for (const auto & range : todo) {
+        ok = map(range) && ok;
     }
     // the files' stamps are checked after the reads (what a changed file put in the page cache is
     // never used: the tier stops)

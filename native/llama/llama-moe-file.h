@@ -45,6 +45,7 @@ struct llama_moe_file_range {
     size_t       offset = 0;
     size_t       size   = 0;
     const void * mapped = nullptr;
+    bool         huge   = false; // whole huge pages inside one expert's part (split_huge): read by map()'s faults
 };
 
 // the model files that experts are read from: repacked experts' standard layout is only there, and
@@ -70,10 +71,21 @@ public:
     // the bytes of range not in the page cache
     size_t missing(const llama_moe_file_range & range) const;
 
+    // have the faults in the experts' mapping read each huge page (2 MiB on x86-64) as one large folio
+    // (MADV_HUGEPAGE): the page cache adds, maps and releases one folio where it handled 512 pages.
+    // tensors: every expert tensor read through the mapping. A file whose mapping is not aligned as
+    // the file is, or a kernel that refuses, keeps small pages
+    void advise_huge(const std::vector<llama_moe_file_range> & tensors);
+
+    // each range (one expert's part) as its head, the whole huge pages inside it (huge: left to map()'s
+    // faults, one large folio each, never shared with another expert, so a drop releases it) and its
+    // tail, where its file was advised huge
+    void split_huge(std::vector<llama_moe_file_range> & ranges) const;
+
     // start reading range into the page cache, without a copy (readahead(2), in requests of at most
-    // what the file's device reads ahead at once: a larger one would be cut there); map(range): wait
-    // for its pages and map them (MADV_POPULATE_READ) rather than one fault at a time while a matmul
-    // runs; false when a page cannot be read (an I/O error, a file cut short)
+    // what the file's device reads ahead at once: a larger one would be cut there; a huge range is left
+    // to map()); map(range): wait for its pages and map them (MADV_POPULATE_READ) rather than one fault
+    // at a time while a matmul runs; false when a page cannot be read (an I/O error, a file cut short)
     void start(const llama_moe_file_range & range) const;
     bool map  (const llama_moe_file_range & range) const;
 
@@ -93,6 +105,7 @@ private:
 
     std::vector<model_file> files;
     std::vector<size_t>     ra_max; // [file] the largest request readahead(2) takes whole there
+    std::vector<size_t>     huge;   // [file] the huge page its experts are read in (advise_huge); 0: small pages
 };
 
 // map the pages of [data, data + size) now, in one call, rather than one fault at a time while a

@@ -70,6 +70,13 @@ llama_moe_ram::llama_moe_ram(const llama_model & model, const llama_moe_cache_pa
         room = std::max(room, std::min<size_t>(cl.n_expert, (size_t) n_ubatch*cl.n_expert_used)*cl.expert_bytes());
     }
     spare_room = room;
+    std::vector<llama_moe_file_range> tensors;
+    for (const auto & cl : layers) {
+        for (const auto & part : cl.parts) {
+            tensors.push_back({ part.file, part.offset, ggml_nbytes(part.exps), part.exps->data });
+        }
+    }
+    files.advise_huge(tensors);
     reader = std::make_unique<llama_moe_reader>(files);
 
     if (layers[0].n_slots >= layers[0].n_expert) {

@@ -15,7 +15,8 @@ llama_moe_reader::~llama_moe_reader() {
     thread.join();
 }
 
-// ranges of one file that follow each other, in the file and in its mapping, are read as one
+// ranges of one file that follow each other, in the file and in its mapping, are read as one (the
+// huge pages inside experts apart from the small ones around them)
 static void moe_merge(std::vector<llama_moe_file_range> & ranges) {
     std::sort(ranges.begin(), ranges.end(), [](const llama_moe_file_range & a, const llama_moe_file_range & b) {
         return a.file != b.file ? a.file < b.file : a.offset < b.offset;
@@ -23,7 +24,7 @@ static void moe_merge(std::vector<llama_moe_file_range> & ranges) {
     std::vector<llama_moe_file_range> merged;
     for (const auto & r : ranges) {
         auto * last = merged.empty() ? nullptr : &merged.back();
-        if (last && last->file == r.file && last->offset + last->size == r.offset &&
+        if (last && last->file == r.file && last->huge == r.huge && last->offset + last->size == r.offset &&
                 (const char *) last->mapped + last->size == (const char *) r.mapped) {
             last->size += r.size;
         } else {
@@ -37,6 +38,7 @@ uint64_t llama_moe_reader::queue(std::vector<llama_moe_file_range> ranges) {
     if (ranges.empty()) {
         return 0;
     }
+    files.split_huge(ranges);
     moe_merge(ranges);
     uint64_t ticket;
     {
