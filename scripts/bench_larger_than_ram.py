@@ -116,6 +116,9 @@ def parser() -> OneLineParser:
                         "rows, the in-RAM rows alone)")
     p.add_argument("-p", "--prompt", default=DEFAULT_PROMPT)
     p.add_argument("-n", "--n-predict", type=int_arg(minimum=1), default=16, help="decode tokens per run (default 16)")
+    p.add_argument("--requests", type=int_arg(minimum=1), default=1,
+                   help="requests per run, one after the other in its process, each a prompt longer than the "
+                        "one before (the prompt repeated once more) and -n greedy tokens (default 1)")
     p.add_argument("-r", "--repetitions", type=int_arg(minimum=1), default=3,
                    help="rounds, each running every configuration once (default 3)")
     p.add_argument("-t", "--threads", type=int_arg(minimum=1), default=None, help="CPU threads (default: llama.cpp's)")
@@ -152,7 +155,7 @@ def _bench(args) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     model = _model_path(args)
     report = {"model": os.path.basename(model), "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
-              "facts": model_facts(model), "limit_mb": args.limit_mb, "n_predict": args.n_predict,
+              "facts": model_facts(model), "limit_mb": args.limit_mb, "n_predict": args.n_predict, "requests": args.requests,
               "repetitions": args.repetitions, "threads": args.threads, "ctx_size": args.ctx_size,
               "host": _host(), "notes": [], "disk": None, "rows": [], "paired": {}, "bound": None, "roofline": {}, "cgroup": None}
     root = None
@@ -419,7 +422,8 @@ def one_run(args, model: str, cgroup_root: str, scratch: str, *, kind: str, plac
         env["LLAMA_MOE_CACHE_STATS"] = stats_file
         if os.path.exists(stats_file):
             os.unlink(stats_file)
-    spec = {"model": model, "prompt": args.prompt, "n_predict": args.n_predict, "threads": args.threads,
+    spec = {"model": model, "prompt": args.prompt, "n_predict": args.n_predict, "requests": args.requests,
+            "threads": args.threads,
             "ctx_size": args.ctx_size, "seed": args.seed, "result": result_file, "procs": None, "cgroup": None}
     cgroup = None
     if placement == "ram":
@@ -494,8 +498,6 @@ def child(spec_json: str) -> int:
     import llama_cpp
     import llama_cpp.llama_cpp as bindings
 
-    from moecache.live.decode import greedy
-
     stock_params = bindings.llama_model_default_params
 
     def no_repacking():
@@ -511,25 +513,44 @@ def child(spec_json: str) -> int:
                           verbose=False)
     load_seconds = time.perf_counter() - start
     read_loaded = _io_read_bytes()
-    prompt = llm.tokenize(spec["prompt"].encode())
-    if len(prompt) < 2 or len(prompt) + spec["n_predict"] > spec["ctx_size"]:
-        print(f"{PROG}: error: the prompt ({len(prompt)} tokens) must have 2 tokens or more, and with "
-              f"-n {spec['n_predict']} fit -c {spec['ctx_size']}", file=sys.stderr)
+    prompts = [llm.tokenize(" ".join([spec["prompt"]] * (i + 1)).encode()) for i in range(spec["requests"])]
+    if len(prompts[0]) < 2 or len(prompts[-1]) + spec["n_predict"] > spec["ctx_size"]:
+        print(f"{PROG}: error: the prompt ({len(prompts[0])} tokens) must have 2 tokens or more, and the longest "
+              f"request's ({len(prompts[-1])} tokens) with -n {spec['n_predict']} fit -c {spec['ctx_size']}",
+              file=sys.stderr)
         return 1
-    tokens = TokenReads(llm)
-    run = greedy(llm, prompt, spec["n_predict"])
-    read_done = _io_read_bytes()
+    result = run_requests(llm, prompts, spec["n_predict"], read_loaded)
     memory = _proc_status()
-    huge = _file_huge_bytes()
-    result = {"tokens": run.tokens, "prompt_tokens": len(prompt), "load_s": load_seconds,
-              "prompt_tok_s": len(prompt) / run.prompt_seconds, "decode_tok_s": spec["n_predict"] / run.seconds,
-              "read_bytes_load": read_loaded - read_before, "read_bytes_prompt": tokens.first_read - read_loaded,
-              "decode_read_bytes_per_token": (read_done - tokens.first_read) / spec["n_predict"],
-              "peak_rss_bytes": memory["VmHWM"], "anon_bytes": memory["RssAnon"], "file_rss_bytes": memory["RssFile"],
-              "file_huge_bytes": huge, **token_time_fit(tokens.ms, tokens.read_bytes)}
+    result.update({"load_s": load_seconds, "read_bytes_load": read_loaded - read_before, "peak_rss_bytes": memory["VmHWM"],
+                   "anon_bytes": memory["RssAnon"], "file_rss_bytes": memory["RssFile"],
+                   "file_huge_bytes": _file_huge_bytes()})
     llm.close()
     write_json(spec["result"], result)
     return 0
+
+
+def run_requests(llm, prompts: list[list[int]], n_predict: int, read_before: int) -> dict:
+    """Each prompt, then n_predict greedy tokens, one request after the other: the rates over all of
+    them and each one's, the disk's reads in prompts and per decode token (from read_before), and
+    the decode tokens' time fitted against their reads."""
+    from moecache.live.decode import greedy
+
+    tokens = TokenReads(llm)
+    runs, read_prompts, read_decodes = [], 0, 0
+    for prompt in prompts:
+        read_request = _io_read_bytes() if runs else read_before
+        tokens.first_read = None
+        runs.append(greedy(llm, prompt, n_predict))
+        read_prompts += tokens.first_read - read_request
+        read_decodes += _io_read_bytes() - tokens.first_read
+    n_decoded = n_predict * len(runs)
+    return {"tokens": [t for run in runs for t in run.tokens], "prompt_tokens": sum(map(len, prompts)),
+            "prompt_tok_s": sum(map(len, prompts)) / sum(run.prompt_seconds for run in runs),
+            "decode_tok_s": n_decoded / sum(run.seconds for run in runs),
+            "requests": [{"prompt_tokens": len(prompt), "prompt_tok_s": len(prompt) / run.prompt_seconds,
+                          "decode_tok_s": n_predict / run.seconds} for prompt, run in zip(prompts, runs)],
+            "read_bytes_prompt": read_prompts, "decode_read_bytes_per_token": read_decodes / n_decoded,
+            **token_time_fit(tokens.ms, tokens.read_bytes)}
 
 
 class TokenReads:
@@ -603,6 +624,11 @@ def summarize(args, runs: dict) -> list[dict]:
         # the highest peak of the runs: the one the limit must hold
         peaks = [r["peak_bytes"] for r in ok if r.get("peak_bytes") is not None]
         row["peak_bytes"] = max(peaks) if peaks else None
+        hits = [r["limit_hits"] for r in ok if r.get("limit_hits") is not None]
+        row["limit_hits"] = max(hits) if hits else None
+        row["requests"] = [{key: statistics.median(r["requests"][i][key] for r in ok)
+                            for key in ("prompt_tokens", "prompt_tok_s", "decode_tok_s")}
+                           for i in range(len(ok[0]["requests"]))] if ok and "requests" in ok[0] else None
         row["tokens_match"] = None if reference is None or not ok else all(r["tokens"] == reference for r in ok)
         row["peak_within_limit"] = None if row["peak_bytes"] is None else row["peak_bytes"] <= args.limit_mb * MB
         rows.append(row)
@@ -886,22 +912,26 @@ def markdown(report: dict) -> str:
     if report["rows"]:
         cgroup = report["cgroup"]
         prompt_tokens = next((r["runs"][0].get("prompt_tokens") for r in report["rows"] if r["ok_runs"]), None)
+        requests = next((r["requests"] for r in report["rows"] if r.get("requests")), None)
+        asked = (f"{len(requests)} requests a run, one after the other in its process (prompts of "
+                 f"{', '.join(format(q['prompt_tokens'], '.0f') for q in requests)} tokens), {report['n_predict']} greedy "
+                 "decode tokens each" if requests and len(requests) > 1 else
+                 f"{prompt_tokens} prompt tokens, {report['n_predict']} greedy decode tokens per run")
         limited = (f"Limited runs: memory cgroup v{cgroup['version']} ({cgroup['limit_file']} = {report['limit_mb']} MB, "
                    f"the model {facts['file_bytes'] / (report['limit_mb'] * MB):.2f}x the limit), the file evicted "
                    "from the page cache before each" if cgroup else "No limited runs")
         lines += [
             f"Stock llama-cpp-python, mmap, no repacking, CPU only, threads {report['threads'] or 'default'}, "
             f"n_ctx {report['ctx_size']}.",
-            f"{limited}; {prompt_tokens} prompt tokens, {report['n_predict']} greedy decode "
-            f"tokens per run, each run a fresh process; median [min, max] of {report['repetitions']} runs per "
-            "configuration, interleaved",
+            f"{limited}; {asked}, each run a fresh process; median [min, max] of {report['repetitions']} runs "
+            "per configuration, interleaved",
             "",
             "| config | decode tok/s | prompt tok/s | file cached at start | peak cgroup MB | page cache MB "
             "| peak RSS MB | anon MB | disk reads MB/token | greedy tokens | load average |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
         ]
         lines += [_table_row(r) for r in report["rows"]]
-        lines += [""] + _reads_lines(report["rows"])
+        lines += [""] + _reads_lines(report["rows"]) + _requests_lines(report["rows"])
         for placement, ratio in report.get("paired", {}).items():
             decode, prompt = ratio["decode_tok_s"], ratio["prompt_tok_s"]
             where = {"ram": "Tier over stock in RAM", "limited": f"Tier over stock at {report['limit_mb']} MB",
@@ -943,6 +973,20 @@ def _reads_lines(rows: list[dict]) -> list[str]:
         if r.get("decode_ms_per_read_mb") is not None:
             out.append(f"Decode of {r['config']}, token by token (least squares, median of the runs): "
                        f"{r['decode_ms_per_read_mb']:.2f} ms per MB read, {r['decode_ms_at_no_read']:.1f} ms at no read")
+    return out
+
+
+def _requests_lines(rows: list[dict]) -> list[str]:
+    """Each row's requests one by one (medians of the runs), where a run made several, and how often
+    a limited run's cgroup hit its limit (the most of the runs)."""
+    out = []
+    for r in rows:
+        if not r.get("requests") or len(r["requests"]) < 2:
+            continue
+        per_request = ", ".join(f"{q['decode_tok_s']:.2f}" for q in r["requests"])
+        prompts = ", ".join(f"{q['prompt_tok_s']:.2f}" for q in r["requests"])
+        hits = "" if r.get("limit_hits") is None else f"; the cgroup hit its limit {r['limit_hits']} times"
+        out.append(f"Requests of {r['config']}, one by one: decode {per_request} tok/s, prompt {prompts} tok/s{hits}")
     return out
 
 

@@ -28,12 +28,23 @@ def bench():
     return module
 
 
+def report_of(bench, rows: list[dict]) -> dict:
+    """A report of rows for bench.markdown: a 300 MB model of 2 layers, a 100 MB cgroup, no disk."""
+    return {"model": "m.gguf", "command": "c", "facts": {
+        "file_bytes": 300 * bench.MB, "expert_bytes": 280 * bench.MB, "other_bytes": 20 * bench.MB,
+        "moe_layers": 2, "n_expert": 8, "n_expert_used": 2}, "limit_mb": 100, "n_predict": 2, "repetitions": 3,
+        "threads": 2, "ctx_size": 64, "host": {"cpu": "cpu", "cpus": 2, "ram_bytes": 2**30},
+        "cgroup": {"version": 1, "limit_file": "memory.limit_in_bytes"}, "rows": rows, "disk": None,
+        "bound": None, "notes": []}
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--limit-mb", "-1"], "argument --limit-mb: -1 must be >= 0"),
     (["-n", "x"], "argument -n/--n-predict: 'x' is not an integer"),
     (["--ram-mib", "lots"], "argument --ram-mib: 'lots' is not an integer"),
     (["--ram-mib", "-1"], "argument --ram-mib: -1 must be >= 0"),
     (["--disk-threads", "1"], "argument --disk-threads: 1 must be >= 2"),
+    (["--requests", "0"], "argument --requests: 0 must be >= 1"),
     (["--no-disk", "--disk-only"], "argument --disk-only: not allowed with argument --no-disk"),
 ])
 def test_bad_flags_are_one_line_errors(flags, message):
@@ -94,14 +105,34 @@ def test_summary_medians_tokens_and_limit(bench):
     assert limited["config"] == "stock, 100 MB" and limited["ok_runs"] == 2
     assert limited["failures"] == ["killed by signal SIGKILL"]
     assert limited["tokens_match"] is False and limited["peak_within_limit"] is False
-    table = bench.markdown({"model": "m.gguf", "command": "c", "facts": {
-        "file_bytes": 300 * bench.MB, "expert_bytes": 280 * bench.MB, "other_bytes": 20 * bench.MB,
-        "moe_layers": 2, "n_expert": 8, "n_expert_used": 2}, "limit_mb": 100, "n_predict": 2, "repetitions": 3,
-        "threads": 2, "ctx_size": 64, "host": {"cpu": "cpu", "cpus": 2, "ram_bytes": 2**30},
-        "cgroup": {"version": 1, "limit_file": "memory.limit_in_bytes"}, "rows": rows, "disk": None,
-        "bound": None, "notes": []})
+    table = bench.markdown(report_of(bench, rows))
     assert "| stock, 100 MB (1 failed: killed by signal SIGKILL) | 2.00 [1.00, 3.00] |" in table
     assert "101 (over the limit)" in table and "| DIFFER |" in table
+
+
+def test_requests_in_a_row_are_reported_one_by_one_with_the_limits_hits(bench):
+    """--requests: each row's requests one by one (medians of the runs) and the most times a
+    limited run's cgroup hit its limit; the header says how long each request's prompt was."""
+    class Args:
+        limit_mb = 100
+
+    def run(decode, hits=None):
+        requests = [{"prompt_tokens": 5 * (i + 1), "prompt_tok_s": 10.0 * (i + 1), "decode_tok_s": decode + i}
+                    for i in range(3)]
+        return {"status": "ok", "decode_tok_s": decode, "prompt_tok_s": 10.0, "tokens": [1], "peak_bytes": 90 * bench.MB,
+                "anon_bytes": 10, "prompt_tokens": 30, "requests": requests, "limit_hits": hits}
+
+    rows = bench.summarize(Args, {("stock", "ram"): [run(30.0), run(10.0)],
+                                  ("tier", "limited"): [run(1.0, 0), run(3.0, 7), run(2.0, 2)]})
+    assert rows[1]["requests"] == [{"prompt_tokens": 5, "prompt_tok_s": 10.0, "decode_tok_s": 2.0},
+                                   {"prompt_tokens": 10, "prompt_tok_s": 20.0, "decode_tok_s": 3.0},
+                                   {"prompt_tokens": 15, "prompt_tok_s": 30.0, "decode_tok_s": 4.0}]
+    assert (rows[0]["limit_hits"], rows[1]["limit_hits"]) == (None, 7)
+    table = bench.markdown(report_of(bench, rows))
+    assert "3 requests a run, one after the other in its process (prompts of 5, 10, 15 tokens)" in table
+    assert ("Requests of tier, 100 MB, one by one: decode 2.00, 3.00, 4.00 tok/s, prompt 10.00, 20.00, 30.00 "
+            "tok/s; the cgroup hit its limit 7 times") in table
+    assert "Requests of stock, in RAM, one by one: decode 20.00, 21.00, 22.00 tok/s" in table
 
 
 def test_io_bound(bench):

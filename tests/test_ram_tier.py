@@ -57,27 +57,35 @@ def mapped_rss(path: str) -> int:
     return total
 
 
-@pytest.fixture(scope="module")
-def tier_path(smol_path, tmp_path_factory):
-    """smol-moe, a file of its own: no other test's mapping holds its pages in memory (the tier
-    cannot release pages another mapping holds, and the residency checks below read this one's)."""
-    path = tmp_path_factory.mktemp("ram-tier") / "smol-moe.gguf"
-    with open(smol_path, "rb") as src, open(path, "wb") as dst:
+def own_copy(source, path) -> str:
+    """source copied to path, a file of its own: no other mapping holds its pages in memory (the
+    tier cannot release pages another mapping holds, and the residency checks read this one's)."""
+    with open(source, "rb") as src, open(path, "wb") as dst:
         shutil.copyfileobj(src, dst, 1 << 24)
         dst.flush()
         os.fsync(dst.fileno())  # clean pages: the tier's init can release them
     return str(path)
 
 
-@pytest.fixture(scope="module")
-def smol_stock(smol_path):
-    """Stock llama.cpp on the CPU: the file mapped, plain buffers, no cache."""
+def stock_greedy(path, n: int = N_TOKENS):
+    """Stock llama.cpp on the CPU (the file mapped, plain buffers, no cache): greedy's tokens and
+    logits."""
     with default_params("llama_model_default_params", use_extra_bufts=False):
-        llm = llama_cpp.Llama(smol_path, n_gpu_layers=0, n_ctx=512, n_threads=N_THREADS,
+        llm = llama_cpp.Llama(str(path), n_gpu_layers=0, n_ctx=512, n_threads=N_THREADS,
                               n_threads_batch=N_THREADS, verbose=False)
-    run = greedy(llm, PROMPT, N_TOKENS)
+    run = greedy(llm, PROMPT, n)
     llm.close()
     return run
+
+
+@pytest.fixture(scope="module")
+def tier_path(smol_path, tmp_path_factory):
+    return own_copy(smol_path, tmp_path_factory.mktemp("ram-tier") / "smol-moe.gguf")
+
+
+@pytest.fixture(scope="module")
+def smol_stock(smol_path):
+    return stock_greedy(smol_path)
 
 
 @pytest.fixture(scope="module")
@@ -220,13 +228,8 @@ def test_ram_tier_keeps_experts_it_read_without_a_slot_while_its_room_has_space(
 
     source = synth.synth_moe("qwen3-30b-a3b", n_layer=2, n_expert=64, n_expert_used=4, n_embd=512,
                              n_ff_exp=512, n_head=2, n_head_kv=1)
-    path = str(tmp_path / "spares.gguf")  # (a file of its own: no other mapping holds its pages)
-    shutil.copyfile(source, path)
-    with default_params("llama_model_default_params", use_extra_bufts=False):
-        stock = llama_cpp.Llama(path, n_gpu_layers=0, n_ctx=512, n_threads=N_THREADS, n_threads_batch=N_THREADS,
-                                verbose=False)
-    stock_tokens, stock_logits = greedy(stock, PROMPT, N_TOKENS)
-    stock.close()
+    path = own_copy(source, tmp_path / "spares.gguf")
+    stock_tokens, stock_logits = stock_greedy(path)
     llm = load_from_file(path)
     cache = attach(llm, ram_mib=4, policy="lru", wait=1, trace=str(tmp_path / "spares.route.csv"))
     layers = cache.layers
@@ -254,18 +257,8 @@ def test_ram_tier_reads_the_huge_pages_inside_large_experts_as_it_counts_them(tm
     rest of each part as before. The logits are stock's; the disk reads no more than the tier counts
     (a fault in a huge page reads no neighbour's bytes: every huge page read lies inside one part);
     and the drops release them (the mapping stays within the slots and the room)."""
-    source = tiny_moe(n_layer=2, n_expert=8, n_expert_used=2, n_embd=512, n_ff_exp=2048)
-    path = tmp_path / "large.gguf"
-    with open(source, "rb") as src, open(path, "wb") as dst:
-        shutil.copyfileobj(src, dst, 1 << 24)
-        dst.flush()
-        os.fsync(dst.fileno())  # clean pages: the tier's init can release them
-    path = str(path)
-    with default_params("llama_model_default_params", use_extra_bufts=False):
-        stock = llama_cpp.Llama(path, n_gpu_layers=0, n_ctx=512, n_threads=N_THREADS, n_threads_batch=N_THREADS,
-                                verbose=False)
-    stock_tokens, stock_logits = greedy(stock, PROMPT, 24)
-    stock.close()
+    path = own_copy(tiny_moe(n_layer=2, n_expert=8, n_expert_used=2, n_embd=512, n_ff_exp=2048), tmp_path / "large.gguf")
+    stock_tokens, stock_logits = stock_greedy(path, 24)
     llm = load_from_file(path)
     disk_before = bytes_read("read_bytes")
     cache = attach(llm, ram_mib=2 * 2 * 12 + 1, policy="lru", wait=1)  # 2 of 8 experts of 12 MiB per layer
@@ -668,11 +661,7 @@ def test_ram_tier_with_read_ahead_is_bit_identical_on_every_architecture(arch):
     llm = load_from_file(path)
     per_k = sum(layer.expert_bytes for layer in attach(llm, ram_mib=1 << 20).layers)
     llm.close()
-    with default_params("llama_model_default_params", use_extra_bufts=False):
-        stock = llama_cpp.Llama(path, n_gpu_layers=0, n_ctx=512, n_threads=N_THREADS, n_threads_batch=N_THREADS,
-                                verbose=False)
-    stock_tokens, stock_logits = greedy(stock, PROMPT, 24)
-    stock.close()
+    stock_tokens, stock_logits = stock_greedy(path, 24)
     llm = load_from_file(path)
     cache = attach(llm, ram_mib=2 * per_k // MIB + 1, policy="lru", wait=1)
     tokens, logits = greedy(llm, PROMPT, 24)
