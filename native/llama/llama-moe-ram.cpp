@@ -191,6 +191,9 @@ void llama_moe_ram::record(const llama_moe_cache_layer & cl, const ggml_tensor *
     if (routing.recorded(cl.i)) {
         return; // another matmul of the layer ran first
     }
+    if (whole_layer_ahead(cl.i)) {
+        follow_growth(); // a prompt's activations have grown the process by now: spares within what is left
+    }
     retire_transient(/*all =*/ false); // those of the layers before whose reads are done
     if (!changed && !files.unchanged()) {
         fail_reads();
@@ -524,11 +527,11 @@ void llama_moe_ram::unretire(int32_t i, int32_t expert) {
     }
 }
 
-// drop spares, oldest first, until they, the reads held and need bytes more fit in room, and they
-// in spare_room
+// drop spares, oldest first, until they, the reads held and need bytes more fit in spare_room (the
+// room less what the process grew by)
 void llama_moe_ram::reclaim(size_t need) {
     const size_t held = transient_bytes() + need;
-    while (!spares.empty() && (spare_bytes + held > room || spare_bytes > spare_room)) {
+    while (!spares.empty() && spare_bytes + held > spare_room) {
         const auto [i, e] = spares.front();
         spares.pop_front();
         spare_bytes -= layers[i].expert_bytes();
@@ -615,7 +618,7 @@ void llama_moe_ram::boundary_end(uint32_t n_tokens, uint32_t n_outputs) {
     ubatch_outs = n_outputs;
     if (whole_layer_ahead(0)) {
         // a prompt: its reads take the room, and its activations grow the process first (a larger
-        // ubatch than any before touches more of the compute buffers); spares wait for its end
+        // ubatch than any before touches more of the compute buffers); spares wait for its first layer
         spare_room = 0;
         reclaim(0);
     }
