@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -80,6 +81,16 @@ def load(path, *, n_gpu_layers=-1, experts_on_host=True, repack=False, from_file
                               n_threads_batch=N_THREADS, verbose=verbose, **llama_kwargs)
     _loaded.add(llm)
     return llm
+
+
+def own_copy(source, path) -> str:
+    """source copied to path, a file of its own: no other mapping holds its pages in memory (the
+    RAM tier cannot release pages another mapping holds, and residency checks read this one's)."""
+    with open(source, "rb") as src, open(path, "wb") as dst:
+        shutil.copyfileobj(src, dst, 1 << 24)
+        dst.flush()
+        os.fsync(dst.fileno())  # clean pages: the tier's init can release them
+    return str(path)
 
 
 @contextlib.contextmanager

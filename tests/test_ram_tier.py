@@ -10,12 +10,12 @@ the same holds against stock with the experts in host memory and the rest on the
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 
 import numpy as np
 import pytest
-from conftest import N_THREADS, PROMPT, REPO, default_params, greedy, load, output_line, record_plans, run_python
+from conftest import (N_THREADS, PROMPT, REPO, default_params, greedy, load, output_line, own_copy, record_plans,
+                      run_python)
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
@@ -55,16 +55,6 @@ def mapped_rss(path: str) -> int:
             elif inside and fields[0] == "Rss:":
                 total += int(fields[1]) * 1024
     return total
-
-
-def own_copy(source, path) -> str:
-    """source copied to path, a file of its own: no other mapping holds its pages in memory (the
-    tier cannot release pages another mapping holds, and the residency checks read this one's)."""
-    with open(source, "rb") as src, open(path, "wb") as dst:
-        shutil.copyfileobj(src, dst, 1 << 24)
-        dst.flush()
-        os.fsync(dst.fileno())  # clean pages: the tier's init can release them
-    return str(path)
 
 
 def stock_greedy(path, n: int = N_TOKENS):
