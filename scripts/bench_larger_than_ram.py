@@ -519,7 +519,7 @@ def child(spec_json: str) -> int:
               f"request's ({len(prompts[-1])} tokens) with -n {spec['n_predict']} fit -c {spec['ctx_size']}",
               file=sys.stderr)
         return 1
-    result = run_requests(llm, prompts, spec["n_predict"], read_loaded)
+    result = run_requests(llm, prompts, spec["n_predict"])
     memory = _proc_status()
     result.update({"load_s": load_seconds, "read_bytes_load": read_loaded - read_before, "peak_rss_bytes": memory["VmHWM"],
                    "anon_bytes": memory["RssAnon"], "file_rss_bytes": memory["RssFile"],
@@ -529,16 +529,16 @@ def child(spec_json: str) -> int:
     return 0
 
 
-def run_requests(llm, prompts: list[list[int]], n_predict: int, read_before: int) -> dict:
+def run_requests(llm, prompts: list[list[int]], n_predict: int) -> dict:
     """Each prompt, then n_predict greedy tokens, one request after the other: the rates over all of
-    them and each one's, the disk's reads in prompts and per decode token (from read_before), and
-    the decode tokens' time fitted against their reads."""
+    them and each one's, the disk's reads in prompts and per decode token, and the decode tokens'
+    time fitted against their reads."""
     from moecache.live.decode import greedy
 
     tokens = TokenReads(llm)
     runs, read_prompts, read_decodes = [], 0, 0
     for prompt in prompts:
-        read_request = _io_read_bytes() if runs else read_before
+        read_request = _io_read_bytes()
         tokens.first_read = None
         runs.append(greedy(llm, prompt, n_predict))
         read_prompts += tokens.first_read - read_request

@@ -204,7 +204,7 @@ void llama_moe_model_files::split_huge(std::vector<llama_moe_file_range> & range
         const size_t page = huge[r.file];
         const size_t end  = r.offset + r.size;
         const size_t lo   = page ? (r.offset + page - 1)/page*page : 0, hi = page ? end/page*page : 0;
-        if (r.huge || hi <= lo) {
+        if (hi <= lo) {
             pieces.push_back(r);
             continue;
         }

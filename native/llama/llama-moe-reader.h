@@ -13,8 +13,9 @@
 // order queued, each range started into the page cache without a copy (readahead(2): the disk works
 // on up to `window` bytes ahead of the range being mapped) and then mapped (MADV_POPULATE_READ), so
 // that the CPU computes the experts without a page fault; the whole huge pages inside an expert's
-// part are read by that mapping's faults, one large folio each (llama_moe_model_files::split_huge). The thread mostly sleeps on the disk: it
-// takes little from the compute threads, which only queue a batch and, later, wait for its ticket
+// part are read by that mapping's faults, one large folio each (llama_moe_model_files::split_huge).
+// The thread mostly sleeps on the disk: it takes little from the compute threads, which only queue a
+// batch and, later, wait for its ticket
 class llama_moe_reader {
 public:
     static constexpr size_t window = 64u << 20;
