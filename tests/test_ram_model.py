@@ -14,7 +14,7 @@ from moecache.offline.cli import main
 from moecache.core.missplan import OUR_LAYOUT
 from moecache.offline.calibration import (MEASURED, MODES, ONE_TERM, fit, host_gbps, model, nonnegative_least_squares,
                                           recorded_read_ahead)
-from moecache.offline.cost import HUGE_PAGE, Disk, WorkTally
+from moecache.offline.cost import Disk, WorkTally
 from moecache.offline.readahead import ROUTER_RECALL
 from moecache.offline.pagecache import PAGE, ExpertLayout, LruPageCache, TwoListPageCache
 from moecache.offline.replay import MIB, PageCacheReplay, PerLayerReplay, ram_tier_slots, simulate
@@ -222,10 +222,8 @@ def test_disk_time_is_compute_waits_and_bytes():
     # (3 tensors an expert) at 0.1 ms each
     charged = Disk(gbps=1.0, read_us=50, read_cpu_ms_per_mb=0.5, read_cpu_ms_per_request=0.1)
     assert charged.tier_token_ms(2.0, work, 2) == pytest.approx((2.5 + 3.55 + 2.5 + 1 + 2 + 1.2) / 2)
-    # parts that hold whole huge pages: about one huge page of each (its head and tail) is read in
-    # small pages, and only those bytes cost the CPU per MB
-    assert charged.read_cpu_ms(24e6, 1) == pytest.approx(3 * HUGE_PAGE / 1e6 * 0.5 + 3 * 0.1)
-    assert charged.read_cpu_ms(3e6, 1) == pytest.approx(3 * 0.5 + 3 * 0.1)
+    # every byte costs the CPU per MB, whatever page it is read in (a part of whole huge pages too)
+    assert charged.read_cpu_ms(24e6, 1) == pytest.approx(24 * 0.5 + 3 * 0.1)
     run = ram_tier_replay(read_trace(str(SYNTH)), 932)
     read, waits = run.disk_reads()
     # eager, no prefetch: every read is a miss not found among the spares
@@ -312,8 +310,7 @@ def test_cli_charges_the_reads_cpu_per_request_and_per_mb(capsys):
     per_token = (run.disk_ms(5.26, charged) - run.disk_ms(5.26, bare)) * run.decode_tokens
     read = run.disk_reads()[0]
     assert per_token == pytest.approx(read / 2654208 * 3 * 0.428 + read / 1e6 * 0.106)
-    assert ("the tier's reads cost the CPU 0.106 ms per MB in small pages (a huge page's 2 MiB: none) + 0.428 ms "
-            "per request (3 an expert)") in out
+    assert "the tier's reads cost the CPU 0.106 ms per MB + 0.428 ms per request (3 an expert)" in out
 
 
 @pytest.mark.parametrize("args, message", [
@@ -341,17 +338,17 @@ def test_cli_bad_ram_flags_are_one_line(capsys, args, message):
 
 
 # --- the model against the benchmark's measurements ---------------------------------------------
-# docs/notes/ram-read-ahead.md, "Spares: the room between decode tokens", states the fitted CPU
+# docs/notes/ram-read-ahead.md, "The model refitted to the build that ships", states the fitted CPU
 # costs and each configuration's residual (modelled / measured - 1, %), at the best disk rate each
 # run measured, with both terms and with the per-MB one alone; a change to the timeline, the
 # spares' model, the traces or the inputs moves them.
 QWEN3, GPT_OSS = "Qwen3-30B-A3B shape, 1600 MB", "gpt-oss-20b shape, 2100 MB"
-STATED_READ_CPU = {"read_cpu_ms_per_request": 0.237, "read_cpu_ms_per_mb": 0.098}
-STATED_RESIDUAL_PCT = {(QWEN3, "on"): 3.1, (QWEN3, "off"): -3.6, (GPT_OSS, "on"): -4.3, (GPT_OSS, "off"): 2.9}
-STATED_ONE_TERM_READ_CPU_MS_PER_MB = 0.229
-STATED_ONE_TERM_RESIDUAL_PCT = {(QWEN3, "on"): -4.1, (QWEN3, "off"): -9.9, (GPT_OSS, "on"): -0.2,
-                                (GPT_OSS, "off"): 9.0}
-READ_MB_RESIDUAL = 0.05  # the spares' model reads 17.5 / 17.2 MB a token where the live tier read 18.2 / 18.0
+STATED_READ_CPU = {"read_cpu_ms_per_request": 0.0117, "read_cpu_ms_per_mb": 0.2707}
+STATED_RESIDUAL_PCT = {(QWEN3, "on"): 2.2, (QWEN3, "off"): -2.4, (GPT_OSS, "on"): -0.3, (GPT_OSS, "off"): 0.3}
+STATED_ONE_TERM_READ_CPU_MS_PER_MB = 0.277
+STATED_ONE_TERM_RESIDUAL_PCT = {(QWEN3, "on"): 1.7, (QWEN3, "off"): -2.8, (GPT_OSS, "on"): 0.0,
+                                (GPT_OSS, "off"): 0.6}
+READ_MB_RESIDUAL = 0.07  # the spares' model reads 17.5 / 17.2 MB a token where the live tier read 18.5 / 18.3
 
 
 def residuals_pct(rows):
@@ -371,8 +368,10 @@ def test_the_calibrated_tier_model_reproduces_the_measurements_within_its_stated
     one_term, one_term_rows = fit(terms=ONE_TERM)  # the model before: one constant, per MB
     assert one_term == pytest.approx({"read_cpu_ms_per_mb": STATED_ONE_TERM_READ_CPU_MS_PER_MB}, abs=5e-4)
     assert residuals_pct(one_term_rows) == STATED_ONE_TERM_RESIDUAL_PCT
-    uncharged = fit(terms=())[1]  # no CPU on a read: 20% under on the Qwen3 shape
-    assert squares(rows) < squares(one_term_rows) / 3 < squares(uncharged) / 6
+    uncharged = fit(terms=())[1]  # no CPU on a read: 14 to 20% under
+    # the per-request term adds next to nothing to the per-MB one on the build that ships; the reads'
+    # CPU is what the model cannot do without
+    assert squares(rows) <= squares(one_term_rows) < squares(uncharged) / 50
 
 
 def test_the_fit_is_the_least_squares_pair_of_constants():

@@ -5,8 +5,9 @@ release, on the cores the compute uses), which the timeline leaves out otherwise
 (Disk.read_cpu_ms_per_request: one expert tensor's range, read, mapped and released on its own)
 and per MB (Disk.read_cpu_ms_per_mb).
 
-MEASURED inputs (MEASURED; docs/notes/ram-read-ahead.md, "Spares: the room between decode
-tokens": scripts/bench_larger_than_ram.py -r 5 --read-ahead both, 2 cores), per shape: the
+MEASURED inputs (MEASURED; docs/notes/ram-read-ahead.md, "The model refitted to the build that
+ships": scripts/bench_larger_than_ram.py -r 5 --read-ahead both, 2 cores, both shapes the same
+day on a quiet machine), per shape: the
 live tier's trace of the benchmark's model and prompt at the K its auto sizing took inside the
 limit (traces/), the in-RAM tier's decode tok/s (the host rate is the one that reproduces it: the
 trace's computed bytes per decode token over that time), the best disk rate the run measured
@@ -52,14 +53,13 @@ class Measured:
     tok_s: dict           # "on"/"off" -> the limited tier's decode tok/s (median of 5)
     wait_ms: dict         # "on"/"off" -> the layers' wait for their reads per decode token (its stats)
     read_mb: dict         # "on"/"off" -> MB it read per decode token (its stats)
-    huge_page: int = 0    # Disk.huge_page of the build measured (0: before the tier read huge pages)
 
 
 MEASURED = (
     Measured("Qwen3-30B-A3B shape, 1600 MB", "synth-qwen3-30b-a3b-L8.ram-tier-1600mb.route.csv", 972,
-             37.44, 1.38, 1.05, {"on": 30.43, "off": 26.58}, {"on": 2.1, "off": 8.9}, {"on": 18.2, "off": 18.0}),
+             41.25, 1.68, 1.67, {"on": 34.32, "off": 30.95}, {"on": 1.4, "off": 5.1}, {"on": 18.5, "off": 18.3}),
     Measured("gpt-oss-20b shape, 2100 MB", "synth-gpt-oss-20b-L8.ram-tier-2100mb.route.csv", 1282,
-             19.30, 1.54, 1.25, {"on": 13.28, "off": 11.77}, {"on": 9.9, "off": 22.4}, {"on": 64.3, "off": 63.4}),
+             20.77, 1.90, 1.38, {"on": 14.19, "off": 11.80}, {"on": 8.6, "off": 22.9}, {"on": 66.2, "off": 64.3}),
 )
 
 
@@ -94,7 +94,7 @@ def host_gbps(trace: RouteTrace, measured: Measured) -> float:
 def model(trace: RouteTrace, measured: Measured, host: float, mode: str, read_cpu: dict) -> Modelled:
     """The limited tier's decode at the benchmark's K, one read-ahead mode, these CPU costs of the
     reads (Disk's fields named in TERMS; one left out is 0)."""
-    disk = Disk(measured.disk_gbps, DISK_READ_US, huge_page=measured.huge_page, **read_cpu)
+    disk = Disk(measured.disk_gbps, DISK_READ_US, **read_cpu)
     timeline = ReadAhead(MODES[mode], trace.n_expert_used, disk, host)
     simulate(trace, ram_tier_replay(DEFAULT_POLICY, ram_tier_slots(trace, measured.ram_mib), "eager", timeline))
     return Modelled(measured, mode, timeline.ms_per_token, timeline.wait_ms_per_token,

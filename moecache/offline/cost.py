@@ -37,17 +37,19 @@ the cores the compute uses) `read_cpu_ms_per_request` per request and `read_cpu_
 added to its layer pass after the layer's experts, beside no compute:
 
     ...  +  read_cpu_per_request x PARTS x (misses + boundary uploads)
-         +  read_cpu_per_mb x bytes of (misses + boundary uploads) in small pages
+         +  read_cpu_per_mb x bytes of (misses + boundary uploads)
 
 A request is one expert tensor's range, which the tier reads, maps and releases on its own
 (readahead(2), MADV_POPULATE_READ, MADV_DONTNEED, POSIX_FADV_DONTNEED: llama-moe-file.cpp); it
-reads an expert's weight tensors, not its biases. The whole huge pages inside a range (HUGE_PAGE)
-are read as one large folio each, which costs the CPU next to nothing per MB (0.035 against 0.42
-ms measured, docs/notes/ram-read-ahead.md): a range smaller than a huge page is all small pages,
-and a larger one has about one huge page's worth of them (its head and tail, at an offset the
-file puts anywhere). A trace does not record how many there are: an
-expert is PARTS of them, the page-cache model's layout (gate, up, down: both calibration shapes';
-a model with fused gate_up has 2, and is charged one request too many).
+reads an expert's weight tensors, not its biases. Every byte is charged, whatever its page: the
+tier reads the whole huge pages inside a range as large folios, which halves the reader's own CPU
+per MB, but most of what the reads cost the decode is not the reader's (a profile put the compute
+thread's own kernels about 10% slower beside them), and a charge for the small pages alone left
+the gpt-oss shape's modelled decode 8% under the measured, where one on every byte fits both
+shapes within 3% (docs/notes/ram-read-ahead.md, "The model refitted to the build that ships").
+A trace does not record how many requests there are: an expert is PARTS of them, the page-cache
+model's layout (gate, up, down: both calibration shapes'; a model with fused gate_up has 2, and
+is charged one request too many).
 (moecache.offline.calibration fits both constants to the benchmark's measurements; 0 leaves
 them out.)
 
@@ -68,7 +70,6 @@ from .pagecache import PARTS
 
 
 DISK_READ_US = 40.0  # ASSUMED: a 4 KiB read at queue depth 1 (measured 40 us on the benchmarks' virtual disk)
-HUGE_PAGE = 2 << 20  # ASSUMED: x86-64's (hpage_pmd_size), which the tier reads as large folios
 
 
 @dataclass(frozen=True)
@@ -82,10 +83,9 @@ class Disk:
     read_us: float
     read_cpu_ms_per_mb: float = 0.0
     read_cpu_ms_per_request: float = 0.0
-    huge_page: int = HUGE_PAGE  # 0: every byte read in small pages (the tier before it read huge pages)
 
     def __post_init__(self):
-        costs = (self.read_cpu_ms_per_mb, self.read_cpu_ms_per_request, self.huge_page)
+        costs = (self.read_cpu_ms_per_mb, self.read_cpu_ms_per_request)
         if not (math.isfinite(self.gbps) and self.gbps > 0 and math.isfinite(self.read_us) and self.read_us >= 0
                 and all(math.isfinite(c) and c >= 0 for c in costs)):
             raise ValueError(f"a disk needs a finite rate > 0, a latency >= 0 and CPU costs >= 0, got "
@@ -94,13 +94,10 @@ class Disk:
 
     def read_cpu_ms(self, n_bytes: float, n_experts: float) -> float:
         """The CPU's work on reading n_experts experts of n_bytes in all, ms (module docstring)."""
-        requests = n_experts * PARTS
-        small_pages = min(n_bytes, requests * self.huge_page) if self.huge_page else n_bytes
-        return small_pages * self.read_cpu_ms_per_mb / 1e6 + requests * self.read_cpu_ms_per_request
+        return n_bytes * self.read_cpu_ms_per_mb / 1e6 + n_experts * PARTS * self.read_cpu_ms_per_request
 
     def describe(self) -> str:
-        per_mb = f"per MB in small pages (a huge page's {self.huge_page >> 20} MiB: none)" if self.huge_page else "per MB"
-        cpu = [f"{c:g} ms {unit}" for c, unit in ((self.read_cpu_ms_per_mb, per_mb),
+        cpu = [f"{c:g} ms {unit}" for c, unit in ((self.read_cpu_ms_per_mb, "per MB"),
                                                   (self.read_cpu_ms_per_request, f"per request ({PARTS} an expert)"))
                if c]
         return f"disk {self.gbps:g} GB/s, {self.read_us:g} us a request" + (
