@@ -208,6 +208,48 @@ def test_ram_tier_reads_ahead_of_a_prompts_layer_within_one_layers_reads(tier_pa
     assert all(read_ahead[i] <= n_expert - held[i - 1] for i in range(1, n_layers)), (read_ahead, held)
 
 
+@pytest.mark.parametrize("arch, last_runs_every_token", [("gpt-oss", True), ("qwen3moe", False)])
+def test_ram_tier_reads_ahead_what_each_token_of_a_prompt_predicts(arch, last_runs_every_token):
+    """In a prompt the next router's prediction has a row per token (build_moe_ffn's input is [n_embd,
+    1, n_tokens]): the tier reads ahead the experts any token predicts, not the first token's alone.
+    Whether the last layer runs every token or only the outputs is the architecture's (gpt-oss runs
+    its last MoE layer on every token, qwen3moe on the outputs alone): the graph tells the tier
+    (llama_moe_cache::built), which reads ahead for that many rows."""
+    path = str(tiny_moe(arch=arch, n_layer=3, n_expert=8, n_expert_used=2, n_embd=128, n_ff_exp=512,
+                        n_head=4, n_head_kv=2))
+    llm = load_from_file(path)
+    per_k = sum(layer.expert_bytes for layer in attach(llm, ram_mib=1 << 20).layers)
+    llm.close()
+    llm = load_from_file(path)
+    cache = attach(llm, ram_mib=2 * per_k // MIB + 1, policy="lru", wait=1)
+    k = cache.layers[0].n_expert_used
+    llm.eval([int(t) for t in np.random.default_rng(0).integers(1, llm.n_vocab(), 3)])  # 3 x 2 < 8: no layer read whole
+    counters = cache.native_counters()
+    llm.close()
+    read_ahead = [c["read_ahead"] for c in counters]
+    misses = [c["misses"] for c in counters]
+    assert read_ahead[1] > k, read_ahead  # the first token's prediction alone is k experts
+    assert (misses[-1] > k) == last_runs_every_token, misses
+    assert (read_ahead[-1] > k) == last_runs_every_token, read_ahead
+
+
+def test_ram_tier_reads_ahead_of_a_prompt_only_the_experts_its_tokens_predict():
+    """A prompt that selects most of a layer's experts, with room to read the next layer whole: the
+    tier reads ahead the experts some token's prediction names, not every expert it does not keep
+    (most of the others are selected by no token: reading them read 1.2x a prompt's bytes on the
+    benchmark's model)."""
+    path = str(tiny_moe(n_layer=3, n_expert=32, n_expert_used=2, n_embd=128, n_ff_exp=512, n_head=4, n_head_kv=2))
+    llm = load_from_file(path)
+    per_k = sum(layer.expert_bytes for layer in attach(llm, ram_mib=1 << 20).layers)
+    llm.close()
+    llm = load_from_file(path)
+    cache = attach(llm, ram_mib=24 * per_k // MIB + 1, policy="lru", wait=1)
+    llm.eval([int(t) for t in np.random.default_rng(0).integers(1, llm.n_vocab(), 20)])  # 20 x 2 >= 32: read whole
+    layer = cache.native_counters()[1]
+    llm.close()
+    assert 0 < layer["read_ahead"] < 32 and layer["read_ahead_used"] >= 0.8 * layer["read_ahead"], layer
+
+
 def test_ram_tier_keeps_experts_it_read_without_a_slot_while_its_room_has_space(tmp_path):
     """An expert read without a slot (or a slot's victim) stays in memory while the room beyond the
     slots (one layer's reads for a full ubatch) has space, oldest dropped first: a decode token that

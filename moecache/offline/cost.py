@@ -44,9 +44,10 @@ A request is one expert tensor's range, which the tier reads, maps and releases 
 reads an expert's weight tensors, not its biases. Every byte is charged, whatever its page: the
 tier reads the whole huge pages inside a range as large folios, which halves the reader's own CPU
 per MB, but most of what the reads cost the decode is not the reader's (a profile put the compute
-thread's own kernels about 10% slower beside them), and a charge for the small pages alone left
-the gpt-oss shape's modelled decode 8% under the measured, where one on every byte fits both
-shapes within 3% (docs/notes/ram-read-ahead.md, "The model refitted to the build that ships").
+thread's own kernels about 10% slower beside them), and on same-day runs of both shapes a charge
+for the small pages alone left the gpt-oss shape's modelled decode 8% under the measured, where
+one on every byte fitted both within 3% (docs/notes/ram-read-ahead.md, "The model refitted to the
+build that ships").
 A trace does not record how many requests there are: an expert is PARTS of them, the page-cache
 model's layout (gate, up, down: both calibration shapes'; a model with fused gate_up has 2, and
 is charged one request too many).

@@ -221,7 +221,8 @@ class PerLayerReplay:
         engine, label = self._engine(trace)
         work = WorkTally(OUR_LAYOUT, trace.expert_bytes, trace.dense_bytes)
         read_ahead = self.read_ahead
-        spares = Spares(trace.expert_bytes, trace.n_expert, trace.n_expert_used) if self.spares else None
+        spares = Spares(trace.expert_bytes, trace.n_expert, trace.n_expert_used,
+                        whole_prompts=read_ahead is None or read_ahead.name == "none") if self.spares else None
         spare_reads = {"spare_miss_bytes": 0}  # the misses' bytes found among the spares, not read
         sizes = np.asarray(trace.expert_bytes, dtype=np.int64)
 

@@ -6,8 +6,10 @@ first; a layer that selects it again, or a boundary that uploads it, reads nothi
 The room is the live tier's, min(E, n_ubatch x top-k) experts of the largest layer, less a decode
 token's reads held beside the spares (IN_FLIGHT top-k's of the largest layer): live, the tier drops
 spares as each read is queued, so what it holds at once moves within a layer; here the capacity is
-fixed. Left out: the live tier's drop of every spare before a prompt (a prompt reads its layers
-whole, so what it leaves behind is the same) and the room it gives back as the process grows.
+fixed. A prompt drops every spare first, as the live tier's boundary does; with read-ahead it reads
+what it selects (the live tier reads ahead what its tokens' predictions name: close to that),
+without it every expert of layers 1.. (the live tier then reads the next layer whole). Left out:
+the room the live tier gives back as the process grows.
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ IN_FLIGHT = 1.0  # a decode token's reads held beside the spares, in top-k's of 
 class Spares:
     """Per step of the engine: found(ids, hit_mask) before it, then retire(...) with its plan."""
 
-    def __init__(self, expert_bytes, n_expert: int, n_used: int, n_ubatch: int = N_UBATCH):
+    def __init__(self, expert_bytes, n_expert: int, n_used: int, n_ubatch: int = N_UBATCH,
+                 whole_prompts: bool = True):
         self.expert_bytes = [int(b) for b in expert_bytes]
-        self.n_expert, self.n_used = n_expert, n_used
+        self.n_expert, self.n_used, self.whole_prompts = n_expert, n_used, whole_prompts
         self.room = min(n_expert, n_ubatch * n_used) * max(self.expert_bytes)
         self.held: OrderedDict[tuple[int, int], int] = OrderedDict()  # (layer, expert) -> bytes, oldest first
         self.bytes = 0
@@ -63,14 +66,18 @@ class Spares:
 
     def retire(self, ids, hit_mask, kept_rows, victim_rows, slotted) -> None:
         """After the step: what it read and kept in no slot joins the list, newest last: its
-        misses, and in a step that selects at least E experts a layer (a prompt) every expert of
-        layers 1.. read ahead whole; then the slots' victims (victim_rows). kept_rows: the
-        uploads ((n, >=2) rows of layer, expert); slotted: (n_layers, n_expert) bool, the
-        experts in slots. Then the oldest leave beyond capacity()."""
+        misses (in a step that selects at least E experts a layer, a prompt, which drops the list
+        first: without read-ahead every expert of layers 1..), then the slots' victims
+        (victim_rows). kept_rows: the uploads ((n, >=2) rows of layer, expert); slotted:
+        (n_layers, n_expert) bool, the experts in slots. Then the oldest leave beyond capacity()."""
         ids = np.asarray(ids)
         missed = (ids >= 0) & ~np.asarray(hit_mask, dtype=bool)
         kept = {tuple(r) for r in np.asarray(kept_rows)[:, :2].tolist()}
-        whole = ids.shape[1] >= self.n_expert
+        prompt = ids.shape[1] >= self.n_expert
+        if prompt:
+            self.held.clear()
+            self.bytes = 0
+        whole = prompt and self.whole_prompts
         read = [(layer, e) for layer, row in enumerate(ids)
                 for e in (range(self.n_expert) if whole and layer else dict.fromkeys(row[missed[layer]].tolist()))]
         victims = [tuple(r) for r in np.asarray(victim_rows)[:, :2].tolist()]

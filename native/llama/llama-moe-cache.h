@@ -63,6 +63,16 @@ public:
         return nullptr;
     }
 
+    // the graph being built runs n_rows of a ubatch of n_tokens, n_outputs of them outputs, through
+    // layer cl's experts: whether the layer runs every token or only the outputs is the
+    // architecture's (the last layer of most runs only the outputs, of some every token)
+    virtual void built(const llama_moe_cache_layer & cl, int64_t n_rows, uint32_t n_tokens, uint32_t n_outputs) const {
+        GGML_UNUSED(cl);
+        GGML_UNUSED(n_rows);
+        GGML_UNUSED(n_tokens);
+        GGML_UNUSED(n_outputs);
+    }
+
     // the CPU observer of the host part of a split layer (ggml_mul_mat_id_skip), with the
     // llama_moe_cache_layer as userdata: the first of the layer's matmuls to run records the
     // selected ids and starts eager admissions (the RAM tier: reads the missing experts in; under a

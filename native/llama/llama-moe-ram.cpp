@@ -50,7 +50,6 @@ llama_moe_ram::llama_moe_ram(const llama_model & model, const llama_moe_cache_pa
     moe_check_mapping(candidates);
 
     layer_of_il.assign(model.layers.size(), -1);
-    last_il = (int32_t) model.layers.size() - 1;
     layers.reserve(candidates.size());
     ggml_context * ctx_host = new_ctx(2*candidates.size() + 1);
     for (auto & candidate : candidates) {
@@ -67,6 +66,7 @@ llama_moe_ram::llama_moe_ram(const llama_model & model, const llama_moe_cache_pa
     predictions.resize(layers.size());
     ahead.resize(layers.size());
     for (const auto & cl : layers) {
+        outputs_only.push_back(cl.il == (int32_t) model.layers.size() - 1);
         room = std::max(room, std::min<size_t>(cl.n_expert, (size_t) n_ubatch*cl.n_expert_used)*cl.expert_bytes());
     }
     spare_room = room;
@@ -146,6 +146,7 @@ ggml_tensor * llama_moe_ram::read_ahead(ggml_context * ctx, const llama_moe_cach
             r.gate_inp->ne[1] != next.n_expert) {
         return nullptr;
     }
+    cur = ggml_reshape_2d(ctx, cur, cur->ne[0], ggml_nrows(cur)); // (build_moe_ffn's input is [n_embd, 1, n_tokens])
     ggml_tensor * probs = ggml_mul_mat(ctx, r.gate_inp, cur); // [n_expert, n_tokens]
     if (r.gate_inp_b) {
         probs = ggml_add(ctx, probs, r.gate_inp_b);
@@ -163,11 +164,17 @@ ggml_tensor * llama_moe_ram::read_ahead(ggml_context * ctx, const llama_moe_cach
     return ggml_map_custom1_inplace(ctx, ids, moe_predicted, 1, const_cast<llama_moe_cache_layer *>(&next));
 }
 
-// (the last layer of a prompt runs its outputs only: their predictions alone, the ubatch's last)
+void llama_moe_ram::built(const llama_moe_cache_layer & cl, int64_t n_rows, uint32_t n_tokens, uint32_t n_outputs) const {
+    if (n_outputs < n_tokens) {
+        outputs_only[cl.i] = n_rows < n_tokens;
+    }
+}
+
+// (a layer that runs only a prompt's outputs: their predictions alone, the ubatch's last)
 void llama_moe_ram::predicted(const llama_moe_cache_layer & next, const ggml_tensor * ids) {
     const int64_t n_used = ids->ne[0];
     int64_t t0 = 0;
-    if (next.il == last_il && ubatch_outs < ids->ne[1]) {
+    if (outputs_only[next.i] && ubatch_outs < ids->ne[1]) {
         t0 = ids->ne[1] - ubatch_outs;
     }
     auto & p = predictions[next.i];
@@ -308,8 +315,7 @@ void llama_moe_ram::note_transient(const llama_moe_cache_layer & cl, const reads
     ahead[cl.i] = reads();
 }
 
-// queue the experts of layer i that are not kept: all of them when the ubatch selects most of a
-// layer's experts (a prompt), else those the graph predicted
+// queue the experts of layer i that the graph predicted and are not kept (predicted_experts)
 void llama_moe_ram::read_ahead_of(int32_t i) {
     if (i >= n_layers()) {
         return;
@@ -328,9 +334,10 @@ void llama_moe_ram::read_ahead_of(int32_t i) {
     }
 }
 
-// the experts of layer i the graph predicted that are not kept; in a ubatch that selects most of the
-// layer, all of them (a few large requests rather than the prediction's scattered ones). The most
-// predicted first, as many as fit beside the reads held already within room
+// the experts of layer i the graph predicted for a token of the ubatch that are not kept (a prompt's
+// tokens leave some experts unpredicted, and mostly unselected: reading them too read 1.2x the bytes
+// of a prompt); with no prediction (read-ahead off), in a ubatch that selects most of the layer, all
+// of them. The most predicted first, as many as fit beside the reads held already within room
 std::vector<int32_t> llama_moe_ram::predicted_experts(int32_t i) const {
     const llama_moe_cache_layer & next = layers[i];
     const bool whole = whole_layer_ahead(i);
@@ -340,9 +347,10 @@ std::vector<int32_t> llama_moe_ram::predicted_experts(int32_t i) const {
             votes[e]++;
         }
     }
+    const bool voted = !predictions[i].empty();
     std::vector<int32_t> out;
     for (int32_t e = 0; e < next.n_expert; ++e) {
-        if ((whole || votes[e] > 0) && !slots[i].cached(e)) {
+        if ((votes[e] > 0 || (whole && !voted)) && !slots[i].cached(e)) {
             out.push_back(e);
         }
     }
@@ -356,10 +364,10 @@ std::vector<int32_t> llama_moe_ram::predicted_experts(int32_t i) const {
 }
 
 // a ubatch that selects most experts of a layer will select most of the next one's (layer i): read
-// them all while this layer computes (the last layer runs only the outputs)
+// them all while this layer computes (a layer that runs only the outputs: that many rows)
 bool llama_moe_ram::whole_layer_ahead(int32_t i) const {
     const auto & next = layers[i];
-    const uint32_t rows = next.il == last_il ? ubatch_outs : ubatch_rows;
+    const uint32_t rows = outputs_only[i] ? ubatch_outs : ubatch_rows;
     return (int64_t) rows*next.n_expert_used >= next.n_expert && next.n_slots < next.n_expert;
 }
 

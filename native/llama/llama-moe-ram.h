@@ -35,6 +35,8 @@ public:
 
     ggml_tensor * read_ahead(ggml_context * ctx, const llama_moe_cache_layer & cl, ggml_tensor * cur) const override;
 
+    void built(const llama_moe_cache_layer & cl, int64_t n_rows, uint32_t n_tokens, uint32_t n_outputs) const override;
+
     // the graph's prediction of layer next's selections, ids I32 [n_used, n_tokens] (on the CPU, before
     // the observer of the layer before next runs)
     void predicted(const llama_moe_cache_layer & next, const ggml_tensor * ids);
@@ -122,9 +124,12 @@ private:
     size_t anon_at_sizing = 0;
 
     bool     released    = false; // release_unkept ran
-    int32_t  last_il     = -1;    // the model's last layer, which runs only the outputs
     uint32_t ubatch_rows = 0;     // tokens of the ubatch
     uint32_t ubatch_outs = 0;     // its outputs
+
+    // [n_layers] 1: the layer runs only a ubatch's outputs, as the graphs built show (a graph whose
+    // every token is an output shows nothing); before any does, the model's last layer alone
+    mutable std::vector<uint8_t> outputs_only;
 
     // the bytes of experts read beyond the slots that the tier holds at once, read-ahead included: one
     // layer's reads for a full ubatch, what the sizing leaves for them (moecache.live.ramtier.plan_ram)
