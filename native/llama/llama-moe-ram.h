@@ -128,7 +128,8 @@ private:
     uint32_t ubatch_outs = 0;     // its outputs
 
     // [n_layers] 1: the layer runs only a ubatch's outputs, as the graphs built show (a graph whose
-    // every token is an output shows nothing); before any does, the model's last layer alone
+    // every token is an output shows nothing); before any does, the model's last layer alone.
+    // Mutable: the graph, which holds the tier as const, tells it a fact of the model (built)
     mutable std::vector<uint8_t> outputs_only;
 
     // the bytes of experts read beyond the slots that the tier holds at once, read-ahead included: one
