@@ -68,6 +68,14 @@ def stock_greedy(path, n: int = N_TOKENS):
     return run
 
 
+def ram_mib_keeping(path, k: int) -> int:
+    """The RAM_MIB that keeps k experts a layer of the model at path (a trial cache reads their sizes)."""
+    llm = load_from_file(path)
+    per_k = sum(layer.expert_bytes for layer in attach(llm, ram_mib=1 << 20).layers)
+    llm.close()
+    return k * per_k // MIB + 1
+
+
 @pytest.fixture(scope="module")
 def tier_path(smol_path, tmp_path_factory):
     return own_copy(smol_path, tmp_path_factory.mktemp("ram-tier") / "smol-moe.gguf")
@@ -217,11 +225,9 @@ def test_ram_tier_reads_ahead_what_each_token_of_a_prompt_predicts(arch, last_ru
     (llama_moe_cache::built), which reads ahead for that many rows."""
     path = str(tiny_moe(arch=arch, n_layer=3, n_expert=8, n_expert_used=2, n_embd=128, n_ff_exp=512,
                         n_head=4, n_head_kv=2))
+    ram_mib = ram_mib_keeping(path, 2)
     llm = load_from_file(path)
-    per_k = sum(layer.expert_bytes for layer in attach(llm, ram_mib=1 << 20).layers)
-    llm.close()
-    llm = load_from_file(path)
-    cache = attach(llm, ram_mib=2 * per_k // MIB + 1, policy="lru", wait=1)
+    cache = attach(llm, ram_mib=ram_mib, policy="lru", wait=1)
     k = cache.layers[0].n_expert_used
     llm.eval([int(t) for t in np.random.default_rng(0).integers(1, llm.n_vocab(), 3)])  # 3 x 2 < 8: no layer read whole
     counters = cache.native_counters()
@@ -239,11 +245,9 @@ def test_ram_tier_reads_ahead_of_a_prompt_only_the_experts_its_tokens_predict():
     (most of the others are selected by no token: reading them read 1.2x a prompt's bytes on the
     benchmark's model)."""
     path = str(tiny_moe(n_layer=3, n_expert=32, n_expert_used=2, n_embd=128, n_ff_exp=512, n_head=4, n_head_kv=2))
+    ram_mib = ram_mib_keeping(path, 24)
     llm = load_from_file(path)
-    per_k = sum(layer.expert_bytes for layer in attach(llm, ram_mib=1 << 20).layers)
-    llm.close()
-    llm = load_from_file(path)
-    cache = attach(llm, ram_mib=24 * per_k // MIB + 1, policy="lru", wait=1)
+    cache = attach(llm, ram_mib=ram_mib, policy="lru", wait=1)
     llm.eval([int(t) for t in np.random.default_rng(0).integers(1, llm.n_vocab(), 20)])  # 20 x 2 >= 32: read whole
     layer = cache.native_counters()[1]
     llm.close()
@@ -690,12 +694,10 @@ def test_ram_tier_with_read_ahead_is_bit_identical_on_every_architecture(arch):
     # 3 layers of 8 experts of about 768 KiB, 2 or 3 kept per layer: most selections are read
     path = str(tiny_moe(arch=arch, n_layer=3, n_expert=8, n_expert_used=2, n_embd=128, n_ff_exp=512,
                         n_head=4, n_head_kv=2))
-    llm = load_from_file(path)
-    per_k = sum(layer.expert_bytes for layer in attach(llm, ram_mib=1 << 20).layers)
-    llm.close()
     stock_tokens, stock_logits = stock_greedy(path, 24)
+    ram_mib = ram_mib_keeping(path, 2)
     llm = load_from_file(path)
-    cache = attach(llm, ram_mib=2 * per_k // MIB + 1, policy="lru", wait=1)
+    cache = attach(llm, ram_mib=ram_mib, policy="lru", wait=1)
     tokens, logits = greedy(llm, PROMPT, 24)
     assert cache.slots < cache.layers[0].n_expert
     assert tokens == stock_tokens
