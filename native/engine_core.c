@@ -356,13 +356,14 @@ void mc_slot_keys(const mc_engine *g, int64_t *keys) {
 }
 
 /* Eager admission's rule with the copy-on-miss lane (moecache/core/admission.py states it): the
- * slot writes libllama makes during a graph that selects ids (L, n), under a boundary's handover
+ * slot writes libllama makes during a graph that selects ids (L, n), per_token of them a token (the
+ * candidates: the last token's first, each token's in router rank), under a boundary's handover
  * and the slot contents it was computed from (slot_expert (L, K), -1 empty). Writes (layer,
  * expert, slot) rows to jobs (at most L * min(n, K)) in the order they start: layer by layer,
  * within a layer the lane's copies first (by worth), then the uploads (router rank), each
  * layer's lane rows to lane_rows (L) and its uploads the margin declined to declined (L). mark: E bytes of scratch, all zero before and after; cand:
  * n of scratch. Returns the number of rows, or -1 - i when ids[i] is outside [-1, E). */
-int64_t mc_admit(const mc_handover_table *h, const void *ids, int wide, int64_t n,
+int64_t mc_admit(const mc_handover_table *h, const void *ids, int wide, int64_t n, int64_t per_token,
                  const int32_t *slot_expert, uint8_t *mark, int64_t *cand, int32_t *jobs,
                  int32_t *lane_rows, int32_t *declined) {
     enum { SELECTED = 1, HELD = 2, SEEN = 4 };
@@ -384,13 +385,16 @@ int64_t mc_admit(const mc_handover_table *h, const void *ids, int wide, int64_t 
         }
         for (int64_t s = 0; s < K; s++)
             if (held[s] >= 0) mark[held[s]] |= HELD;
-        /* the candidates: distinct, not held (resident or on their way), worth above -inf */
+        /* the candidates: distinct, not held (resident or on their way), worth above -inf; the
+         * last token's first */
         int64_t m = 0;
-        for (int64_t j = 0; j < n; j++) {
-            const int64_t e = id_at(ids, wide, l * n + j);
-            if (e < 0 || (mark[e] & (HELD | SEEN))) continue;
-            mark[e] |= SEEN;
-            if (worth[e] > -INFINITY) cand[m++] = e;
+        for (int64_t t0 = (n - 1) / per_token * per_token; n > 0 && t0 >= 0; t0 -= per_token) {
+            for (int64_t j = t0; j < t0 + per_token && j < n; j++) {
+                const int64_t e = id_at(ids, wide, l * n + j);
+                if (e < 0 || (mark[e] & (HELD | SEEN))) continue;
+                mark[e] |= SEEN;
+                if (worth[e] > -INFINITY) cand[m++] = e;
+            }
         }
         int64_t n_lane = h->lane ? h->lane[l * (E + 1) + m] : 0;
         if (n_lane > m) n_lane = m;

@@ -124,6 +124,6 @@ typedef struct {
     const int32_t *lane;        /* (L, E + 1): of m candidates, lane[l, m] take the lane; NULL: none */
     double margin;              /* what an upload outside the lane must beat its victim by */
 } mc_handover_table;
-int64_t mc_admit(const mc_handover_table *h, const void *ids, int wide, int64_t n,
+int64_t mc_admit(const mc_handover_table *h, const void *ids, int wide, int64_t n, int64_t per_token,
                  const int32_t *slot_expert, uint8_t *mark, int64_t *cand, int32_t *jobs,
                  int32_t *lane_rows, int32_t *declined);

@@ -98,16 +98,18 @@ def test_no_upload_ever_targets_a_slot_the_running_graph_reads():
         assert (np.bincount(jobs[:, 0], minlength=L) <= h.budget).all()
 
 
-def plain_admissions(h, ids, slot_expert):
+def plain_admissions(h, ids, slot_expert, per_token=None):
     """admissions' rule as the module docstring writes it, one layer and one id at a time."""
     jobs = []
     for layer, row in enumerate(ids.tolist()):
+        step = per_token or len(row)
+        by_token = [row[t:t + step] for t in range(0, len(row), step)]
         victims = [v for v in h.victims[layer].tolist()
                    if v >= 0 and not (slot_expert[layer, v] >= 0 and slot_expert[layer, v] in row)]
         worths = [h.victim_worth[layer, at] for at, v in enumerate(h.victims[layer].tolist())
                   if v >= 0 and not (slot_expert[layer, v] >= 0 and slot_expert[layer, v] in row)]
         nxt = started = 0
-        for e in dict.fromkeys(e for e in row if e >= 0):
+        for e in dict.fromkeys(e for token in reversed(by_token) for e in token if e >= 0):
             if e in slot_expert[layer].tolist():
                 continue
             if started == h.budget[layer] or nxt == len(victims):
@@ -130,7 +132,16 @@ def test_the_native_rule_is_the_rule_written_out_plainly():
         priority = rng.choice([-INF, 0.5, 1.0, 1.5, INF], (L, K))
         h = build_handover(free, evictable, priority, worth, int(rng.integers(0, 5)))
         ids = rng.integers(-1, E, (L, n)).astype(rng.choice([np.int32, np.int64]))
-        assert admissions(h, ids, slot_expert).tolist() == plain_admissions(h, ids, slot_expert)
+        per_token = rng.choice([None, 1, 2, 3])
+        assert admissions(h, ids, slot_expert, per_token).tolist() == plain_admissions(h, ids, slot_expert, per_token)
+
+
+def test_a_step_of_several_tokens_admits_its_last_tokens_experts_first():
+    # two tokens of two experts each, one free slot: the last token's first expert takes it
+    h = handover([[0, -1]], [[-INF, -INF]], np.full((1, 8), INF), budget=1)
+    ids = np.array([[1, 2, 5, 6]])
+    assert admissions(h, ids, np.array([[-1, -1]]), per_token=2).tolist() == [[0, 5, 0]]
+    assert admissions(h, ids, np.array([[-1, -1]])).tolist() == [[0, 1, 0]]  # one token: rank order
 
 
 def test_an_id_out_of_range_is_refused_in_one_line():

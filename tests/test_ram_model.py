@@ -39,13 +39,14 @@ LIVE_COUNTS = ("hits", "misses", "uploads", "evictions")
 def test_the_shipped_tier_trace_replays_to_the_live_tiers_counts():
     """traces/synth-qwen3-30b-a3b-L8.ram-tier.route.csv was recorded by the live tier
     (LLAMA_MOE_CACHE_RAM_MIB=932, WAIT=1, the default policy) on the 8-layer synthetic
-    qwen3-30b-a3b, whose stats printed these totals."""
+    qwen3-30b-a3b, whose stats printed these totals (the build with a prompt's admissions from its
+    last token's experts first: the routing recorded is the same)."""
     trace = read_trace(str(SYNTH))
     assert trace.phase[0] == PREFILL and int((trace.phase == PREFILL).sum()) == 73  # the prompt, one ubatch
     run = ram_tier_replay(trace, 932)
     assert run.slots == 46
     assert {name: run.totals_all[name] for name in LIVE_COUNTS} == \
-        {"hits": 801, "misses": 4255, "uploads": 489, "evictions": 128}
+        {"hits": 799, "misses": 4257, "uploads": 491, "evictions": 130}
 
 
 def test_a_live_tier_trace_replays_to_the_same_counts(smol_path, tmp_path):
@@ -236,7 +237,7 @@ def test_disk_time_is_compute_waits_and_bytes():
 
 
 
-def test_spares_keep_what_a_step_read_and_kept_in_no_slot_oldest_dropped_first():
+def test_spares_keep_what_a_step_read_and_kept_in_no_slot_oldest_dropped_first_the_first_layers_last():
     """Hand-worked: 2 layers of 8 experts, top-2, 1-byte experts, a ubatch of 2 tokens: the room is
     min(8, 2 x 2) = 4 experts, of which a decode token's reads hold one top-k (2): 2 spares."""
     spares = Spares([1, 1], n_expert=8, n_used=2, n_ubatch=2)
@@ -246,18 +247,19 @@ def test_spares_keep_what_a_step_read_and_kept_in_no_slot_oldest_dropped_first()
     ids, hits = np.array([[1, 2], [3, 4]]), np.array([[False, True], [False, False]])
     assert not spares.found(ids, hits).any()  # nothing spare yet
     # misses 1 (layer 0), 3 and 4 (layer 1); 4 took a slot, whose victim was 5: 1, 3, 5 in that
-    # order, the oldest (1) dropped beyond 2
+    # order, the oldest beyond 2 dropped, the first layer's last: 3
     spares.retire(ids, hits, np.array([[1, 4, 0]]), np.array([[1, 5, 0]]), slotted)
-    assert list(spares.held) == [(1, 3), (1, 5)] and spares.bytes == 2
-    # layer 1 selects 5 again: found (its layer uses it: off the list), read nothing; layer 0's 1 is read
-    found = spares.found(np.array([[1, 0], [5, 6]]), np.zeros((2, 2), dtype=bool))
-    assert found.tolist() == [[False, False], [True, False]] and list(spares.held) == [(1, 3)]
+    assert list(spares.held) == [(0, 1), (1, 5)] and spares.bytes == 2
+    # layer 1 selects 5 again: found (its layer uses it: off the list), read nothing; layer 0's 2 is read
+    found = spares.found(np.array([[2, 0], [5, 6]]), np.zeros((2, 2), dtype=bool))
+    assert found.tolist() == [[False, False], [True, False]] and list(spares.held) == [(0, 1)]
     # a boundary upload of a spare reads nothing either
-    assert spares.found_uploads(np.array([[1, 3, 1]])).tolist() == [0, 1] and not spares.held
-    # a prompt (at least E ids a layer) read layer 1 whole ahead: its experts not in slots are spares
+    assert spares.found_uploads(np.array([[0, 1, 1]])).tolist() == [1, 0] and not spares.held
+    # a prompt (at least E ids a layer) read layer 1 whole ahead: its experts not in slots are spares,
+    # and the first layer's misses, which stay (the last two)
     slotted[1, :6] = True
     spares.retire(np.tile(np.arange(8), (2, 1)), np.zeros((2, 8), dtype=bool), none, none, slotted)
-    assert list(spares.held) == [(1, 6), (1, 7)]
+    assert list(spares.held) == [(0, 6), (0, 7)]
 
 
 def test_the_ram_tier_replay_reads_less_with_its_spares_and_the_same_hits():
@@ -294,7 +296,7 @@ def test_cli_prints_the_tier_beside_stock_mmap(capsys):
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if line.startswith(("RAM tier", "mmap"))]
     assert [row[:2] for row in rows] == [["RAM", "tier"], ["mmap", "lru"], ["mmap", "two-list"]]
-    assert rows[0][-6:] == ["46", "83.4", "18.6", "4.7", "38.61", "25.90"]
+    assert rows[0][-6:] == ["46", "83.2", "12.9", "3.7", "35.38", "28.26"]
     assert "per-layer cache" not in out  # --ram-mib alone runs no device model
 
 
@@ -344,14 +346,15 @@ def test_cli_bad_ram_flags_are_one_line(capsys, args, message):
 # run measured, with both terms and with the per-MB one alone; a change to the timeline, the
 # spares' model, the traces or the inputs moves them.
 QWEN3, GPT_OSS = "Qwen3-30B-A3B shape, 1600 MB", "gpt-oss-20b shape, 2100 MB"
-STATED_READ_CPU = {"read_cpu_ms_per_request": 0.1928, "read_cpu_ms_per_mb": 0.0558}
-STATED_RESIDUAL_PCT = {(QWEN3, "on"): 3.3, (QWEN3, "off"): -3.5, (GPT_OSS, "on"): -3.9, (GPT_OSS, "off"): 1.6}
-STATED_ONE_TERM_READ_CPU_MS_PER_MB = 0.1718
-STATED_ONE_TERM_RESIDUAL_PCT = {(QWEN3, "on"): -2.1, (QWEN3, "off"): -8.9, (GPT_OSS, "on"): -0.6,
-                                (GPT_OSS, "off"): 7.5}
-# the spares' model reads 15.6 / 17.2 MB a token where the live tier read 17.7 / 18.3 (read-ahead on
-# / off; a prompt's spares live are its reads within the room less its growth, left out)
-READ_MB_RESIDUAL = 0.13
+STATED_READ_CPU = {"read_cpu_ms_per_request": 0.1527, "read_cpu_ms_per_mb": 0.1425}
+STATED_RESIDUAL_PCT = {(QWEN3, "on"): 4.8, (QWEN3, "off"): -6.6, (GPT_OSS, "on"): -3.7, (GPT_OSS, "off"): 3.1}
+STATED_ONE_TERM_READ_CPU_MS_PER_MB = 0.2181
+STATED_ONE_TERM_RESIDUAL_PCT = {(QWEN3, "on"): -0.1, (QWEN3, "off"): -10.2, (GPT_OSS, "on"): -1.0,
+                                (GPT_OSS, "off"): 6.2}
+# the spares' model reads 14.0 / 11.9 MB a token on the default model where the live tier read 15.2 /
+# 14.8 (read-ahead on / off; a prompt's spares live are its reads within the room less its growth,
+# left out), 56.0 / 54.1 on the gpt-oss shape against 56.9 / 55.0
+READ_MB_RESIDUAL = 0.20
 
 
 def residuals_pct(rows):
@@ -371,8 +374,8 @@ def test_the_calibrated_tier_model_reproduces_the_measurements_within_its_stated
     one_term, one_term_rows = fit(terms=ONE_TERM)  # the model before: one constant, per MB
     assert one_term == pytest.approx({"read_cpu_ms_per_mb": STATED_ONE_TERM_READ_CPU_MS_PER_MB}, abs=5e-4)
     assert residuals_pct(one_term_rows) == STATED_ONE_TERM_RESIDUAL_PCT
-    uncharged = fit(terms=())[1]  # no CPU on a read: 6 to 18% under
-    assert squares(rows) < squares(one_term_rows) / 3 < squares(uncharged) / 6
+    uncharged = fit(terms=())[1]  # no CPU on a read: 9 to 19% under
+    assert squares(rows) < squares(one_term_rows) < squares(uncharged) / 4
 
 
 def test_the_fit_is_the_least_squares_pair_of_constants():

@@ -226,18 +226,18 @@ def test_an_expert_read_ahead_costs_the_cpu_its_requests_as_a_demand_read_does()
     assert run(0.5, 0.1) - bare == pytest.approx(1.6e-3)
 
 
-def test_the_router_finds_its_recall_of_the_next_layers_misses_and_never_layer_0(monkeypatch):
-    """router stands for the next router on this layer's input: with ROUTER_RECALL 1 it reads
-    every miss of layers 1.. ahead and nothing for a token's layer 0 (no router of it has run);
-    with 0 it reads only experts the layer did not select."""
+def test_the_router_finds_its_recall_of_the_next_layers_misses_and_of_layer_0_from_the_embeddings(monkeypatch):
+    """router stands for the next router on this layer's input, and for layer 0's on the token
+    embeddings: with ROUTER_RECALL 1 it reads every miss ahead but the first token's layer 0's
+    (no token before it); with 0 it reads only experts the layer did not select."""
     rng = np.random.default_rng(3)
     tokens = [list(rng.integers(0, 8, 4)) for _ in range(6)]
     monkeypatch.setattr(readahead, "ROUTER_RECALL", 1.0)
     ra = tier("router", 4, tokens, n_expert=8)
-    assert ra.precision == 1.0 and ra.useful == ra.misses - len(tokens)  # every layer 0 missed, unread
+    assert ra.precision == 1.0 and ra.useful == ra.misses - 1  # the first token's layer 0 missed, unread
     monkeypatch.setattr(readahead, "ROUTER_RECALL", 0.0)
     ra = tier("router", 4, tokens, n_expert=8)
-    assert ra.useful == 0 and ra.read_ahead == 3 * len(tokens)
+    assert ra.useful == 0 and ra.read_ahead == 4 * len(tokens) - 1
 
 
 def test_cli_prints_the_read_ahead_beside_the_tier(capsys):
@@ -245,12 +245,12 @@ def test_cli_prints_the_read_ahead_beside_the_tier(capsys):
                       "--policies", "default", "--expert-read-ahead", "oracle:1,cooccur:w,none") == 0
     out = capsys.readouterr().out
     tier_row = next(line.split() for line in out.splitlines() if line.startswith("RAM tier"))
-    assert tier_row[-2] == "38.61"  # the tier without read-ahead, unchanged
+    assert tier_row[-2] == "35.38"  # the tier without read-ahead, unchanged
     rows = [line.split() for line in out.splitlines() if line.startswith("default(heat)")]
     assert [row[3:5] for row in rows] == [["oracle", "1"], ["cooccur", "w"], ["none", "1"]]
-    assert rows[2][-2:] == ["38.61", "0.0"]  # reading nothing ahead is the tier
-    assert rows[0][6:8] == ["100.0", "58.5"]  # the oracle's precision and recall
-    assert float(rows[0][-2]) < 38.61 and float(rows[0][-1]) > 0
+    assert rows[2][-2:] == ["35.38", "0.0"]  # reading nothing ahead is the tier
+    assert rows[0][6:8] == ["100.0", "59.0"]  # the oracle's precision and recall
+    assert float(rows[0][-2]) < 35.38 and float(rows[0][-1]) > 0
 
 
 @pytest.mark.parametrize("args, message", [

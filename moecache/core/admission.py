@@ -18,11 +18,12 @@ graph about to run, and during that graph C only follows it, per cached layer:
     margin           what an upload outside the lane must beat its victim's worth by
 
     rule, when layer l's selected ids are known (router-rank order, one token or several):
-        cand  = the distinct selected e, in rank order, not held (not in slot_expert[l]: resident
-                or on its way) with worth[l, e] > -inf
+        cand  = the distinct selected e, the last token's first (the next token's likeliest), each
+                token's in rank order, not held (not in slot_expert[l]: resident or on its way)
+                with worth[l, e] > -inf
         n     = lane[l, len(cand)] (0 without a lane), at most len(cand)
         lset  = the first n of cand stably sorted by worth, highest first (rank breaks ties)
-        order = lset, then the rest of cand in rank order
+        order = lset, then the rest of cand in cand's order
         next = 0; started = 0
         for e in order:
             if started == budget[l]: stop
@@ -116,20 +117,23 @@ class Admissions(NamedTuple):
         return np.concatenate((self.jobs[is_lane], self.jobs[~is_lane])), n_lane
 
 
-def admissions(handover: Handover, ids: np.ndarray, slot_expert: np.ndarray) -> np.ndarray:
+def admissions(handover: Handover, ids: np.ndarray, slot_expert: np.ndarray,
+               per_token: int | None = None) -> np.ndarray:
     """The slot writes libllama makes during a graph that selects `ids` ((L, n) int,
-    router-rank order, -1 = none), given the handover of its boundary and the slot contents it
+    router-rank order, per_token of them a token (None: one token), -1 = none), given the
+    handover of its boundary and the slot contents it
     was computed from (slot_expert (L, K), -1 empty): (n, 3) int32 rows of (layer, expert,
     slot) in the order it starts them, layer by layer, the lane's copies first in a layer.
     admissions_with_lane(...).jobs."""
-    return admissions_with_lane(handover, ids, slot_expert).jobs
+    return admissions_with_lane(handover, ids, slot_expert, per_token).jobs
 
 
-def admissions_with_lane(handover: Handover, ids: np.ndarray, slot_expert: np.ndarray) -> Admissions:
+def admissions_with_lane(handover: Handover, ids: np.ndarray, slot_expert: np.ndarray,
+                         per_token: int | None = None) -> Admissions:
     """admissions(), how many of each layer's rows are lane copies and its uploads the margin
     declined. The rule runs in native/engine_core.c (mc_admit), as libllama runs it: in numpy
     it cost half a replay."""
-    return Admissions(*admit(handover, ids, slot_expert))
+    return Admissions(*admit(handover, ids, slot_expert, per_token))
 
 
 class EagerAdmission:
@@ -137,8 +141,9 @@ class EagerAdmission:
     orders the slots as build_handover does; a miss planner adds its lane table and margin) and
     the slot writes a graph made under it."""
 
-    def __init__(self, state, core, policy, inserts: int | None, miss_planner=None):
+    def __init__(self, state, core, policy, inserts: int | None, miss_planner=None, n_used: int | None = None):
         L, E = state.expert_slot.shape
+        self.n_used = n_used  # the ids of one token in a step's (None: every step one token)
         K = state.slot_expert.shape[1]
         self._state, self._core, self._policy = state, core, policy
         self._all_keys = np.arange(L * E).reshape(L, E)
@@ -156,7 +161,7 @@ class EagerAdmission:
         when None the modelled ones. Returns them, their number of lane copies and the (L,)
         int32 uploads the margin declined (None when reported without a miss planner)."""
         if reported is None:
-            modelled = admissions_with_lane(self.handover, ids, self._state.slot_expert)
+            modelled = admissions_with_lane(self.handover, ids, self._state.slot_expert, self.n_used)
             return (*modelled.lane_first(), modelled.declined)
         jobs = np.ascontiguousarray(reported, dtype=np.int32).reshape(-1, 3)
         L = len(self._budget)

@@ -254,7 +254,8 @@ class NativeHandover:
         self.cand = ffi.new("int64_t[]", 1)
 
 
-def admit(handover, ids: np.ndarray, slot_expert: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def admit(handover, ids: np.ndarray, slot_expert: np.ndarray,
+          per_token: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """moecache.core.admission.admissions in C (mc_admit): the (n, 3) int32 job rows, and per
     layer the (L,) int32 lane rows and uploads the margin declined."""
     if handover.native is None:
@@ -266,13 +267,16 @@ def admit(handover, ids: np.ndarray, slot_expert: np.ndarray) -> tuple[np.ndarra
         raise ValueError(f"ids must be an integer array ({L}, n), got {ids.dtype} {ids.shape}")
     ids = native_ids(ids, E)
     n = ids.shape[1]
+    per_token = n if per_token is None else per_token
+    if per_token < 1:
+        raise ValueError(f"per_token must be >= 1, got {per_token}")
     if len(native.cand) < n:
         native.cand = ffi.new("int64_t[]", n)
     slots = slot_expert if slot_expert.dtype == np.int32 and slot_expert.flags.c_contiguous else \
         np.ascontiguousarray(slot_expert, dtype=np.int32)
     jobs = np.empty((L * min(n, K), 3), dtype=np.int32)
     lane_rows, declined = np.empty((2, L), dtype=np.int32)
-    n_jobs = lib.mc_admit(native.table, ffi.from_buffer(ids), ids.itemsize == 8, n, _i32(slots), native.mark,
+    n_jobs = lib.mc_admit(native.table, ffi.from_buffer(ids), ids.itemsize == 8, n, per_token, _i32(slots), native.mark,
                           native.cand, _i32(jobs), _i32(lane_rows), _i32(declined))
     if n_jobs < 0:
         raise ValueError(f"expert ids must be in [-1, {E}), got {ids.flat[-1 - n_jobs]}")

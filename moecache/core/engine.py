@@ -161,13 +161,18 @@ class CacheEngine(CacheModel):
     (L, K), the expert held or being loaded per slot, -1 empty; expert_slot (L, E), the slot
     of each PUBLISHED expert, -1 otherwise; the read-only views assigned, in_flight and pinned.
     counters / stats() / usage for reporting. bookkeeping: its C side (moecache.core.bookkeeping).
+    n_used: the experts a token selects, which a step of several tokens lists token by token
+    (eager admission takes its last token's first); None: every step is one token.
     """
 
     def __init__(self, n_layers: int, n_expert: int, n_slots: int, policy: Policy, *,
                  inserts: int | None = 2, pinned=None, publish_delay: int = 1,
-                 offline: bool = False, admission: str = "boundary", miss_planner=None):
+                 offline: bool = False, admission: str = "boundary", miss_planner=None,
+                 n_used: int | None = None):
         _check_arguments(n_layers, n_expert, n_slots, policy, inserts, publish_delay, offline, admission,
                          miss_planner)
+        if n_used is not None and n_used < 1:
+            raise ValueError(f"n_used must be >= 1, got {n_used}")
         self.n_layers, self.n_expert, self.n_slots = n_layers, n_expert, n_slots
         self.inserts, self.publish_delay, self.admission = inserts, publish_delay, admission
         self.policy = policy
@@ -176,8 +181,9 @@ class CacheEngine(CacheModel):
         warm = [] if pinned is None else self._pin(pinned)
         self.bookkeeping = Bookkeeping(state, track_prefetch=policy.predicts)
         self._planner = UploadPlanner(state, self.bookkeeping, policy, inserts, warm)
-        self._eager = EagerAdmission(state, self.bookkeeping, policy, inserts, miss_planner) \
+        self._eager = EagerAdmission(state, self.bookkeeping, policy, inserts, miss_planner, n_used) \
             if admission == "eager" else None
+        self.n_used = n_used
         self.miss_planner = miss_planner
         if miss_planner is None:  # the planner's counters only where it runs
             del state.counters["declined"], state.counters["lane_misses"]

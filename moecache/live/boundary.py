@@ -138,7 +138,7 @@ class Boundary:
             none = np.zeros(self.n_layers, dtype=np.int64)
             modelled = Admissions(np.empty((0, 3), dtype=np.int32), none, none)
         else:
-            modelled = admissions_with_lane(engine.handover, ids, engine.slot_expert)
+            modelled = admissions_with_lane(engine.handover, ids, engine.slot_expert, self.n_used)
         by_layer = admitted[np.argsort(admitted[:, 0], kind="stable")]
         if not np.array_equal(by_layer, modelled.jobs):
             if self.file_changed():  # why libllama stopped admitting

@@ -238,7 +238,7 @@ def _engine(config: CacheConfig, layers: list[CachedLayer], slots: int, n_used: 
     miss_planner = MissPlanner(planner.rates, [layer.expert_bytes for layer in layers], n_used=n_used) \
         if planner else None
     engine = CacheEngine(len(layers), n_expert, slots, make_policy(config.policy),
-                         inserts=inserts, admission=config.admission, miss_planner=miss_planner)
+                         inserts=inserts, admission=config.admission, miss_planner=miss_planner, n_used=n_used)
     if config.profile and os.path.exists(config.profile):
         try:
             profile = UsageProfile.load(config.profile, layers=[layer.il for layer in layers], n_expert=n_expert)

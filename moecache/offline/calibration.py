@@ -5,9 +5,9 @@ release, on the cores the compute uses), which the timeline leaves out otherwise
 (Disk.read_cpu_ms_per_request: one expert tensor's range, read, mapped and released on its own)
 and per MB (Disk.read_cpu_ms_per_mb).
 
-MEASURED inputs (MEASURED; docs/notes/ram-read-ahead.md, "The prompt's read-ahead from every
-token's prediction": scripts/bench_larger_than_ram.py -r 5 --read-ahead both, 2 cores, both
-shapes the same day on a quiet machine), per shape: the
+MEASURED inputs (MEASURED; docs/notes/ram-read-ahead.md, "The first layer read ahead from the
+token embeddings, drops off the compute thread": scripts/bench_larger_than_ram.py -r 5
+--read-ahead both, 2 cores, both shapes the same day), per shape: the
 live tier's trace of the benchmark's model and prompt at the K its auto sizing took inside the
 limit (traces/), the in-RAM tier's decode tok/s (the host rate is the one that reproduces it: the
 trace's computed bytes per decode token over that time), the best disk rate the run measured
@@ -57,9 +57,9 @@ class Measured:
 
 MEASURED = (
     Measured("Qwen3-30B-A3B shape, 1600 MB", "synth-qwen3-30b-a3b-L8.ram-tier-1600mb.route.csv", 972,
-             41.81, 1.56, 1.56, {"on": 35.97, "off": 30.65}, {"on": 1.3, "off": 6.3}, {"on": 17.7, "off": 18.3}),
+             41.56, 1.56, 1.23, {"on": 36.83, "off": 32.04}, {"on": 1.0, "off": 6.5}, {"on": 15.2, "off": 14.8}),
     Measured("gpt-oss-20b shape, 2100 MB", "synth-gpt-oss-20b-L8.ram-tier-2100mb.route.csv", 1282,
-             20.92, 1.53, 1.46, {"on": 14.22, "off": 12.45}, {"on": 7.5, "off": 19.9}, {"on": 67.1, "off": 65.3}),
+             20.77, 1.71, 1.56, {"on": 15.73, "off": 13.57}, {"on": 10.1, "off": 21.1}, {"on": 56.9, "off": 55.0}),
 )
 
 

@@ -17,11 +17,11 @@ every prediction that token's layers made (so a prediction never sees its own an
   (heat's) estimate, of the experts it did not keep.
 - oracle: the dst layer's actual selection, read from the future: an upper BOUND, not a
   predictor.
-- router: what ships (patch series 18): the next layer's router applied to this layer's input,
-  stood for by the dst layer's actual selection, each of its misses found with probability
-  ROUTER_RECALL and in its place an expert the layer did not select (seeded; read, and wasted,
-  when not kept); nothing for the next token's layer 0 (the next router runs inside one token's
-  graph).
+- router: what ships: the next layer's router applied to this layer's input, stood for by the
+  dst layer's actual selection, each of its misses found with probability ROUTER_RECALL and in
+  its place an expert the layer did not select (seeded; read, and wasted, when not kept); the
+  next token's layer 0 from its token embeddings, the same way (ASSUMED: the recall measured is
+  layers 1..'s), read from the next token's start (its graph applies the router there).
 - none: reads nothing ahead (the tier as it runs, on this timeline).
 Each reads ahead the R best-scored experts of the dst layer that are not kept in RAM (score > 0);
 R "w" (window): as many as the disk can read before the dst layer's observer if the CPU's
@@ -37,7 +37,7 @@ misses (a layer that needs nothing from the disk does not wait: optimistic, the 
 read-ahead thread is joined anyway) and computes the misses (bytes / host); the next layer's
 read-ahead is queued behind the layer's reads (latency + bytes / disk, the next layer's expert
 size). The last layer reads ahead the next decode token's layer 0 (none before a prompt or at
-the end; `router` never). The CPU's work on what a layer read and queued (Disk.read_cpu_ms: per
+the end; `router` from the token's end, where the next graph starts). The CPU's work on what a layer read and queued (Disk.read_cpu_ms: per
 MB and per request, CALIBRATED: moecache.offline.calibration) follows the layer's experts, beside
 no compute.
 Uploads issued at a boundary are read after the token, the CPU waiting, as
@@ -66,6 +66,7 @@ class Predictor:
 
     name = "?"
     reads_future = False
+    next_token_at_start = False  # the next token's layer 0 is predicted when its graph starts, not before
 
     def bind(self, n_layers: int, n_expert: int) -> None:
         self.n_layers, self.n_expert = n_layers, n_expert
@@ -170,14 +171,13 @@ class Oracle(Predictor):
 class Router(Predictor):
     name = "router"
     reads_future = True
+    next_token_at_start = True
 
     def bind(self, n_layers, n_expert):
         super().bind(n_layers, n_expert)
         self.rng = np.random.default_rng(0)
 
     def scores(self, src, selection, dst, future=None, kept=None):
-        if dst <= src:  # the next token's layer 0: no router of it has run
-            return np.zeros(self.n_expert)
         lost = ~kept[future] & (self.rng.random(future.size) >= ROUTER_RECALL)  # misses not found
         predicted = future.copy()
         predicted[lost] = self.rng.choice(np.setdiff1d(np.arange(self.n_expert), future), size=int(lost.sum()),
@@ -314,8 +314,9 @@ class ReadAhead:
                 self.predictor.learn(rows)
                 target = 0
                 dst, future = (None, None) if following is None else ((following[2][0], following[4][0]), following[0][0])
+            start = end if target == 0 and self.predictor.next_token_at_start else clock
             pending, disk_free, n_ahead = self._queue_ahead(layer, rows[layer], target, dst, future,
-                                                            end, clock, disk_free)
+                                                            end, start, disk_free)
             # the CPU's work on what was read and queued
             clock = end + self.disk.read_cpu_ms(demand * size + n_ahead * self.expert_bytes[target],
                                                 demand + n_ahead) / 1e3

@@ -283,7 +283,7 @@ class PerLayerReplay:
         planner = None if self.miss_plan is None else MissPlanner(
             self.miss_plan, trace.expert_bytes, trace.dense_bytes, n_used=trace.n_expert_used, lane=self.lane)
         engine = CacheEngine(L, E, int(slots), policy, inserts=self.inserts, offline=True,
-                             admission=self.admission, miss_planner=planner)
+                             admission=self.admission, miss_planner=planner, n_used=trace.n_expert_used)
         if self.profile is not None:
             engine.preload(self.profile.top(slots), rates=self.profile.rates(trace.n_expert_used))
         engine.step(None)

@@ -1,7 +1,8 @@
 """The live RAM tier's spares (docs/mechanism.md, "The RAM tier", 4.), MODELLED: an expert the
 tier read without a slot, and a slot's victim, stays in memory while the room beyond the slots
 (one layer's reads for a full ubatch) has space beside the reads in flight, the oldest dropped
-first; a layer that selects it again, or a boundary that uploads it, reads nothing.
+first, the first layer's last (its misses are read ahead from the token embeddings alone); a layer
+that selects it again, or a boundary that uploads it, reads nothing.
 
 The room is the live tier's, min(E, n_ubatch x top-k) experts of the largest layer, less a decode
 token's reads held beside the spares (IN_FLIGHT top-k's of the largest layer): live, the tier drops
@@ -69,7 +70,8 @@ class Spares:
         misses (in a step that selects at least E experts a layer, a prompt, which drops the list
         first: without read-ahead every expert of layers 1..), then the slots' victims
         (victim_rows). kept_rows: the uploads ((n, >=2) rows of layer, expert); slotted:
-        (n_layers, n_expert) bool, the experts in slots. Then the oldest leave beyond capacity()."""
+        (n_layers, n_expert) bool, the experts in slots. Then the oldest leave beyond capacity(),
+        the first layer's last."""
         ids = np.asarray(ids)
         missed = (ids >= 0) & ~np.asarray(hit_mask, dtype=bool)
         kept = {tuple(r) for r in np.asarray(kept_rows)[:, :2].tolist()}
@@ -86,7 +88,8 @@ class Spares:
                 self._add(key)
         limit = self.capacity()
         while self.held and self.bytes > limit:
-            self.bytes -= self.held.popitem(last=False)[1]
+            key = next((k for k in self.held if k[0] != 0), next(iter(self.held)))
+            self.bytes -= self.held.pop(key)
 
     def _take(self, layer: int, expert: int) -> bool:
         size = self.held.pop((layer, expert), None)

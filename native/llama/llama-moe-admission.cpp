@@ -70,12 +70,17 @@ std::vector<int32_t> llama_moe_admission::candidates(const llama_moe_cache_layer
             sel[ids[k]] = 1;
         }
     }
-    std::vector<int32_t> order; // the candidates: the lane's by worth, then the others in order
-    for (int32_t k = 0; k < n_ids; ++k) {
-        const int32_t e = ids[k];
-        if (e >= 0 && sel[e] == 1 && !ls.cached(e) && worth[e] > -INFINITY) {
-            sel[e] = 2;
-            order.push_back(e);
+    // the candidates: the lane's by worth, then the others in order, the ubatch's last token's first
+    // (its experts are the next token's likeliest), each token's in router rank
+    const int32_t n_used = cl.n_expert_used;
+    std::vector<int32_t> order;
+    for (int32_t t0 = (n_ids - 1)/n_used*n_used; t0 >= 0; t0 -= n_used) {
+        for (int32_t k = t0; k < std::min(t0 + n_used, n_ids); ++k) {
+            const int32_t e = ids[k];
+            if (e >= 0 && sel[e] == 1 && !ls.cached(e) && worth[e] > -INFINITY) {
+                sel[e] = 2;
+                order.push_back(e);
+            }
         }
     }
     n_lane = 0;

@@ -133,14 +133,15 @@ static bool moe_on_cpu(const ggml_tensor * t) {
     return dev && ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU; // repacked
 }
 
-// the router of the next cached layer on this layer's input (its normed FFN input, as the next layer
-// would see its own), with the bias and the probability function that change its top-k; none where
-// the router is on a device
-ggml_tensor * llama_moe_ram::read_ahead(ggml_context * ctx, const llama_moe_cache_layer & cl, ggml_tensor * cur) const {
-    if (!ahead_on || cl.i + 1 >= n_layers()) {
+// the router of cached layer next on the input of the layer before (its normed FFN input, as next
+// would see its own: the residual stream changes little from layer to layer), or for the first layer
+// on the token embeddings (else its experts would be read only once its own router ran), with the
+// bias and the probability function that change its top-k; none where the router is on a device
+ggml_tensor * llama_moe_ram::read_ahead(ggml_context * ctx, int32_t i, ggml_tensor * cur) const {
+    if (!ahead_on || i >= n_layers()) {
         return nullptr;
     }
-    const llama_moe_cache_layer & next = layers[cl.i + 1];
+    const llama_moe_cache_layer & next = layers[i];
     const llama_moe_router & r = next.router;
     if (next.n_slots >= next.n_expert || !moe_on_cpu(r.gate_inp) || r.gate_inp->ne[0] != cur->ne[0] ||
             r.gate_inp->ne[1] != next.n_expert) {
@@ -182,6 +183,11 @@ void llama_moe_ram::predicted(const llama_moe_cache_layer & next, const ggml_ten
     for (int64_t t = t0; t < ids->ne[1]; ++t) {
         const int32_t * row = (const int32_t *) ((const char *) ids->data + t*ids->nb[1]);
         p.insert(p.end(), row, row + n_used);
+    }
+    if (next.i == 0 && !changed && !whole_layer_ahead(0)) {
+        // (no observer before the first layer's; a prompt reads it whole at its observer, its
+        // reads ahead from the embeddings would take the room that the next layer's read-ahead needs)
+        read_ahead_of(0);
     }
 }
 
@@ -299,15 +305,29 @@ std::vector<int32_t> llama_moe_ram::misses(const llama_moe_cache_layer & cl, uin
 }
 
 // the experts read for layer cl that no slot keeps become spares once the layer has run (after their
-// batch is done)
+// batch is done); those read ahead that it did not select, at once if read (the layer does not compute
+// them: their room goes to the next layer's read-ahead)
 void llama_moe_ram::note_transient(const llama_moe_cache_layer & cl, const reads & demand, const std::vector<llama_moe_upload> & admitted) {
     std::vector<uint8_t> kept(cl.n_expert, 0);
     for (const auto & job : admitted) {
         kept[job.expert] = 1;
     }
+    std::vector<uint8_t> selected(cl.n_expert, 0);
+    const int32_t * ids = routing.row(cl.i);
+    for (int32_t k = 0; k < routing.n(cl.i); ++k) {
+        if (ids[k] >= 0) {
+            selected[ids[k]] = 1;
+        }
+    }
     for (const reads * r : { &demand, (const reads *) &ahead[cl.i] }) {
+        const bool read = reader->done(r->ticket);
         for (int32_t e : r->experts) {
-            if (!kept[e]) {
+            if (kept[e]) {
+                continue;
+            }
+            if (!selected[e] && read) {
+                retire(cl.i, e);
+            } else {
                 transient.push_back({ cl.i, e, r->ticket });
             }
         }
@@ -433,12 +453,18 @@ llama_moe_ram::reads llama_moe_ram::queue_reads(int32_t i, std::vector<int32_t> 
     reclaim(experts.size()*layers[i].expert_bytes());
     reads r;
     std::vector<llama_moe_file_range> ranges;
+    // a ubatch that reads whole layers (a prompt) reads once the drops before it gave their memory
+    // back; a decode token's few reads start at once, beside its few drops, but for an expert being
+    // dropped, read whole after its drop
+    uint64_t after_drop = whole_layer_ahead(i) ? reader->last_drop() : 0;
     for (int32_t e : experts) {
         size_t n = 0;
         const size_t n_ranges = ranges.size();
+        const uint64_t drop = drop_of(i, e);
+        after_drop = std::max(after_drop, drop);
         for (const auto & part : layers[i].parts) {
             ranges.push_back(moe_range(part, e));
-            n += files.missing(ranges.back());
+            n += drop ? ranges.back().size : files.missing(ranges.back());
         }
         if (n == 0) {
             ranges.resize(n_ranges);
@@ -446,7 +472,7 @@ llama_moe_ram::reads llama_moe_ram::queue_reads(int32_t i, std::vector<int32_t> 
         r.bytes.push_back(n);
     }
     r.experts = std::move(experts);
-    r.ticket  = reader->queue(std::move(ranges));
+    r.ticket  = reader->queue(std::move(ranges), after_drop);
     return r;
 }
 
@@ -468,6 +494,7 @@ bool llama_moe_ram::read_in(const std::vector<llama_moe_upload> & jobs, size_t &
 
 // the step callback's uploads, one at a time: the bytes and time are the job's
 void llama_moe_ram::read_staged() {
+    reader->wait_drops(); // (what is in memory is then what the tier says)
     auto t0 = std::chrono::steady_clock::now();
     for (const auto & job : staged) {
         unretire(job.i, job.expert);
@@ -487,14 +514,38 @@ void llama_moe_ram::fail_reads() {
     }
 }
 
-// the expert is read again from the file when used
+// the expert is read again from the file when used: dropped by the reader's drop thread
+// (flush_drops), off the compute threads
 void llama_moe_ram::drop(int32_t i, int32_t expert) {
     if (layers[i].n_slots >= layers[i].n_expert) {
         return; // every expert of the layer fits: none leaves memory
     }
     for (const auto & part : layers[i].parts) {
-        files.drop(moe_range(part, expert));
+        to_drop.push_back(moe_range(part, expert));
     }
+    drops.push_back({ i, expert, 0 });
+}
+
+void llama_moe_ram::flush_drops() {
+    const uint64_t n = reader->drop(std::move(to_drop));
+    to_drop.clear();
+    for (auto it = drops.rbegin(); it != drops.rend() && it->drop == 0; ++it) {
+        it->drop = n;
+    }
+}
+
+// the number of the expert's last drop, queued and not done (its pages may be in memory still, and
+// will not be), or 0
+uint64_t llama_moe_ram::drop_of(int32_t i, int32_t expert) {
+    const uint64_t done = reader->dropped();
+    drops.erase(std::remove_if(drops.begin(), drops.end(), [done](const dropping & d) { return d.drop <= done; }), drops.end());
+    uint64_t last = 0;
+    for (const auto & d : drops) {
+        if (d.i == i && d.expert == expert) {
+            last = std::max(last, d.drop);
+        }
+    }
+    return last;
 }
 
 // the tier starts empty: what loading or an earlier process left in memory is released, so that the
@@ -505,9 +556,12 @@ void llama_moe_ram::release_unkept() {
     if (layers[0].n_slots >= layers[0].n_expert) {
         return;
     }
+    reader->wait_drops();
     for (const auto & cl : layers) {
         for (int32_t e = 0; e < cl.n_expert; ++e) {
-            drop(cl.i, e);
+            for (const auto & part : cl.parts) {
+                files.drop(moe_range(part, e));
+            }
         }
     }
     files.release_all();
@@ -540,13 +594,19 @@ void llama_moe_ram::unretire(int32_t i, int32_t expert) {
 void llama_moe_ram::reclaim(size_t need) {
     const size_t held = transient_bytes() + need;
     while (!spares.empty() && spare_bytes + held > spare_room) {
-        const auto [i, e] = spares.front();
-        spares.pop_front();
+        // the oldest, the first layer's last: its misses are read ahead from the embeddings alone
+        auto it = std::find_if(spares.begin(), spares.end(), [](const std::pair<int32_t, int32_t> & s) { return s.first != 0; });
+        if (it == spares.end()) {
+            it = spares.begin();
+        }
+        const auto [i, e] = *it;
+        spares.erase(it);
         spare_bytes -= layers[i].expert_bytes();
         if (!slots[i].cached(e)) { // (a boundary's upload may have given it a slot since)
             drop(i, e);
         }
     }
+    flush_drops();
 }
 
 // the process's resident anonymous memory (Linux; 0 elsewhere: the spares keep the whole room)

@@ -15,11 +15,12 @@
 // kept in host memory, over experts the loader left mapped and unread (LLAMA_LAZY_MODE_EXPERTS).
 // Before a layer's CPU matmuls run, its observer queues every selected expert that is not resident
 // for reading from the model file, then the experts the next layer's router, applied early to this
-// layer's input, predicts (read_ahead); a reader thread reads them into the page cache and maps them
-// while the CPU computes the experts kept. An expert that loses its slot, or was read for one layer
-// without one, is spare: it stays in memory while the room beyond the slots has space (a decode
-// token that selects it again reads nothing), and is dropped (its pages unmapped, then released from
-// the page cache) when a read needs the space, oldest first, or before a prompt. The CPU computes
+// layer's input (the first layer's: to the token embeddings), predicts (read_ahead); a reader thread
+// reads them into the page cache and maps them while the CPU computes the experts kept. An expert that
+// loses its slot, or was read for one layer without one, is spare: it stays in memory while the room
+// beyond the slots has space (a decode token that selects it again reads nothing), and is dropped (its
+// pages unmapped, then released from the page cache, on the reader's drop thread) when a read needs
+// the space, oldest first but the first layer's last, or before a prompt. The CPU computes
 // every expert through the mapping with stock's kernels; no device, no upload worker
 class llama_moe_ram : public llama_moe_cache {
 public:
@@ -33,12 +34,13 @@ public:
 
     void record(const llama_moe_cache_layer & cl, const ggml_tensor * ids, const ggml_tensor * skip) override;
 
-    ggml_tensor * read_ahead(ggml_context * ctx, const llama_moe_cache_layer & cl, ggml_tensor * cur) const override;
+    ggml_tensor * read_ahead(ggml_context * ctx, int32_t next, ggml_tensor * cur) const override;
 
     void built(const llama_moe_cache_layer & cl, int64_t n_rows, uint32_t n_tokens, uint32_t n_outputs) const override;
 
     // the graph's prediction of layer next's selections, ids I32 [n_used, n_tokens] (on the CPU, before
-    // the observer of the layer before next runs)
+    // the observer of the layer before next runs; for the first layer, from the token embeddings, before
+    // any: in decode its reads start here)
     void predicted(const llama_moe_cache_layer & next, const ggml_tensor * ids);
 
     bool stopped() const override { return changed; }
@@ -97,6 +99,8 @@ private:
     void read_staged();
     void fail_reads();
     void drop(int32_t i, int32_t expert);
+    void flush_drops();
+    uint64_t drop_of(int32_t i, int32_t expert);
     void retire(int32_t i, int32_t expert);
     void unretire(int32_t i, int32_t expert);
     void reclaim(size_t need);
@@ -109,12 +113,21 @@ private:
     std::atomic<bool>     changed{false}; // a model file changed or could not be read: the tier stops
     const bool            ahead_on;       // llama_moe_cache_params.read_ahead
 
+    // experts whose drop is queued to the reader (drop: its number; 0 while in to_drop), not known done
+    struct dropping {
+        int32_t  i      = -1;
+        int32_t  expert = -1;
+        uint64_t drop   = 0;
+    };
+    std::vector<dropping>             drops;
+    std::vector<llama_moe_file_range> to_drop;
+
     // experts read for one layer of one ubatch without a slot, each a spare once its layer has run and
     // its batch is done
     std::vector<transient_read> transient;
 
     // experts in memory that no slot keeps and no read of this ubatch uses (a slot's victim, or read
-    // for a layer without a slot), oldest first, within room beside the reads in flight
+    // for a layer without a slot), oldest first, within room beside the reads in flight (reclaim)
     std::deque<std::pair<int32_t, int32_t>> spares;
     size_t                                  spare_bytes = 0;
 

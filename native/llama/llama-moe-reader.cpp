@@ -3,7 +3,8 @@
 #include <algorithm>
 
 llama_moe_reader::llama_moe_reader(const llama_moe_model_files & files) : files(files) {
-    thread = std::thread([this]() { run(); });
+    thread      = std::thread([this]() { run(); });
+    drop_thread = std::thread([this]() { run_drops(); });
 }
 
 llama_moe_reader::~llama_moe_reader() {
@@ -12,7 +13,9 @@ llama_moe_reader::~llama_moe_reader() {
         stopping = true;
     }
     work.notify_all();
+    dropping.notify_all();
     thread.join();
+    drop_thread.join();
 }
 
 // ranges of one file that follow each other, in the file and in its mapping, are read as one (the
@@ -34,7 +37,7 @@ static void moe_merge(std::vector<llama_moe_file_range> & ranges) {
     ranges.swap(merged);
 }
 
-uint64_t llama_moe_reader::queue(std::vector<llama_moe_file_range> ranges) {
+uint64_t llama_moe_reader::queue(std::vector<llama_moe_file_range> ranges, uint64_t after_drop) {
     if (ranges.empty()) {
         return 0;
     }
@@ -45,9 +48,62 @@ uint64_t llama_moe_reader::queue(std::vector<llama_moe_file_range> ranges) {
         std::lock_guard<std::mutex> lock(mutex);
         ticket = ++n_queued;
         batches.push_back({ ticket, std::move(ranges) });
+        batches.back().after_drop = after_drop;
     }
     work.notify_one();
     return ticket;
+}
+
+uint64_t llama_moe_reader::drop(std::vector<llama_moe_file_range> ranges) {
+    if (ranges.empty()) {
+        return 0;
+    }
+    uint64_t n;
+    {
+        std::lock_guard<std::mutex> lock(mutex);
+        drops.insert(drops.end(), ranges.begin(), ranges.end());
+        n = ++n_drops;
+    }
+    dropping.notify_one();
+    return n;
+}
+
+uint64_t llama_moe_reader::dropped() {
+    std::lock_guard<std::mutex> lock(mutex);
+    return n_dropped;
+}
+
+uint64_t llama_moe_reader::last_drop() {
+    std::lock_guard<std::mutex> lock(mutex);
+    return n_drops;
+}
+
+void llama_moe_reader::wait_drops() {
+    std::unique_lock<std::mutex> lock(mutex);
+    completed.wait(lock, [&]() { return n_dropped == n_drops; });
+}
+
+// every drop queued, in one go; then the batches waiting for them may start
+void llama_moe_reader::run_drops() {
+    std::vector<llama_moe_file_range> taken;
+    std::unique_lock<std::mutex> lock(mutex);
+    for (;;) {
+        dropping.wait(lock, [&]() { return stopping || !drops.empty(); });
+        if (stopping) {
+            return;
+        }
+        taken.clear();
+        taken.swap(drops);
+        const uint64_t n = n_drops;
+        lock.unlock();
+        for (const auto & r : taken) {
+            files.drop(r);
+        }
+        lock.lock();
+        n_dropped = n;
+        work.notify_one();
+        completed.notify_all();
+    }
 }
 
 bool llama_moe_reader::wait(uint64_t ticket) {
@@ -69,6 +125,9 @@ uint64_t llama_moe_reader::last() {
 // (under the lock) the ranges the window lets start now, in the order queued
 void llama_moe_reader::start_window(std::vector<llama_moe_file_range> & to_start) {
     for (auto & b : batches) {
+        if (b.after_drop > n_dropped) {
+            return;
+        }
         while (b.n_started < b.ranges.size() && (in_flight < window || in_flight == 0)) {
             to_start.push_back(b.ranges[b.n_started++]);
             in_flight += to_start.back().size;
@@ -82,7 +141,7 @@ void llama_moe_reader::run() {
     std::vector<llama_moe_file_range> to_start;
     std::unique_lock<std::mutex> lock(mutex);
     for (;;) {
-        work.wait(lock, [&]() { return stopping || !batches.empty(); });
+        work.wait(lock, [&]() { return stopping || (!batches.empty() && batches.front().after_drop <= n_dropped); });
         if (stopping) {
             return;
         }
