@@ -143,8 +143,8 @@ class EagerAdmission:
 
     def __init__(self, state, core, policy, inserts: int | None, miss_planner=None, n_used: int | None = None):
         L, E = state.expert_slot.shape
-        self.n_used = n_used  # the ids of one token in a step's (None: every step one token)
         K = state.slot_expert.shape[1]
+        self.n_used = n_used  # the ids of one token in a step's (None: every step one token)
         self._state, self._core, self._policy = state, core, policy
         self._all_keys = np.arange(L * E).reshape(L, E)
         self._budget = np.full(L, K if inserts is None else inserts, dtype=np.int64)

@@ -183,7 +183,6 @@ class CacheEngine(CacheModel):
         self._planner = UploadPlanner(state, self.bookkeeping, policy, inserts, warm)
         self._eager = EagerAdmission(state, self.bookkeeping, policy, inserts, miss_planner, n_used) \
             if admission == "eager" else None
-        self.n_used = n_used
         self.miss_planner = miss_planner
         if miss_planner is None:  # the planner's counters only where it runs
             del state.counters["declined"], state.counters["lane_misses"]

@@ -53,9 +53,9 @@ public:
     // where the stock graph copies the selections of layer cl, [n_expert_used, n_tokens]
     ggml_tensor * stock_ids(ggml_context * ctx, const llama_moe_cache_layer & cl, int64_t n_tokens) const;
 
-    // the RAM tier's read-ahead: the ops that apply the routers of cached layers next and next + 1 to
-    // cur, the input of the cached layer before next (next 0: the token embeddings), and hand their
-    // top-k to the tier, which the graph runs before that layer's experts; nullptr for none
+    // the RAM tier's read-ahead: the ops that apply the router of cached layer next to cur, the input
+    // of the cached layer before next (next 0: the token embeddings), and hand its top-k to the tier,
+    // which the graph runs before that layer's experts; nullptr for none
     virtual ggml_tensor * read_ahead(ggml_context * ctx, int32_t next, ggml_tensor * cur) const {
         GGML_UNUSED(ctx);
         GGML_UNUSED(next);

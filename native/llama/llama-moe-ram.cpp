@@ -514,24 +514,16 @@ void llama_moe_ram::fail_reads() {
     }
 }
 
-// the expert is read again from the file when used: dropped by the reader's drop thread
-// (flush_drops), off the compute threads
-void llama_moe_ram::drop(int32_t i, int32_t expert) {
+// the expert is read again from the file when used: its ranges join those the reader's drop thread
+// drops (reclaim queues them), off the compute threads
+void llama_moe_ram::drop(int32_t i, int32_t expert, std::vector<llama_moe_file_range> & ranges) {
     if (layers[i].n_slots >= layers[i].n_expert) {
         return; // every expert of the layer fits: none leaves memory
     }
     for (const auto & part : layers[i].parts) {
-        to_drop.push_back(moe_range(part, expert));
+        ranges.push_back(moe_range(part, expert));
     }
     drops.push_back({ i, expert, 0 });
-}
-
-void llama_moe_ram::flush_drops() {
-    const uint64_t n = reader->drop(std::move(to_drop));
-    to_drop.clear();
-    for (auto it = drops.rbegin(); it != drops.rend() && it->drop == 0; ++it) {
-        it->drop = n;
-    }
 }
 
 // the number of the expert's last drop, queued and not done (its pages may be in memory still, and
@@ -593,6 +585,7 @@ void llama_moe_ram::unretire(int32_t i, int32_t expert) {
 // room less what the process grew by)
 void llama_moe_ram::reclaim(size_t need) {
     const size_t held = transient_bytes() + need;
+    std::vector<llama_moe_file_range> ranges;
     while (!spares.empty() && spare_bytes + held > spare_room) {
         // the oldest, the first layer's last: its misses are read ahead from the embeddings alone
         auto it = std::find_if(spares.begin(), spares.end(), [](const std::pair<int32_t, int32_t> & s) { return s.first != 0; });
@@ -603,10 +596,13 @@ void llama_moe_ram::reclaim(size_t need) {
         spares.erase(it);
         spare_bytes -= layers[i].expert_bytes();
         if (!slots[i].cached(e)) { // (a boundary's upload may have given it a slot since)
-            drop(i, e);
+            drop(i, e, ranges);
         }
     }
-    flush_drops();
+    const uint64_t n = reader->drop(std::move(ranges));
+    for (auto it = drops.rbegin(); it != drops.rend() && it->drop == 0; ++it) {
+        it->drop = n;
+    }
 }
 
 // the process's resident anonymous memory (Linux; 0 elsewhere: the spares keep the whole room)

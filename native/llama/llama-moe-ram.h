@@ -98,8 +98,7 @@ private:
     bool read_in(const std::vector<llama_moe_upload> & jobs, size_t & n_bytes);
     void read_staged();
     void fail_reads();
-    void drop(int32_t i, int32_t expert);
-    void flush_drops();
+    void drop(int32_t i, int32_t expert, std::vector<llama_moe_file_range> & ranges);
     uint64_t drop_of(int32_t i, int32_t expert);
     void retire(int32_t i, int32_t expert);
     void unretire(int32_t i, int32_t expert);
@@ -113,14 +112,14 @@ private:
     std::atomic<bool>     changed{false}; // a model file changed or could not be read: the tier stops
     const bool            ahead_on;       // llama_moe_cache_params.read_ahead
 
-    // experts whose drop is queued to the reader (drop: its number; 0 while in to_drop), not known done
+    // experts whose drop is queued to the reader (drop: its number; 0 until reclaim queues it), not
+    // known done
     struct dropping {
         int32_t  i      = -1;
         int32_t  expert = -1;
         uint64_t drop   = 0;
     };
-    std::vector<dropping>             drops;
-    std::vector<llama_moe_file_range> to_drop;
+    std::vector<dropping> drops;
 
     // experts read for one layer of one ubatch without a slot, each a spare once its layer has run and
     // its batch is done

@@ -47,8 +47,7 @@ uint64_t llama_moe_reader::queue(std::vector<llama_moe_file_range> ranges, uint6
     {
         std::lock_guard<std::mutex> lock(mutex);
         ticket = ++n_queued;
-        batches.push_back({ ticket, std::move(ranges) });
-        batches.back().after_drop = after_drop;
+        batches.push_back({ ticket, std::move(ranges), after_drop });
     }
     work.notify_one();
     return ticket;
