@@ -34,7 +34,8 @@ start of the runs (medians); for the tier's limited rows, from its stats (LLAMA_
 per decode token: the bytes it read, of them read ahead and not selected, the time the layers
 waited for their reads, and the share of the experts read ahead that their layer selected; and,
 token by token, a least-squares fit of a decode token's time to the bytes it read (ms per MB read,
-the CPU's work on a read included, and ms at no read). Pages other processes cached first
+the CPU's work on a read included, and ms at no read), and the mean time of each request's first
+two decode tokens and of the others. Pages other processes cached first
 (the Python and llama.cpp libraries) count in RSS but not in the cgroup. The disk (unless --no-disk): O_DIRECT reads of
 the model file, sequential 2 MiB requests at queue depth 1 and with --disk-threads threads, and
 4 KiB requests at random offsets at queue depth 1; then requests of one expert's tensor at random
@@ -44,7 +45,7 @@ the experts that fit in the limit beside everything else stay resident, and each
 the rest of its experts once at the best sequential bandwidth. And for each limited tier row its
 roofline, the fastest a limited decode can be: max(the in-RAM tier row's decode time per token,
 the row's own disk bytes per decode token at the best disk rate measured), and the share of it
-the row's decode reached.
+the row's decode reached, and its tokens after each request's first two.
 
 Like every script here it imports the installed moecache package (scripts/bootstrap.sh installs
 it, editable, with the patched llama-cpp-python).
@@ -83,7 +84,10 @@ RANDOM_READ_SECONDS = 2.0
 READ_PATH_REQUESTS = 400  # expert-sized requests per read path and measurement (half each)
 MADV_POPULATE_READ = 22   # Linux 5.14 (the mmap module does not name it)
 READ_KEYS = ("read_bytes_per_token", "wasted_bytes_per_token", "wait_ms_per_token", "read_ahead_precision")
-FIT_KEYS = ("decode_ms_per_read_mb", "decode_ms_at_no_read")
+TOKEN_KEYS = ("decode_ms_per_read_mb", "decode_ms_at_no_read", "decode_ms_first", "decode_ms_later")
+# the decode tokens right after a prompt, timed apart from the others: the first touch of the memory its
+# reads land in can cost a VM far more than a later token pays (docs/notes/ram-read-ahead.md)
+FIRST_TOKENS = 2
 
 
 class BenchError(ValueError):
@@ -536,8 +540,9 @@ def run_requests(llm, prompts: list[list[int]], n_predict: int) -> dict:
     from moecache.live.decode import greedy
 
     tokens = TokenReads(llm)
-    runs, read_prompts, read_decodes = [], 0, 0
+    runs, read_prompts, read_decodes, starts = [], 0, 0, []
     for prompt in prompts:
+        starts.append(len(tokens.ms))
         read_request = _io_read_bytes()
         tokens.first_read = None
         runs.append(greedy(llm, prompt, n_predict))
@@ -550,7 +555,7 @@ def run_requests(llm, prompts: list[list[int]], n_predict: int) -> dict:
             "requests": [{"prompt_tokens": len(prompt), "prompt_tok_s": len(prompt) / run.prompt_seconds,
                           "decode_tok_s": n_predict / run.seconds} for prompt, run in zip(prompts, runs)],
             "read_bytes_prompt": read_prompts, "decode_read_bytes_per_token": read_decodes / n_decoded,
-            **token_time_fit(tokens.ms, tokens.read_bytes)}
+            **token_time_fit(tokens.ms, tokens.read_bytes), **token_phases(tokens.ms, starts)}
 
 
 class TokenReads:
@@ -585,6 +590,14 @@ def token_time_fit(token_ms: list[float], token_read_bytes: list[int]) -> dict:
     return {"decode_ms_per_read_mb": slope, "decode_ms_at_no_read": intercept}
 
 
+def token_phases(token_ms: list[float], starts: list[int]) -> dict:
+    """The mean time of each request's first FIRST_TOKENS decode tokens (starts: where each request's
+    tokens begin in token_ms) and of the others; None for a phase without a token."""
+    first = {i for start in starts for i in range(start, start + FIRST_TOKENS)}
+    phases = ([ms for i, ms in enumerate(token_ms) if i in first], [ms for i, ms in enumerate(token_ms) if i not in first])
+    return {key: statistics.fmean(ms) if ms else None for key, ms in zip(("decode_ms_first", "decode_ms_later"), phases)}
+
+
 def _io_read_bytes() -> int:
     """Bytes this process made the kernel read from storage (page faults on the model included)."""
     with open("/proc/self/io") as f:
@@ -616,7 +629,7 @@ def summarize(args, runs: dict) -> list[dict]:
                "failures": sorted({r["status"] for r in config_runs if r["status"] != "ok"})}
         for key in ("decode_tok_s", "prompt_tok_s", "cached_at_start", "page_cache_bytes", "peak_rss_bytes",
                     "anon_bytes", "file_huge_bytes", "decode_read_bytes_per_token", "load_s", "load_average", *READ_KEYS,
-                    *FIT_KEYS):
+                    *TOKEN_KEYS):
             values = [r[key] for r in ok if r.get(key) is not None]
             row[key] = statistics.median(values) if values else None
             if key in ("decode_tok_s", "prompt_tok_s"):
@@ -872,7 +885,9 @@ def rooflines(report: dict) -> dict:
         ram_ms = 1e3 / in_ram["decode_tok_s"]
         read_ms = row["decode_read_bytes_per_token"] / (gbps * 1e9) * 1e3
         tok_s = 1e3 / max(ram_ms, read_ms)
-        out[row["config"]] = {"tok_s": tok_s, "share": _share(row["decode_tok_s"], tok_s), "ram_ms": ram_ms,
+        later = row.get("decode_ms_later")
+        out[row["config"]] = {"tok_s": tok_s, "share": _share(row["decode_tok_s"], tok_s),
+                              "later_share": _share(1e3 / later, tok_s) if later else None, "ram_ms": ram_ms,
                               "read_ms": read_ms, "gbps": gbps, "gbps_from": gbps_from,
                               "read_bytes_per_token": row["decode_read_bytes_per_token"]}
     return out
@@ -883,6 +898,8 @@ def _roofline_lines(report: dict) -> list[str]:
             f"read per token at {r['gbps']:.2f} GB/s {r['read_ms']:.1f} ms) per token = {r['tok_s']:.1f} tok/s "
             f"(the best disk rate of this run: {r['gbps_from']}); "
             f"the decode reached {_fmt(r['share'], '.0%')} of it"
+            + ("" if r.get("later_share") is None else
+               f" (its tokens after each request's first {FIRST_TOKENS}: {_fmt(r['later_share'], '.0%')})")
             for config, r in report.get("roofline", {}).items()]
 
 
@@ -972,7 +989,10 @@ def _reads_lines(rows: list[dict]) -> list[str]:
                    f"at the end, {(r.get('file_huge_bytes') or 0) / MB:.0f} MB of the model mapped in huge pages")
         if r.get("decode_ms_per_read_mb") is not None:
             out.append(f"Decode of {r['config']}, token by token (least squares, median of the runs): "
-                       f"{r['decode_ms_per_read_mb']:.2f} ms per MB read, {r['decode_ms_at_no_read']:.1f} ms at no read")
+                       f"{r['decode_ms_per_read_mb']:.2f} ms per MB read, {r['decode_ms_at_no_read']:.1f} ms at no read"
+                       + ("" if r.get("decode_ms_first") is None or r.get("decode_ms_later") is None else
+                          f"; each request's first {FIRST_TOKENS} tokens {r['decode_ms_first']:.1f} ms each, "
+                          f"the others {r['decode_ms_later']:.1f} ms"))
     return out
 
 

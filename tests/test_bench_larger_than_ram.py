@@ -198,6 +198,9 @@ def test_roofline_of_each_limited_tier_row(bench):
     # 25 MB at 1.25 GB/s: 20 ms, over the 20 ms in RAM... equal: 50 tok/s, reached 40%
     assert (r["ram_ms"], r["read_ms"]) == (pytest.approx(20.0), pytest.approx(20.0))
     assert (r["tok_s"], r["share"]) == (pytest.approx(50.0), pytest.approx(0.4))
+    assert r["later_share"] is None  # the row timed no token apart
+    report["rows"][3]["decode_ms_later"] = 25.0  # 40 tok/s after the first tokens: 80% of 50
+    assert bench.rooflines(report)["tier, limited"]["later_share"] == pytest.approx(0.8)
     report["rows"][3]["decode_read_bytes_per_token"] = 50 * MB  # disk bound: 40 ms
     assert bench.rooflines(report)["tier, limited"]["tok_s"] == pytest.approx(25.0)
     report["disk"] = None
@@ -237,6 +240,15 @@ def test_a_tokens_time_is_fitted_against_its_reads(bench):
     assert bench.token_time_fit([30.0, 31.0, 29.0], [0, 0, 0]) == {"decode_ms_per_read_mb": None,
                                                                     "decode_ms_at_no_read": None}
     assert bench.token_time_fit([30.0, 40.0], [0, MB])["decode_ms_per_read_mb"] is None
+
+
+def test_each_requests_first_tokens_are_timed_apart(bench):
+    assert bench.FIRST_TOKENS == 2
+    # two requests of 4 tokens: 100, 80 | 50, 60 and 90, 70 | 40, 50
+    phases = bench.token_phases([100.0, 80.0, 50.0, 60.0, 90.0, 70.0, 40.0, 50.0], [0, 4])
+    assert phases == {"decode_ms_first": pytest.approx(85.0), "decode_ms_later": pytest.approx(50.0)}
+    assert bench.token_phases([100.0, 80.0], [0]) == {"decode_ms_first": pytest.approx(90.0), "decode_ms_later": None}
+    assert bench.token_phases([], [0]) == {"decode_ms_first": None, "decode_ms_later": None}
 
 
 def test_the_read_paths_cost_the_cpu_per_mb_read(bench, tmp_path):
