@@ -44,9 +44,9 @@ ggml_tensor * llama_moe_cache::stock_ids(ggml_context * ctx, const llama_moe_cac
     return routing.stock_ids(ctx, cl.i, cl.n_expert_used, n_tokens);
 }
 
-void llama_moe_cache::observe(const ggml_tensor * ids, const ggml_tensor * skip, void * userdata) {
+void llama_moe_cache::observe(const ggml_tensor * as, const ggml_tensor * ids, const ggml_tensor * skip, void * userdata) {
     const auto * cl = (const llama_moe_cache_layer *) userdata;
-    cl->cache->observe_matmul(*cl, ids, skip);
+    cl->cache->observe_matmul(*cl, as, ids, skip);
 }
 
 void llama_moe_cache::count(const llama_moe_cache_layer & cl, const int32_t * served) {

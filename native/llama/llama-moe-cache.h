@@ -77,8 +77,8 @@ public:
     // llama_moe_cache_layer as userdata: the first of the layer's matmuls to run records the
     // selected ids and starts eager admissions (the RAM tier: reads the missing experts in; under a
     // device cache it runs first, on the experts the device does not hold); the last one waits for the
-    // layer's lane copies, which the device half reads once the CPU half is done
-    static void observe(const ggml_tensor * ids, const ggml_tensor * skip, void * userdata);
+    // layer's lane copies, which the device half reads once the CPU half is done; as: the matmul's experts
+    static void observe(const ggml_tensor * as, const ggml_tensor * ids, const ggml_tensor * skip, void * userdata);
 
     // the first matmul of layer cl to run: records its ids, skip the graph's table (the tier's own, or
     // the device cache's above the RAM tier), and starts what the layer's selections call for
@@ -127,7 +127,7 @@ protected:
     llama_moe_cache(int32_t max_batch, bool has_lane) : max_batch(max_batch), has_lane(has_lane) {}
 
     // one CPU matmul of layer cl is about to run (see observe)
-    virtual void observe_matmul(const llama_moe_cache_layer & cl, const ggml_tensor * ids, const ggml_tensor * skip) = 0;
+    virtual void observe_matmul(const llama_moe_cache_layer & cl, const ggml_tensor * as, const ggml_tensor * ids, const ggml_tensor * skip) = 0;
 
     // the tier's part of a boundary: before the step callback, and after it (the tables written and
     // the staged uploads started)

@@ -166,7 +166,8 @@ void llama_moe_device::set_below(const llama_moe_cache * ram) {
 // graph
 //
 
-void llama_moe_device::observe_matmul(const llama_moe_cache_layer & cl, const ggml_tensor * ids, const ggml_tensor * skip) {
+void llama_moe_device::observe_matmul(const llama_moe_cache_layer & cl, const ggml_tensor * as, const ggml_tensor * ids, const ggml_tensor * skip) {
+    GGML_UNUSED(as);
     if (const llama_moe_cache_layer * ram = below[cl.i]) {
         // the RAM tier first: the experts it reads in are then in memory for the device's uploads
         ram->cache->record(*ram, ids, skip);

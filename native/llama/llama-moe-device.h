@@ -33,7 +33,7 @@ public:
     void set_upload_delay_us(int64_t delay_us) override { upload_delay_us = delay_us; }
 
 protected:
-    void observe_matmul(const llama_moe_cache_layer & cl, const ggml_tensor * ids, const ggml_tensor * skip) override;
+    void observe_matmul(const llama_moe_cache_layer & cl, const ggml_tensor * as, const ggml_tensor * ids, const ggml_tensor * skip) override;
     void boundary_begin() override;
     void boundary_end(uint32_t n_tokens, uint32_t n_outputs) override;
     bool file_changed() const override { return worker.failed(); }

@@ -191,10 +191,10 @@ void llama_moe_ram::predicted(const llama_moe_cache_layer & next, const ggml_ten
     }
 }
 
-void llama_moe_ram::observe_matmul(const llama_moe_cache_layer & cl, const ggml_tensor * ids, const ggml_tensor * skip) {
+void llama_moe_ram::observe_matmul(const llama_moe_cache_layer & cl, const ggml_tensor * as, const ggml_tensor * ids, const ggml_tensor * skip) {
     record(cl, ids, skip);
     if (skip == cl.skip_late) {
-        finish_late_reads(); // the second pass computes what they read
+        finish_late_reads(as); // the second pass computes what they read
     }
 }
 
@@ -247,11 +247,12 @@ void llama_moe_ram::read_misses(const llama_moe_cache_layer & cl, const std::vec
     p.i          = cl.i;
     p.n_admitted = (int32_t) admitted.size();
     p.t0         = std::chrono::steady_clock::now();
+    p.parts.assign(cl.parts.size(), 0);
     reads demand;
     if (!changed) {
-        std::vector<int32_t> experts = misses(cl, p.ticket);
+        std::vector<int32_t> experts = misses(cl, p);
         demand = queue_reads(cl.i, std::move(experts));
-        p.ticket = std::max(p.ticket, demand.ticket);
+        p.join(demand);
         for (size_t n : demand.bytes) {
             layer_counters[cl.i].upload_bytes += n;
         }
@@ -270,9 +271,9 @@ void llama_moe_ram::read_misses(const llama_moe_cache_layer & cl, const std::vec
     finish_reads(p);
 }
 
-// the selected experts of layer cl that are neither kept nor read ahead; ticket: the read-ahead's
-// batch, when a selected expert is in it. The experts read ahead are counted used or wasted
-std::vector<int32_t> llama_moe_ram::misses(const llama_moe_cache_layer & cl, uint64_t & ticket) {
+// the selected experts of layer cl that are neither kept nor read ahead; p waits for the read-ahead's
+// batches when a selected expert is in them. The experts read ahead are counted used or wasted
+std::vector<int32_t> llama_moe_ram::misses(const llama_moe_cache_layer & cl, pending & p) {
     const llama_moe_slots & ls = slots[cl.i];
     const reads & ah = ahead[cl.i];
     const int32_t * ids = routing.row(cl.i);
@@ -287,7 +288,7 @@ std::vector<int32_t> llama_moe_ram::misses(const llama_moe_cache_layer & cl, uin
             continue;
         }
         if (in[e] == 1) {
-            ticket = ah.ticket;
+            p.join(ah);
         } else {
             out.push_back(e);
         }
@@ -412,30 +413,47 @@ void llama_moe_ram::write_passes(const llama_moe_cache_layer & cl, const reads &
     }
 }
 
-// wait for the reads of a layer (a failed one stops the tier)
-void llama_moe_ram::finish_reads(const pending & p) {
+// wait for the reads of layer p.i up to batch ticket (a failed one stops the tier)
+bool llama_moe_ram::wait_reads(const pending & p, uint64_t ticket) {
     const auto t = std::chrono::steady_clock::now();
-    const bool ok = !changed && reader->wait(p.ticket);
-    auto & c = layer_counters[p.i];
-    c.uploads      += ok ? p.n_admitted : 0;
-    c.upload_us    += moe_us_since(p.t0);
-    c.read_wait_us += moe_us_since(t);
+    const bool ok = !changed && reader->wait(ticket);
+    layer_counters[p.i].read_wait_us += moe_us_since(t);
     if (!ok) {
         fail_reads();
     }
+    return ok;
+}
+
+// every read of layer p.i is in: its admissions count
+void llama_moe_ram::finish_reads(const pending & p) {
+    const bool ok = wait_reads(p, p.ticket);
+    auto & c = layer_counters[p.i];
+    c.uploads   += ok ? p.n_admitted : 0;
+    c.upload_us += moe_us_since(p.t0);
 }
 
 // the second pass of a layer whose misses were read while its first pass ran (a failed read: the
 // second pass computes nothing)
-void llama_moe_ram::finish_late_reads() {
+void llama_moe_ram::finish_late_reads(const ggml_tensor * as) {
     if (late.i < 0) {
         return;
     }
-    const pending p = late;
-    late = pending();
-    finish_reads(p);
+    const auto & cl = layers[late.i];
+    // the matmul of one part waits for that part's reads (those queued before them are read first);
+    // with no part named (a graph that stopped before the second pass), or the last matmul, for all
+    size_t k = 0;
+    while (k < cl.parts.size() && cl.parts[k].exps != as) {
+        ++k;
+    }
+    const bool last = k == cl.parts.size() || ++late.n_waited == (int32_t) cl.parts.size();
+    if (last) {
+        const pending p = late;
+        late = pending();
+        finish_reads(p);
+    } else {
+        wait_reads(late, late.parts[k]);
+    }
     if (changed) {
-        const auto & cl = layers[p.i];
         std::fill((int32_t *) cl.skip_late->data, (int32_t *) cl.skip_late->data + cl.n_expert, 1);
     }
 }
@@ -451,28 +469,38 @@ llama_moe_ram::reads llama_moe_ram::queue_reads(int32_t i, std::vector<int32_t> 
         unretire(i, e); // (a spare is read from memory: its bytes are held still, as the others')
     }
     reclaim(experts.size()*layers[i].expert_bytes());
+    const auto & parts = layers[i].parts;
     reads r;
-    std::vector<llama_moe_file_range> ranges;
+    r.parts.assign(parts.size(), 0);
+    std::vector<int32_t> to_read;
     // a ubatch that reads whole layers (a prompt) reads once the drops before it gave their memory
     // back; a decode token's few reads start at once, beside its few drops, but for an expert being
     // dropped, read whole after its drop
     uint64_t after_drop = whole_layer_ahead(i) ? reader->last_drop() : 0;
     for (int32_t e : experts) {
         size_t n = 0;
-        const size_t n_ranges = ranges.size();
         const uint64_t drop = drop_of(i, e);
         after_drop = std::max(after_drop, drop);
-        for (const auto & part : layers[i].parts) {
-            ranges.push_back(moe_range(part, e));
-            n += drop ? ranges.back().size : files.missing(ranges.back());
+        for (const auto & part : parts) {
+            const llama_moe_file_range range = moe_range(part, e);
+            n += drop ? range.size : files.missing(range);
         }
-        if (n == 0) {
-            ranges.resize(n_ranges);
+        if (n > 0) {
+            to_read.push_back(e);
         }
         r.bytes.push_back(n);
     }
+    // a batch per part, in the parts' order (down last): the second pass's first matmuls compute
+    // while the last part is read
+    for (size_t k = 0; k < parts.size() && !to_read.empty(); ++k) {
+        std::vector<llama_moe_file_range> ranges;
+        for (int32_t e : to_read) {
+            ranges.push_back(moe_range(parts[k], e));
+        }
+        r.parts[k] = reader->queue(std::move(ranges), after_drop);
+        r.ticket   = std::max(r.ticket, r.parts[k]);
+    }
     r.experts = std::move(experts);
-    r.ticket  = reader->queue(std::move(ranges), after_drop);
     return r;
 }
 
@@ -660,7 +688,7 @@ void llama_moe_ram::retire_transient(bool all) {
 //
 
 void llama_moe_ram::boundary_begin() {
-    finish_late_reads(); // a graph that stopped before a layer's second pass
+    finish_late_reads(nullptr); // a graph that stopped before a layer's second pass
     reader->wait(reader->last());
 }
 

@@ -4,6 +4,7 @@
 #include "llama-moe-file.h"
 #include "llama-moe-reader.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -46,7 +47,7 @@ public:
     bool stopped() const override { return changed; }
 
 protected:
-    void observe_matmul(const llama_moe_cache_layer & cl, const ggml_tensor * ids, const ggml_tensor * skip) override;
+    void observe_matmul(const llama_moe_cache_layer & cl, const ggml_tensor * as, const ggml_tensor * ids, const ggml_tensor * skip) override;
     void boundary_begin() override;
     void boundary_end(uint32_t n_tokens, uint32_t n_outputs) override;
     bool file_changed() const override { return changed; }
@@ -55,12 +56,14 @@ protected:
 private:
     using time_point = std::chrono::steady_clock::time_point;
 
-    // experts of one layer on their way in: one batch of the reader (ticket), the bytes each took
-    // from the file (0: resident already)
+    // experts of one layer on their way in, a batch of the reader per part (the matmul that computes
+    // a part waits for its own: parts), the last of them (ticket), and the bytes each expert took from
+    // the file (0: resident already)
     struct reads {
-        std::vector<int32_t> experts;
-        std::vector<size_t>  bytes;
-        uint64_t             ticket = 0;
+        std::vector<int32_t>  experts;
+        std::vector<size_t>   bytes;
+        std::vector<uint64_t> parts; // [part] its batch; 0: nothing to read
+        uint64_t              ticket = 0;
     };
 
     // an expert read for one layer without a slot
@@ -70,12 +73,24 @@ private:
         uint64_t ticket = 0;
     };
 
-    // the reads of a layer the CPU waits for in its second pass (or before its only one)
+    // the reads of a layer the CPU waits for in its second pass, each matmul for its part's (or all of
+    // them before its only pass)
     struct pending {
-        int32_t    i      = -1; // the layer; -1: none
-        uint64_t   ticket = 0;
-        int32_t    n_admitted = 0;
-        time_point t0;
+        int32_t               i      = -1; // the layer; -1: none
+        uint64_t              ticket = 0;
+        std::vector<uint64_t> parts;       // [part] the last batch holding its reads
+        int32_t               n_waited   = 0; // the second pass's matmuls that waited
+        int32_t               n_admitted = 0;
+        time_point            t0;
+
+        // wait for r's reads too, each part for r's batch of it
+        void join(const reads & r) {
+            parts.resize(std::max(parts.size(), r.parts.size()), 0);
+            for (size_t k = 0; k < r.parts.size(); ++k) {
+                parts[k] = std::max(parts[k], r.parts[k]);
+            }
+            ticket = std::max(ticket, r.ticket);
+        }
     };
 
     void read_all();
@@ -84,14 +99,15 @@ private:
     // them, the tables of its two passes
     void read_misses(const llama_moe_cache_layer & cl, const std::vector<llama_moe_upload> & admitted,
                      const ggml_tensor * now, const ggml_tensor * later);
-    std::vector<int32_t> misses(const llama_moe_cache_layer & cl, uint64_t & ticket);
+    std::vector<int32_t> misses(const llama_moe_cache_layer & cl, pending & p);
     void note_transient(const llama_moe_cache_layer & cl, const reads & demand, const std::vector<llama_moe_upload> & admitted);
     void read_ahead_of(int32_t i);
     std::vector<int32_t> predicted_experts(int32_t i) const;
     bool whole_layer_ahead(int32_t i) const;
     void write_passes(const llama_moe_cache_layer & cl, const reads & demand, int32_t * first, int32_t * second) const;
+    bool wait_reads(const pending & p, uint64_t ticket);
     void finish_reads(const pending & p);
-    void finish_late_reads();
+    void finish_late_reads(const ggml_tensor * as);
 
     // the model file: reads queued to the reader, drops
     reads queue_reads(int32_t i, std::vector<int32_t> experts);
