@@ -83,9 +83,8 @@ private:
         int32_t               n_admitted = 0;
         time_point            t0;
 
-        // wait for r's reads too, each part for r's batch of it
+        // wait for r's reads too, each part for r's batch of it (r read nothing: no parts)
         void join(const reads & r) {
-            parts.resize(std::max(parts.size(), r.parts.size()), 0);
             for (size_t k = 0; k < r.parts.size(); ++k) {
                 parts[k] = std::max(parts[k], r.parts[k]);
             }
