@@ -20,7 +20,7 @@ from conftest import (N_THREADS, PROMPT, REPO, default_params, greedy, load, out
 llama_cpp = pytest.importorskip("llama_cpp")
 
 from moecache.formats.traces import DECODE, PREFILL, READS, read_trace  # noqa: E402
-from moecache.live import native  # noqa: E402
+from moecache.live import native, ramtier  # noqa: E402
 from moecache.live.activate import attach  # noqa: E402
 from moecache.live.config import CacheConfig, ConfigError  # noqa: E402
 from moecache.live.placement import experts_from_file  # noqa: E402
@@ -383,7 +383,27 @@ def test_ram_tier_refusals(tier_path, expert_bytes):
         CacheConfig.from_env({"LLAMA_MOE_CACHE_RAM_MIB": "lots"})
 
 
-def test_zero_code_ram_tier_sizes_itself_from_the_memory_it_may_use(smol_path):
+def test_zero_code_ram_tier_at_auto_steps_aside_for_a_model_that_fits(smol_path):
+    """RAM_MIB=auto where every expert fits what the process may use: the model loads as without
+    the tier (stock's loading repacks the experts, which the tier's mapping cannot), one line says
+    why, and the text is stock's."""
+    code = f"""
+        import llama_cpp
+        llm = llama_cpp.Llama({smol_path!r}, n_gpu_layers=0, n_ctx=512, verbose=False)
+        print(llm.create_completion("The three primary colors are", max_tokens=8, temperature=0)["choices"][0]["text"])
+        from moecache.live.activate import live_caches
+        print("CACHES", len(live_caches()))
+    """
+    stock = run_python(code, {})
+    run = run_python(code, {"LLAMA_MOE_CACHE_RAM_MIB": "auto"})
+    assert run.returncode == 0 and stock.returncode == 0, run.stderr + stock.stderr
+    assert run.stdout == stock.stdout and "CACHES 0" in run.stdout, (run.stdout, stock.stdout)
+    lines = [line for line in run.stderr.splitlines() if line.startswith("moecache:")]
+    assert len(lines) == 1 and "LLAMA_MOE_CACHE_RAM_MIB=auto: all of" in lines[0] and "fits" in lines[0] \
+        and lines[0].endswith("no RAM tier, the model was loaded as without it"), run.stderr
+
+
+def test_zero_code_ram_tier_keeps_what_its_budget_holds(smol_path):
     run = run_python(f"""
         import llama_cpp
         llm = llama_cpp.Llama({smol_path!r}, n_gpu_layers=0, n_ctx=512, verbose=False)
@@ -391,11 +411,23 @@ def test_zero_code_ram_tier_sizes_itself_from_the_memory_it_may_use(smol_path):
         from moecache.live.activate import live_caches
         cache = live_caches()[0]
         print("SLOTS", cache.slots, cache.layers[0].device, cache.stats()["totals"]["misses"] > 0)
-    """, {"LLAMA_MOE_CACHE_RAM_MIB": "auto", "LLAMA_MOE_CACHE_DEBUG": "1"})
+    """, {"LLAMA_MOE_CACHE_RAM_MIB": "200", "LLAMA_MOE_CACHE_DEBUG": "1"})
     assert run.returncode == 0, run.stderr
-    assert "RAM tier" in run.stderr and "may be used" in run.stderr, run.stderr
+    assert "RAM tier" in run.stderr and "RAM_MIB=200" in run.stderr, run.stderr
     slots_line = next(line for line in run.stdout.splitlines() if line.startswith("SLOTS"))
-    assert slots_line.split()[2:] == ["RAM", "True"]
+    assert 0 < int(slots_line.split()[1]) < 8 and slots_line.split()[2:] == ["RAM", "True"], slots_line
+
+
+def test_the_ram_tier_is_needed_only_where_some_expert_does_not_fit(smol_path):
+    """fits_whole: RAM_MIB=N against the experts' bytes; auto against what the process may use, with
+    the weights outside the experts and a KV cache of the model's whole context."""
+    assert ramtier.fits_whole(smol_path, 381).endswith("fits (380 MiB)")  # 30 layers x 8 experts of 1.58 MiB
+    assert ramtier.fits_whole(smol_path, 379) is None
+    fits = ramtier.fits_whole(smol_path, "auto", available=(800 * MIB, "MemAvailable"))
+    assert fits.endswith("fits (682 MiB with its 380 MiB of experts and a KV cache of 8192 tokens, 800 MiB "
+                         "available, MemAvailable)"), fits  # (45 MiB of other weights, 180 of KV, 13 of reads, 64 reserve)
+    assert ramtier.fits_whole(smol_path, "auto", available=(600 * MIB, "MemAvailable")) is None
+    assert ramtier.fits_whole(smol_path, "auto", available=(None, "unknown")) is None
 
 
 def test_run_py_ram_mib(smol_path):
@@ -579,9 +611,9 @@ def test_zero_code_both_tiers_size_themselves(smol_path):
               stats["totals"]["hits"] + stats["totals"]["misses"] > 0,
               stats["ram_tier"]["totals"]["hits"] + stats["ram_tier"]["totals"]["misses"] > 0)
         llm.close()
-    """, {"LLAMA_MOE_CACHE_SLOTS": "2", "LLAMA_MOE_CACHE_RAM_MIB": "auto", "LLAMA_MOE_CACHE_DEBUG": "1"})
+    """, {"LLAMA_MOE_CACHE_SLOTS": "2", "LLAMA_MOE_CACHE_RAM_MIB": "200", "LLAMA_MOE_CACHE_DEBUG": "1"})
     assert run.returncode == 0, run.stderr
-    assert "RAM tier" in run.stderr and "may be used" in run.stderr and "the device did not serve" in run.stderr, \
+    assert "RAM tier" in run.stderr and "RAM_MIB=200" in run.stderr and "the device did not serve" in run.stderr, \
         run.stderr
     tiers = next(line for line in run.stdout.splitlines() if line.startswith("TIERS")).split()
     assert tiers[1] == "2" and int(tiers[2]) >= 1 and tiers[3:] == ["RAM", "True", "True"], tiers

@@ -5,17 +5,17 @@ host memory (install, called by the patched llama_cpp)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import os
 import sys
 
-from . import native, placement, sizing
+from . import native, placement, ramtier, sizing
 from .allocation import allocate
 from .cache import LiveCache
 from .config import CacheConfig, ConfigError
 from .probe import CacheUnavailable, model_file, probe, track_model_files
-from .ramtier import open_ram_tier
 from .rates import planner_rates
 
 log = logging.getLogger("moecache")
@@ -77,7 +77,12 @@ def _open_cache(ctx, config: CacheConfig, *, model_name: str, model_path: str | 
     try:
         # the new cache replaces what the context had, in both tiers (with their step callbacks)
         _release(ctx)
-        ram = open_ram_tier(ctx, config) if config.ram_tier else None
+        whole = config.ram_tier and model_path and placement.loaded_whole.get(os.path.realpath(model_path))
+        if whole and not config.device_cache:
+            raise ramtier.WholeModelFits(f"{whole}: no RAM tier, the model was loaded as without it")
+        if whole:
+            log.warning("moecache: %s: no RAM tier, the device cache alone", whole)
+        ram = ramtier.open_ram_tier(ctx, config) if config.ram_tier and not whole else None
         if not config.device_cache:
             plan, layers = ram
             return LiveCache(ctx, config, plan, layers, arch=native.model_metadata(ctx, "general.architecture") or "?",
@@ -181,6 +186,8 @@ def install() -> bool:
         try:
             cache = _open_cache(native.as_context(ctx), config, model_path=model_file(ctx),
                                 model_name=native.model_metadata(ctx, "general.name") or "model")
+        except ramtier.WholeModelFits as e:
+            log.warning("moecache: %s", e)
         except (ConfigError, CacheUnavailable) as e:
             log.warning("moecache: no expert cache for this context: %s", e)
         except Exception as e:  # never break context creation
@@ -192,7 +199,8 @@ def install() -> bool:
     context_callback = native.ffi.callback("llama_moe_cache_context_callback", on_context)
     lib.llama_moe_cache_set_context_callback(context_callback, native.ffi.NULL)
     if config.ram_tier:
-        placement.place_experts_in_file()
+        placement.place_experts_in_file(functools.partial(ramtier.fits_whole, ram_mib=config.ram_mib),
+                                        bool(config.repack) if config.device_cache else None)
     else:
         placement.place_experts_on_host(repack=bool(config.repack))
     return True

@@ -14,7 +14,6 @@ import sys
 from ..util import OneLineParser, gbps_arg, int_arg
 
 GGML_MAX_N_THREADS = 512  # ggml.h: more threads overrun ggml's per-thread arrays (a segfault)
-N_UBATCH = 512  # llama_cpp's default
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -94,7 +93,7 @@ def _run(args) -> int:
                                   link_gbps=args.link_gbps, host_gbps=args.host_gbps, **sizing)
     model = _model_file(args.model)
     if config.ram_mib == "auto" and not config.device_cache:  # the weights load into this memory:
-        from .ramtier import check_room                          # the kernel would kill a load too large
+        from .ramtier import N_UBATCH, check_room                # the kernel would kill a load too large
 
         check_room(model, _n_ctx(args), N_UBATCH)
     if config.ram_tier:
@@ -151,11 +150,16 @@ def _device() -> str:
 def load_model(model: str, args, config):
     """The model as run.py runs it: its experts where the cache reads them (the model file for
     the RAM tier, else host buffers, repacked or plain)."""
+    import functools
+
     import llama_cpp
 
     from .placement import experts_from_file, experts_on_host
+    from .ramtier import N_UBATCH, fits_whole
 
-    with experts_from_file() if config.ram_tier else experts_on_host(repack=bool(config.repack)):
+    fits = functools.partial(fits_whole, ram_mib=config.ram_mib)
+    with experts_from_file(fits, bool(config.repack) if config.device_cache else None) if config.ram_tier else \
+            experts_on_host(repack=bool(config.repack)):
         return llama_cpp.Llama(model, n_gpu_layers=args.n_gpu_layers, n_ctx=_n_ctx(args), n_ubatch=N_UBATCH,
                                seed=args.seed, n_threads=args.threads, verbose=False)
 

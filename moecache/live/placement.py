@@ -95,26 +95,39 @@ def apply_from_file(params: llama_cpp_lib.llama_model_params) -> llama_cpp_lib.l
     return params
 
 
+# the models loaded whole although the RAM tier was asked for: their real path -> why (fits, below)
+loaded_whole: dict[str, str] = {}
+
+
 @contextlib.contextmanager
-def experts_from_file():
+def experts_from_file(fits=None, device_repack: bool | None = None):
     """Within this block, llama_cpp.Llama(...) loads models for the RAM tier (attach(ram_mib=...)):
         with moecache.experts_from_file():
             llm = llama_cpp.Llama(model_path)
-    """
-    stock = place_experts_in_file()
+    fits, device_repack: as place_experts_in_file's."""
+    stock = place_experts_in_file(fits, device_repack)
     try:
         yield
     finally:
         _set_loader(stock)
 
 
-def place_experts_in_file():
+def place_experts_in_file(fits=None, device_repack: bool | None = None):
     """From now on llama_cpp.Llama(...) loads models for the RAM tier (what LLAMA_MOE_CACHE_RAM_MIB
-    does). Returns the loader function it replaced."""
+    does). Returns the loader function it replaced. fits(path): None, or one line saying why the
+    model needs no tier (ramtier.fits_whole): such a model loads as it would without the tier (its
+    experts on the host for a device cache, repacked or not, where device_repack is not None), noted
+    in loaded_whole (the cache says so at the context: llama_cpp silences a load that is not verbose)."""
     stock = llama_cpp_lib.llama_model_load_from_file
 
     def load(path_model, params):
-        return stock(path_model, apply_from_file(params))
+        why = fits(os.fsdecode(path_model)) if fits else None
+        if why is None:
+            return stock(path_model, apply_from_file(params))
+        loaded_whole[os.path.realpath(os.fsdecode(path_model))] = why
+        if device_repack is not None:
+            params = apply(params, repack=device_repack and _file_source(path_model))
+        return stock(path_model, params)
 
     _set_loader(load)
     return stock

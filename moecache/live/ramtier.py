@@ -24,6 +24,7 @@ from .probe import BANKED, CachedLayer, CacheUnavailable, cached_layers, gguf_he
 from .sizing import MIB, CachePlan, DevicePlan
 
 F16_BYTES = 2  # llama.cpp's KV cache type by default
+N_UBATCH = 512  # llama.cpp's default n_ubatch (what a load assumes before its context says)
 
 
 @dataclass
@@ -125,6 +126,37 @@ def plan_ram(config, layers: list[CachedLayer], n_ubatch: int,
     return plan
 
 
+class WholeModelFits(CacheUnavailable):
+    """The RAM tier was asked for a model that was loaded whole: every expert fits (fits_whole)."""
+
+
+def fits_whole(path: str, ram_mib: int | str, available: tuple[int | None, str] | None = None) -> str | None:
+    """Before `path` is loaded for the RAM tier: why it needs none (one line), where every expert
+    fits RAM_MIB (=N: N MiB; auto: what the process may use, by check_room's rule with a KV cache of
+    the model's whole training context). Stock loading then repacks the experts for the CPU's faster
+    kernels, which the tier, computing them from the file's mapping, cannot. None: the tier is
+    needed, or the file does not say (the tier's own sizing decides)."""
+    try:
+        facts = _gguf_facts(path)
+    except CacheUnavailable:
+        return None
+    experts = sum(facts["expert_bytes"]) * facts["n_expert"]
+    if ram_mib != "auto":
+        if experts > ram_mib * MIB:
+            return None
+        return f"{ENV_PREFIX}RAM_MIB={ram_mib}: every expert of {path} fits ({experts / MIB:.0f} MiB)"
+    free, source = available or available_memory()
+    if free is None:
+        return None
+    n_ctx = facts["n_ctx_train"]
+    transient = max(min(facts["n_expert"], N_UBATCH * facts["n_expert_used"]) * b for b in facts["expert_bytes"])
+    need = facts["other_bytes"] + facts["kv_bytes_per_token"] * n_ctx + transient + reserve(free) + experts
+    if need > free:
+        return None
+    return (f"{ENV_PREFIX}RAM_MIB=auto: all of {path} fits ({need / MIB:.0f} MiB with its {experts / MIB:.0f} MiB of "
+            f"experts and a KV cache of {n_ctx} tokens, {free / MIB:.0f} MiB available, {source})")
+
+
 def check_room(path: str, n_ctx: int, n_ubatch: int, available: tuple[int | None, str] | None = None) -> None:
     """Before `path` is loaded for the RAM tier alone at RAM_MIB=auto: CacheUnavailable, one
     line, when loading it would take what the process may use (available: (bytes, what limits
@@ -174,7 +206,8 @@ def _gguf_facts(path: str) -> dict:
     per_head = meta.get("attention.key_length", head_dim) + meta.get("attention.value_length", head_dim)
     kv = F16_BYTES * meta.get("block_count", 0) * meta.get("attention.head_count_kv", heads) * per_head
     return {"expert_bytes": [b // n_expert for _, b in sorted(banked.items())], "other_bytes": other,
-            "kv_bytes_per_token": kv, "n_expert": n_expert, "n_expert_used": n_used}
+            "kv_bytes_per_token": kv, "n_expert": n_expert, "n_expert_used": n_used,
+            "n_ctx_train": meta.get("context_length", 0)}
 
 
 def reserve(limit: int) -> int:
