@@ -271,3 +271,13 @@ def test_the_read_paths_cost_the_cpu_per_mb_read(bench, tmp_path):
     assert (costs["page_cache"]["requests"], costs["direct"]["requests"]) == (13, 14)
     for name in ("page_cache", "direct"):
         assert costs[name]["gbps"] > 0 and costs[name]["cpu_ms_per_mb"] >= 0
+
+
+def test_rounds_alternate_which_in_ram_run_comes_first(bench):
+    configs = [("stock", "ram"), ("tier", "ram"), ("stock", "limited"), ("tier", "limited"), ("tier-noahead", "limited")]
+    limited = configs[2:]
+    assert bench.round_order(configs, 0) == configs
+    assert bench.round_order(configs, 1) == [("tier", "ram"), ("stock", "ram")] + limited
+    assert bench.round_order(configs, 2) == configs
+    assert bench.round_order(configs[:2], 3) == [("tier", "ram"), ("stock", "ram")]
+    assert bench.round_order([("stock", "ram")], 1) == [("stock", "ram")]
