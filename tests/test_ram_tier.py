@@ -619,6 +619,29 @@ def test_zero_code_both_tiers_size_themselves(smol_path):
     assert tiers[1] == "2" and int(tiers[2]) >= 1 and tiers[3:] == ["RAM", "True", "True"], tiers
 
 
+def test_zero_code_both_tiers_at_auto_keep_the_device_cache_alone_for_a_model_that_fits(smol_path):
+    """SLOTS with RAM_MIB=auto where every expert fits: the experts load on the host as for the
+    device cache alone (repacked, its default), which serves them; one line says the tier is not
+    needed."""
+    run = run_python(f"""
+        from moecache.live.rpc import RpcDevice
+        device = RpcDevice(threads=1)
+        import llama_cpp
+        llm = llama_cpp.Llama({smol_path!r}, n_gpu_layers=-1, n_ctx=512, verbose=False)
+        print(llm.create_completion("The three primary colors are", max_tokens=16, temperature=0)["choices"][0]["text"])
+        from moecache.live.activate import live_caches
+        cache = live_caches()[0]
+        print("TIERS", cache.slots, cache.below, cache.stats()["totals"]["hits"] + cache.stats()["totals"]["misses"] > 0)
+        llm.close()
+    """, {"LLAMA_MOE_CACHE_SLOTS": "2", "LLAMA_MOE_CACHE_RAM_MIB": "auto"})
+    assert run.returncode == 0, run.stderr
+    lines = [line for line in run.stderr.splitlines() if line.startswith("moecache:")]
+    assert len(lines) == 1 and "LLAMA_MOE_CACHE_RAM_MIB=auto: all of" in lines[0] \
+        and lines[0].endswith("no RAM tier, the device cache alone"), run.stderr
+    tiers = next(line for line in run.stdout.splitlines() if line.startswith("TIERS")).split()
+    assert tiers[1:] == ["2", "None", "True"], tiers
+
+
 def test_run_py_ram_mib_with_slots(smol_path):
     import subprocess
 
