@@ -5,7 +5,6 @@ host memory (install, called by the patched llama_cpp)."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import logging
 import os
@@ -199,8 +198,7 @@ def install() -> bool:
     context_callback = native.ffi.callback("llama_moe_cache_context_callback", on_context)
     lib.llama_moe_cache_set_context_callback(context_callback, native.ffi.NULL)
     if config.ram_tier:
-        placement.place_experts_in_file(functools.partial(ramtier.fits_whole, ram_mib=config.ram_mib),
-                                        bool(config.repack) if config.device_cache else None)
+        placement.place_experts_in_file(**ramtier.whole_model_loading(config))
     else:
         placement.place_experts_on_host(repack=bool(config.repack))
     return True

@@ -150,15 +150,12 @@ def _device() -> str:
 def load_model(model: str, args, config):
     """The model as run.py runs it: its experts where the cache reads them (the model file for
     the RAM tier, else host buffers, repacked or plain)."""
-    import functools
-
     import llama_cpp
 
     from .placement import experts_from_file, experts_on_host
-    from .ramtier import N_UBATCH, fits_whole
+    from .ramtier import N_UBATCH, whole_model_loading
 
-    fits = functools.partial(fits_whole, ram_mib=config.ram_mib)
-    with experts_from_file(fits, bool(config.repack) if config.device_cache else None) if config.ram_tier else \
+    with experts_from_file(**whole_model_loading(config)) if config.ram_tier else \
             experts_on_host(repack=bool(config.repack)):
         return llama_cpp.Llama(model, n_gpu_layers=args.n_gpu_layers, n_ctx=_n_ctx(args), n_ubatch=N_UBATCH,
                                seed=args.seed, n_threads=args.threads, verbose=False)

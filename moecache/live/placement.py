@@ -121,10 +121,11 @@ def place_experts_in_file(fits=None, device_repack: bool | None = None):
     stock = llama_cpp_lib.llama_model_load_from_file
 
     def load(path_model, params):
-        why = fits(os.fsdecode(path_model)) if fits else None
+        path = os.fsdecode(path_model)
+        why = fits(path) if fits else None
         if why is None:
             return stock(path_model, apply_from_file(params))
-        loaded_whole[os.path.realpath(os.fsdecode(path_model))] = why
+        loaded_whole[os.path.realpath(path)] = why
         if device_repack is not None:
             params = apply(params, repack=device_repack and _file_source(path_model))
         return stock(path_model, params)

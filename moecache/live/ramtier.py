@@ -14,6 +14,7 @@ the kernel would kill the process while it loads, with nothing said."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from ..core.banks import ram_slots
@@ -149,8 +150,7 @@ def fits_whole(path: str, ram_mib: int | str, available: tuple[int | None, str] 
     if free is None:
         return None
     n_ctx = facts["n_ctx_train"]
-    transient = max(min(facts["n_expert"], N_UBATCH * facts["n_expert_used"]) * b for b in facts["expert_bytes"])
-    need = facts["other_bytes"] + facts["kv_bytes_per_token"] * n_ctx + transient + reserve(free) + experts
+    need = _need(facts, n_ctx, N_UBATCH, free) + experts
     if need > free:
         return None
     return (f"{ENV_PREFIX}RAM_MIB=auto: all of {path} fits ({need / MIB:.0f} MiB with its {experts / MIB:.0f} MiB of "
@@ -167,10 +167,9 @@ def check_room(path: str, n_ctx: int, n_ubatch: int, available: tuple[int | None
     if free is None:
         return
     facts = _gguf_facts(path)
-    loading = facts["other_bytes"] + facts["kv_bytes_per_token"] * n_ctx
     one_each = sum(facts["expert_bytes"])
-    transient = max(min(facts["n_expert"], n_ubatch * facts["n_expert_used"]) * b for b in facts["expert_bytes"])
-    need = loading + transient + reserve(free) + one_each
+    transient = _transient(facts, n_ubatch)
+    need = _need(facts, n_ctx, n_ubatch, free) + one_each
     if need > free:
         raise CacheUnavailable(
             f"{ENV_PREFIX}RAM_MIB=auto: {path} needs {need / MIB:.0f} MiB to load and keep one expert per layer "
@@ -178,6 +177,25 @@ def check_room(path: str, n_ctx: int, n_ubatch: int, available: tuple[int | None
             f"{facts['kv_bytes_per_token'] * n_ctx / MIB:.0f} MiB, one expert per layer {one_each / MIB:.0f} MiB, "
             f"{transient / MIB:.0f} MiB for one layer's reads, {reserve(free) / MIB:.0f} MiB reserve), "
             f"{free / MIB:.0f} MiB available ({source})")
+
+
+def _transient(facts: dict, n_ubatch: int) -> int:
+    """One layer's reads for a full ubatch (plan_ram's transient), from the GGUF's facts."""
+    return max(min(facts["n_expert"], n_ubatch * facts["n_expert_used"]) * b for b in facts["expert_bytes"])
+
+
+def _need(facts: dict, n_ctx: int, n_ubatch: int, free: int) -> int:
+    """What loading for the tier takes before any expert is kept: the weights outside the routed
+    experts, an F16 KV cache of n_ctx tokens, one layer's reads and the reserve."""
+    return facts["other_bytes"] + facts["kv_bytes_per_token"] * n_ctx + _transient(facts, n_ubatch) + reserve(free)
+
+
+def whole_model_loading(config) -> dict:
+    """The RAM tier's loader settings for config (placement.experts_from_file's keywords): a model
+    that needs no tier (fits_whole) loads as without it, its experts on the host for the device
+    cache when there is one."""
+    return {"fits": functools.partial(fits_whole, ram_mib=config.ram_mib),
+            "device_repack": bool(config.repack) if config.device_cache else None}
 
 
 def _gguf_facts(path: str) -> dict:
