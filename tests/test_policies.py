@@ -168,3 +168,22 @@ def test_issue_37s_candidates_score_as_they_say():
     assert fresh.S[0, 5] == pytest.approx(2 * fresh.S[0, 1]) and fresh.S[0, 0] == 0
     classes = ClassHeat()
     assert classes.n_classes == 8 and classes.base == 2.0 and classes.decay[1] == pytest.approx(2 ** (-1 / 128))
+
+
+def test_fitted_slots_moves_slots_to_the_layer_that_uses_them():
+    """experiments.fitted_slots (an oracle for issue 37): layers replayed alone add up to the whole
+    replay, and the bank's slots go where they hit: a layer that always picks one expert gives
+    its second slot to a layer cycling through three."""
+    from moecache.offline.experiments import fitted_slots
+
+    steps = 60
+    routing = np.stack([np.zeros(steps, dtype=np.int32), np.arange(steps, dtype=np.int32) % 3], axis=1)[:, :, None]
+    trace = RouteTrace.from_routing(routing, 8)
+    replay_of = lambda k: PerLayerReplay("lru", k, admission="eager")  # noqa: E731
+    uniform, fitted, slots = fitted_slots(trace, 2, replay_of, span=1)
+    assert uniform == pytest.approx(simulate(trace, replay_of(2)).hit_rate)
+    assert list(slots) == [1, 3] and fitted == pytest.approx((steps - 1 + steps - 3) / (2 * steps))
+    sticky = RouteTrace.from_routing(synthetic_routing(80, 4, 16, 2, seed=5), 16, expert_bytes=[1, 1, 2, 2])
+    uniform, fitted, slots = fitted_slots(sticky, 4, lambda k: PerLayerReplay("default", k, admission="eager"))
+    assert uniform == pytest.approx(simulate(sticky, PerLayerReplay("default", 4, admission="eager")).hit_rate)
+    assert fitted >= uniform and slots[:2].sum() == slots[2:].sum() == 8  # each bank keeps its bytes

@@ -88,6 +88,14 @@ class RouteTrace:
         return replace(self, **{name: getattr(self, name)[steps] for name in per_step
                                 if getattr(self, name) is not None})
 
+    def layer(self, i: int) -> "RouteTrace":
+        """The trace of its i-th MoE layer only (array axis 1)."""
+        per_layer = ("layers", "expert_bytes", "dense_bytes")
+        per_step = ("ids", "weights", "residency", "dropped", "reads")
+        return replace(self, pages=None, **{name: getattr(self, name)[i:i + 1] for name in per_layer},
+                       **{name: getattr(self, name)[:, i:i + 1] for name in per_step
+                          if getattr(self, name) is not None})
+
     @classmethod
     def from_routing(cls, ids, n_expert: int, *, expert_bytes=None, name: str = "routing") -> "RouteTrace":
         """Decode routing (n_steps, n_layers, k), e.g. synthetic_routing(), as a one-turn trace

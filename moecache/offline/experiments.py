@@ -29,7 +29,8 @@ ClassHeat (ClassLRU's classes of a long memory times heat), HeatSum (decayed cou
 three half-lives, added), HeatMax (their maximum), HeatSumPromptCounts (a prompt's uses counted
 per token), with heat's admission test, credited some uses, or without it, at INSERTS 2 or
 unlimited; scripts/classlru_search.py sweeps their parameters (CLASSLRU_SEARCH). The same
-policies over one pool of slots per group: moecache.offline.pooled.
+policies over one pool of slots per group: moecache.offline.pooled. An oracle for a K of its own
+for each layer: fitted_slots (layer_hits, fit_slots; scripts/classlru_search.py --fitted-slots).
 """
 
 from __future__ import annotations
@@ -462,6 +463,62 @@ CLASSLRU_CANDIDATES = [  # issue 37: (label, policy factory, inserts), eager, pr
     ("lfu half-life 24, unlimited inserts", lambda: make_policy("lfu", half_life=24), None),
     ("heat-sum 10+64 (1:2), a prompt's uses per token (at most 2), unlimited", HeatSumPromptCounts, None),
 ]
+
+
+def layer_hits(trace: RouteTrace, k: int, replay_of, span: int | None = None):
+    """Each layer replayed alone (`replay_of(slots)`, a PerLayerReplay: its rules are per layer,
+    so the layers' hits add up to the whole replay's) at every K within `span` of k (default
+    k/2, at least 4). Returns those Ks, the decode hits (n_layers, len(Ks)) and the lookups."""
+    span = max(4, k // 2) if span is None else span
+    ks = np.arange(max(1, k - span), min(trace.n_expert, k + span) + 1)
+    hits = np.zeros((len(trace.layers), len(ks)))
+    lookups = 0
+    for i in range(len(trace.layers)):
+        alone = trace.layer(i)
+        for j, slots in enumerate(ks):
+            totals = simulate(alone, replay_of(int(slots))).totals
+            hits[i, j] = totals["hits"]
+        lookups += totals["hits"] + totals["misses"]
+    return ks, hits, lookups
+
+
+def fit_slots(ks: np.ndarray, hits: np.ndarray, k: int, expert_bytes: np.ndarray) -> np.ndarray:
+    """The K of each layer (from layer_hits' Ks) that gets the most of `hits`, the layers of each
+    bank (one expert size) sharing that bank's k slots a layer: the same device bytes."""
+    fitted = np.full(len(expert_bytes), k)
+    for size in np.unique(expert_bytes):
+        bank = np.flatnonzero(expert_bytes == size)
+        fitted[bank] = ks[_share(hits[bank], len(bank) * (k - ks[0]))]
+    return fitted
+
+
+def fitted_slots(trace: RouteTrace, k: int, replay_of, span: int | None = None):
+    """Not a candidate (it reads the whole trace): the most decode hits K slots per layer on
+    average could give if each layer had its own K, fitted to this trace (exactly, within
+    layer_hits' span). Returns the decode hit rates at k slots per layer and at the fitted
+    ones, and the fitted K of each layer."""
+    ks, hits, lookups = layer_hits(trace, k, replay_of, span)
+    slots = fit_slots(ks, hits, k, trace.expert_bytes)
+    return hits[:, k - ks[0]].sum() / lookups, hits[np.arange(len(slots)), slots - ks[0]].sum() / lookups, slots
+
+
+def _share(gains: np.ndarray, total: int) -> np.ndarray:
+    """The column of each row of `gains` (one row a layer, column j: j slots over the least)
+    whose sum over rows is `total` and whose gains add up to the most."""
+    n_rows, n_cols = gains.shape
+    best = np.full((n_rows + 1, total + 1), -np.inf)
+    best[0, 0] = 0.0
+    choice = np.zeros((n_rows, total + 1), dtype=np.int64)
+    for r in range(n_rows):
+        for used in range(total + 1):
+            options = [best[r, used - j] + gains[r, j] for j in range(min(n_cols, used + 1))]
+            choice[r, used] = int(np.argmax(options))
+            best[r + 1, used] = options[choice[r, used]]
+    columns, used = np.zeros(n_rows, dtype=np.int64), total
+    for r in reversed(range(n_rows)):
+        columns[r] = choice[r, used]
+        used -= columns[r]
+    return columns
 
 
 def _search():
