@@ -69,24 +69,31 @@ def fitted(cells, classlru):
         for name, trace, k in cells:
             uniform, best, slots = fitted_slots(trace, k, replay_of)
             lows.append(100 * (best - classlru[name, k]))
-            parts = [layer_hits(half, k, replay_of) for half in halves(trace)]
-            ks, lookups = parts[0][0], parts[0][2] + parts[1][2]
-            fits = [fit_slots(ks, hits, k, trace.expert_bytes) for _, hits, _ in parts]
-            def gain(chosen):
-                return 100 * sum(hits[np.arange(len(f)), f - ks[0]].sum() - hits[:, k - ks[0]].sum()
-                                 for (_, hits, _), f in zip(parts, chosen)) / lookups
+            own, other = half_gains(trace, k, replay_of)
             print(f"  {name.split(',')[0]} {k}: {100 * (uniform - classlru[name, k]):+.2f} -> {lows[-1]:+.2f} "
-                  f"(K {slots.min()}..{slots.max()}); halves: {gain(fits):+.2f} its own, "
-                  f"{gain(fits[::-1]):+.2f} the other's", flush=True)
+                  f"(K {slots.min()}..{slots.max()}); halves: {own:+.2f} its own, {other:+.2f} the other's",
+                  flush=True)
         print(f"  fitted to the trace: min {min(lows):+.2f}, mean {np.mean(lows):+.2f}, "
               f"{sum(m < 0 for m in lows)} cells behind")
+
+
+def half_gains(trace, k, replay_of):
+    """Decode hit% points over K slots per layer in the trace's two halves (summed), each half
+    with the Ks fitted to itself, and with those fitted to the other half."""
+    parts = [layer_hits(half, k, replay_of) for half in halves(trace)]
+    ks, lookups = parts[0][0], parts[0][2] + parts[1][2]
+    fits = [fit_slots(ks, hits, k, trace.expert_bytes) for _, hits, _ in parts]
+    def gain(chosen):
+        return 100 * sum(hits[np.arange(len(f)), f - ks[0]].sum() - hits[:, k - ks[0]].sum()
+                         for (_, hits, _), f in zip(parts, chosen)) / lookups
+    return gain(fits), gain(fits[::-1])
 
 
 def halves(trace):
     """The trace's steps in two, cut at the turn that starts nearest the middle (one turn: the middle)."""
     steps = np.arange(len(trace.step))
-    starts = np.flatnonzero(np.diff(trace.turn, prepend=trace.turn[0] - 1))
-    cut = starts[np.argmin(abs(starts - len(steps) / 2))] if len(starts) > 1 else len(steps) // 2
+    starts = np.flatnonzero(np.diff(trace.turn)) + 1
+    cut = starts[np.argmin(abs(starts - len(steps) / 2))] if starts.size else len(steps) // 2
     return trace.select(steps < cut), trace.select(steps >= cut)
 
 
