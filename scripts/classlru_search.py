@@ -25,7 +25,7 @@ import numpy as np
 
 from moecache.formats.traces import SHIPPED_TRACES, read_trace
 from moecache.core.policies import make_policy
-from moecache.offline.experiments import CLASSLRU_SEARCH, HeatSum, fit_slots, fitted_slots, layer_hits
+from moecache.offline.experiments import CLASSLRU_SEARCH, HeatSum, fit_slots, fitted_slots, hits_at, layer_hits
 from moecache.offline.replay import PerLayerReplay, simulate
 from moecache.util import OneLineParser
 
@@ -84,7 +84,7 @@ def half_gains(trace, k, replay_of):
     ks, lookups = parts[0][0], parts[0][2] + parts[1][2]
     fits = [fit_slots(ks, hits, k, trace.expert_bytes) for _, hits, _ in parts]
     def gain(chosen):
-        return 100 * sum(hits[np.arange(len(f)), f - ks[0]].sum() - hits[:, k - ks[0]].sum()
+        return 100 * sum(hits_at(ks, hits, f) - hits_at(ks, hits, k)
                          for (_, hits, _), f in zip(parts, chosen)) / lookups
     return gain(fits), gain(fits[::-1])
 

@@ -110,8 +110,8 @@ def plan_ram(config, layers: list[CachedLayer], n_ubatch: int,
             raise CacheUnavailable(f"{plan.sized_by}: no memory figure to size by (no /proc/meminfo): set a number")
         plan.held = resident_bytes()
         plan.limit = free + plan.held
-        plan.transient = max(min(layer.n_expert, n_ubatch * layer.n_expert_used) * layer.expert_bytes
-                             for layer in layers)
+        plan.transient = _transient(n_ubatch, [(layer.n_expert, layer.n_expert_used, layer.expert_bytes)
+                                               for layer in layers])
         plan.reserve_bytes = reserve(plan.limit)
         budget = plan.limit - plan.held - plan.transient - plan.reserve_bytes
     else:
@@ -168,26 +168,33 @@ def check_room(path: str, n_ctx: int, n_ubatch: int, available: tuple[int | None
         return
     facts = _gguf_facts(path)
     one_each = sum(facts["expert_bytes"])
-    transient = _transient(facts, n_ubatch)
     need = _need(facts, n_ctx, n_ubatch, free) + one_each
     if need > free:
         raise CacheUnavailable(
             f"{ENV_PREFIX}RAM_MIB=auto: {path} needs {need / MIB:.0f} MiB to load and keep one expert per layer "
             f"({facts['other_bytes'] / MIB:.0f} MiB of weights outside its experts, a KV cache of {n_ctx} tokens "
             f"{facts['kv_bytes_per_token'] * n_ctx / MIB:.0f} MiB, one expert per layer {one_each / MIB:.0f} MiB, "
-            f"{transient / MIB:.0f} MiB for one layer's reads, {reserve(free) / MIB:.0f} MiB reserve), "
+            f"{_facts_transient(facts, n_ubatch) / MIB:.0f} MiB for one layer's reads, "
+            f"{reserve(free) / MIB:.0f} MiB reserve), "
             f"{free / MIB:.0f} MiB available ({source})")
 
 
-def _transient(facts: dict, n_ubatch: int) -> int:
-    """One layer's reads for a full ubatch (plan_ram's transient), from the GGUF's facts."""
-    return max(min(facts["n_expert"], n_ubatch * facts["n_expert_used"]) * b for b in facts["expert_bytes"])
+def _transient(n_ubatch: int, shapes) -> int:
+    """One layer's reads for a full ubatch, the most of any layer: shapes are each layer's
+    (n_expert, n_expert_used, bytes of one expert)."""
+    return max(min(n_expert, n_ubatch * n_used) * size for n_expert, n_used, size in shapes)
+
+
+def _facts_transient(facts: dict, n_ubatch: int) -> int:
+    """_transient from the GGUF's facts (_gguf_facts)."""
+    return _transient(n_ubatch, [(facts["n_expert"], facts["n_expert_used"], b) for b in facts["expert_bytes"]])
 
 
 def _need(facts: dict, n_ctx: int, n_ubatch: int, free: int) -> int:
     """What loading for the tier takes before any expert is kept: the weights outside the routed
     experts, an F16 KV cache of n_ctx tokens, one layer's reads and the reserve."""
-    return facts["other_bytes"] + facts["kv_bytes_per_token"] * n_ctx + _transient(facts, n_ubatch) + reserve(free)
+    return (facts["other_bytes"] + facts["kv_bytes_per_token"] * n_ctx + _facts_transient(facts, n_ubatch)
+            + reserve(free))
 
 
 def whole_model_loading(config) -> dict:

@@ -30,7 +30,7 @@ three half-lives, added), HeatMax (their maximum), HeatSumPromptCounts (a prompt
 per token), with heat's admission test, credited some uses, or without it, at INSERTS 2 or
 unlimited; scripts/classlru_search.py sweeps their parameters (CLASSLRU_SEARCH). The same
 policies over one pool of slots per group: moecache.offline.pooled. An oracle for a K of its own
-for each layer: fitted_slots (layer_hits, fit_slots; scripts/classlru_search.py --fitted-slots).
+for each layer: fitted_slots (layer_hits, fit_slots, hits_at; scripts/classlru_search.py --fitted-slots).
 """
 
 from __future__ import annotations
@@ -499,7 +499,13 @@ def fitted_slots(trace: RouteTrace, k: int, replay_of, span: int | None = None):
     ones, and the fitted K of each layer."""
     ks, hits, lookups = layer_hits(trace, k, replay_of, span)
     slots = fit_slots(ks, hits, k, trace.expert_bytes)
-    return hits[:, k - ks[0]].sum() / lookups, hits[np.arange(len(slots)), slots - ks[0]].sum() / lookups, slots
+    return hits_at(ks, hits, k) / lookups, hits_at(ks, hits, slots) / lookups, slots
+
+
+def hits_at(ks: np.ndarray, hits: np.ndarray, slots) -> float:
+    """layer_hits' hits summed over the layers, each at its K in `slots` (one K for all, or one each)."""
+    slots = np.broadcast_to(slots, hits.shape[:1])
+    return float(hits[np.arange(len(slots)), slots - ks[0]].sum())
 
 
 def _share(gains: np.ndarray, total: int) -> np.ndarray:
